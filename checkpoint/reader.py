@@ -1,0 +1,171 @@
+"""Opens a local Hugging Face checkpoint folder: validates it at config time, then gives a
+frozen ModelDescription and a lazy weight accessor in canonical (Qwen3.5 text) names.
+
+    ckpt = open_checkpoint("path/to/model", spec_k=3)       # raises CheckpointError
+    ckpt.description.kv_bytes_per_token()
+    ckpt.weight("layers.0.linear_attn.in_proj_qkv.weight")  # reads only that tensor
+
+Order: paths and config.json, family, safetensors headers, quantization, config values,
+tensor names and shapes, MTP source and count, k, tokenizer. No weight data is read by any
+check; all problems found after the family is known are reported together.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from tandem.checkpoint import validation as v
+from tandem.checkpoint.description import ModelDescription
+from tandem.checkpoint.errors import CheckpointError
+from tandem.checkpoint.families import FAMILIES, MODEL_TYPES
+from tandem.checkpoint.families.qwen_hybrid import ConfigError, Source, uses_per_expert
+from tandem.checkpoint.safetensors_files import TensorIndex
+
+
+def read_json(path: Path, what: str) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError as e:
+        raise CheckpointError(f"{path} is missing; {what}") from e
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path} is not valid JSON ({e}). Re-download or fix the file.") from e
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path} must hold a JSON object.")
+    return data
+
+
+def resolve_architecture(config: dict, path: Path) -> str:
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else MODEL_TYPES.get(config.get("model_type", ""))
+    if arch in FAMILIES:
+        return arch
+    named = f"architecture {arch!r}" if archs else f"model_type {config.get('model_type')!r}"
+    raise CheckpointError(f"{path}: {named} is not supported. Supported architectures: "
+                          f"{', '.join(sorted(FAMILIES))}.")
+
+
+class Checkpoint:
+    """A validated checkpoint: description + lazy weights. Build with open_checkpoint()."""
+
+    def __init__(self, path: Path, config: dict, description: ModelDescription, sources: dict[str, Source],
+                 index: TensorIndex, mtp_index: TensorIndex | None):
+        self.path = path
+        self.config = config
+        self.description = description
+        self.sources = sources
+        self._index = index
+        self._mtp_index = mtp_index
+
+    def canonical_names(self) -> list[str]:
+        return list(self.sources)
+
+    def weight(self, canonical: str) -> np.ndarray:
+        """One canonical tensor in its stored dtype; reads only the stored tensors it comes from."""
+        src = self.sources[canonical]
+        index = self._mtp_index if canonical.startswith("mtp.") else self._index
+        parts = [index.read(n) for n in src.names]
+        return src.combine(parts) if src.combine else parts[0]
+
+    def parameter_count(self, mtp: bool = False) -> int:
+        """Stored parameters of the trunk (or of the MTP head), from the headers."""
+        index = self._mtp_index if mtp else self._index
+        names = v.expected_tensors(self.sources, mtp=mtp)  # by stored name: tied lm_head counts once
+        return sum(index.entries[n].numel for n in names) if index else 0
+
+
+def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: int = 3,
+                    draft: str | Path | None = None) -> Checkpoint:
+    """Validate `model_dir` (and the draft folder) without reading weight data; raise a
+    CheckpointError listing every problem, or return the Checkpoint.
+
+    speculative: MTP drafting will be used, so an MTP source must exist and k must be valid.
+    With speculative=False the mtp.* tensors are ignored.
+    """
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(v.missing_path_message(str(model_dir), "model folder"))
+    config = read_json(path / "config.json", "every checkpoint folder needs its config.json.")
+    arch = resolve_architecture(config, path / "config.json")
+    family = FAMILIES[arch]
+    text_cfg = family.text_config(config, arch)
+    index = TensorIndex.open(path)
+    problems = v.check_quantization(config, text_cfg, index)
+    if problems:
+        raise CheckpointError(problems)
+
+    mtp_index, mtp_cfg = None, text_cfg
+    if speculative:
+        problems += v.check_spec_k(spec_k)
+        mtp_index, mtp_cfg, mtp_problems = _mtp_source(path, index, text_cfg, draft)
+        problems += mtp_problems
+    declared = mtp_cfg.get("mtp_num_hidden_layers")
+    present = v.mtp_layers_present(mtp_index) if mtp_index else set()
+    count_problems = v.check_mtp_layer_count(declared, present, mtp_index.files[0].parent) if mtp_index else []
+    problems += count_problems
+
+    try:
+        desc = family.describe(config, arch, mtp_layers=len(present),
+                               mtp_source=str(draft) if draft else "checkpoint")
+    except (ConfigError, ValueError) as e:
+        raise CheckpointError(problems + [f"{path / 'config.json'}: {e}. Fix config.json."]) from e
+    desc = _with_generation_config(desc, path)
+    sources = family.sources(desc, per_expert=uses_per_expert(index.names() + (mtp_index.names() if mtp_index else [])))
+
+    trunk_owned = family.IGNORED_PREFIXES + ("mtp.",)
+    problems += v.check_tensors(v.expected_tensors(sources, mtp=False), index,
+                                owned=lambda n: not n.startswith(trunk_owned))
+    if mtp_index is not None and not count_problems:
+        problems += v.check_tensors(v.expected_tensors(sources, mtp=True), mtp_index,
+                                    owned=lambda n: n.startswith("mtp."))
+    problems += v.check_tokenizer(path)
+    if problems:
+        raise CheckpointError(problems)
+    return Checkpoint(path, config, desc, sources, index, mtp_index)
+
+
+def _mtp_source(path: Path, index: TensorIndex, text_cfg: dict, draft) -> tuple:
+    """(index holding mtp.*, the config declaring them, problems) for speculative decoding."""
+    if draft is None:
+        if v.has_mtp(index):
+            return index, text_cfg, []
+        declared = text_cfg.get("mtp_num_hidden_layers")
+        why = (f" config.json declares mtp_num_hidden_layers={declared}, so the tensors were dropped "
+               "(some conversions drop mtp.*)." if declared else "")
+        return None, text_cfg, [
+            f"{path}: speculative decoding needs MTP weights, but the checkpoint has no mtp.* tensors.{why} "
+            "Pass --draft FOLDER with the model's mtp.* tensors, or --no-mtp for plain decoding."]
+    draft_path = Path(draft)
+    if not draft_path.is_dir():
+        return None, text_cfg, [v.missing_path_message(str(draft), "draft")]
+    try:
+        draft_index = TensorIndex.open(draft_path)
+    except CheckpointError as e:
+        return None, text_cfg, [f"draft: {p}" for p in e.problems]
+    if not v.has_mtp(draft_index):
+        return None, text_cfg, [f"draft {draft_path}: no mtp.* tensors in its safetensors files, so it cannot "
+                                "serve as the MTP head. Pass a folder that holds the model's mtp.* tensors."]
+    draft_cfg = {}
+    if (draft_path / "config.json").exists():
+        draft_cfg = read_json(draft_path / "config.json", "")
+        draft_cfg = draft_cfg.get("text_config") or draft_cfg
+        for key in ("hidden_size", "vocab_size"):
+            if key in draft_cfg and draft_cfg[key] != text_cfg.get(key):
+                return None, text_cfg, [f"draft {draft_path}/config.json: {key}={draft_cfg[key]} but the target has "
+                                        f"{text_cfg.get(key)}. The draft must come from the same model."]
+    problems = v.check_quantization(draft_cfg, draft_cfg, draft_index)
+    return (None if problems else draft_index), {**text_cfg, **draft_cfg}, problems
+
+
+def _with_generation_config(desc: ModelDescription, path: Path) -> ModelDescription:
+    """generation_config.json's eos ids win over config.json's, as in transformers' generate()."""
+    gen_path = path / "generation_config.json"
+    if not gen_path.exists():
+        return desc
+    eos = read_json(gen_path, "").get("eos_token_id")
+    if eos is None:
+        return desc
+    return replace(desc, eos_token_ids=tuple(eos) if isinstance(eos, list) else (int(eos),))

@@ -1,0 +1,112 @@
+"""Config-time checks: everything tandem can refuse before reading any weight data.
+
+Each check returns a list of problems (self-contained messages naming the file or tensor and
+saying what to do); the reader raises them together. Inputs are config.json and the
+safetensors headers only.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from tandem.checkpoint.families.qwen_hybrid import Source
+from tandem.checkpoint.safetensors_files import FLOAT_DTYPES, TensorIndex
+
+MIN_SPEC_K, MAX_SPEC_K = 1, 8
+# Tensor-name suffixes that only quantized checkpoints carry (fp8 block, NVFP4, compressed-tensors...).
+_QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale", "weight_packed",
+                   "weight_zero_point", "qweight", "scales", "qzeros", "g_idx")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def _listing(names, limit: int = 6) -> str:
+    names = sorted(names)
+    more = f" (and {len(names) - limit} more)" if len(names) > limit else ""
+    return ", ".join(names[:limit]) + more
+
+
+def missing_path_message(path: str, role: str) -> str:
+    """A path that does not exist; a Hugging Face repo id gets 'download it and pass the folder'."""
+    if _HUB_ID.match(path) and not path.startswith("."):
+        return (f"{role} '{path}' is not a local folder. It looks like a Hugging Face repo id, but tandem "
+                f"never downloads: run `huggingface-cli download {path} --local-dir DIR` and pass DIR.")
+    return f"{role} '{path}' does not exist. Pass the folder that holds config.json and the safetensors files."
+
+
+def check_quantization(config: dict, text_cfg: dict, index: TensorIndex) -> list[str]:
+    """Quantized formats are not supported yet: name the tensors that make it so."""
+    quant = config.get("quantization_config") or text_cfg.get("quantization_config")
+    odd = {n for n, e in index.entries.items() if e.dtype not in FLOAT_DTYPES}
+    scales = {n for n in index.entries if n.rsplit(".", 1)[-1] in _QUANT_SUFFIXES}
+    if not quant and not odd and not scales:
+        return []
+    method = (quant or {}).get("quant_method") or (quant or {}).get("quant_algo")
+    fmt = (quant or {}).get("fmt") or (quant or {}).get("weight_block_size")
+    what = f"quant_method={method!r}" + (f", {fmt}" if fmt else "") if quant else "no quantization_config"
+    tensors = odd | scales
+    named = f" Quantized tensors: {_listing(tensors)}." if tensors else ""
+    return [f"{index.files[0].parent}: quantized checkpoints are not supported yet (config.json: {what}).{named} "
+            "Use the bf16/fp16 release of this model."]
+
+
+def expected_tensors(sources: dict[str, Source], *, mtp: bool) -> dict[str, tuple[int, ...]]:
+    """Stored name -> shape for the trunk's sources (mtp=False) or the MTP head's (mtp=True)."""
+    out: dict[str, tuple[int, ...]] = {}
+    for canonical, src in sources.items():
+        if canonical.startswith("mtp.") == mtp:
+            out.update(zip(src.names, src.shapes, strict=True))
+    return out
+
+
+def check_tensors(expected: dict[str, tuple[int, ...]], index: TensorIndex,
+                  owned: Callable[[str], bool]) -> list[str]:
+    """Every stored tensor the config implies exists with the implied shape, and no other tensor
+    this check `owned` is there (others belong elsewhere: a vision tower, the MTP head)."""
+    folder = index.files[0].parent
+    problems = []
+    missing = [n for n in expected if n not in index]
+    if missing:
+        problems.append(f"{folder}: tensors that config.json implies are missing: {_listing(missing)}. "
+                        "The checkpoint is incomplete or config.json belongs to another model.")
+    for name, shape in expected.items():
+        if name in index and index.entries[name].shape != shape:
+            problems.append(f"{index.entries[name].file.name}: tensor {name} has shape "
+                            f"{list(index.entries[name].shape)} but config.json implies {list(shape)}. "
+                            "Check that config.json matches the weights.")
+    extra = [n for n in index.names() if n not in expected and owned(n)]
+    if extra:
+        problems.append(f"{folder}: tensors that are not part of the layout config.json describes: "
+                        f"{_listing(extra)}. Check that config.json matches the weights.")
+    return problems
+
+
+def mtp_layers_present(index: TensorIndex) -> set[int]:
+    return {int(m.group(1)) for n in index.names() if (m := _MTP_LAYER.match(n))}
+
+
+def has_mtp(index: TensorIndex) -> bool:
+    return any(n.startswith("mtp.") for n in index.names())
+
+
+def check_mtp_layer_count(declared: int | None, present: set[int], where: Path) -> list[str]:
+    if not present or declared is None or present == set(range(declared)):
+        return []
+    return [f"{where}: config.json says mtp_num_hidden_layers={declared} but the weights hold MTP layers "
+            f"{sorted(present)}. Fix mtp_num_hidden_layers or the mtp.* tensors."]
+
+
+def check_spec_k(k: int) -> list[str]:
+    if isinstance(k, int) and MIN_SPEC_K <= k <= MAX_SPEC_K:
+        return []
+    return [f"spec-k {k!r} is out of range: draft tokens per round must be in {MIN_SPEC_K}..{MAX_SPEC_K} "
+            "(2-4 is usually best). Pass --spec-k in that range."]
+
+
+def check_tokenizer(folder: Path) -> list[str]:
+    if (folder / "tokenizer.json").exists():
+        return []
+    return [f"{folder}: tokenizer.json is missing; the engine directory needs it to encode prompts. "
+            "Copy the model's tokenizer.json (and tokenizer_config.json) into the folder."]

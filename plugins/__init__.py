@@ -1,0 +1,1 @@
+"""Kernels behind the custom ops of the `ai.tandem` domain, per backend."""

@@ -1,0 +1,187 @@
+"""Random checkpoints in the exact Hugging Face layouts real models use, small enough for tests.
+
+    write_tiny_checkpoint(tmp / "m", "qwen3_5_mtp1")   # -> folder transformers and tandem load
+
+Kinds (TINY_KINDS): Qwen3.5 dense as the multimodal wrapper with 1 MTP layer (the released
+layout, vision tower included), Qwen3.5 dense text with 3 MTP layers, Qwen3.5-MoE (stacked
+experts), Qwen3-Next (interleaved GDN projections, per-expert MoE, a dense layer, 2 shards).
+Stored names and shapes come from the family's own `sources()`, so the generator and the
+reader cannot drift apart silently: a test loads every kind with transformers' classes.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from tandem.checkpoint.families import FAMILIES
+from tandem.testing.tokenizer_files import SPECIAL_TOKENS, save_tokenizer, train_byte_level_bpe
+
+_TEXT = dict(
+    vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4, rms_norm_eps=1e-6,
+    max_position_embeddings=4096, hidden_act="silu", tie_word_embeddings=False,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3, patch_size=4,
+               temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16)
+
+# kind -> (architecture, mtp layers, per-expert MoE tensors, number of shards)
+TINY_KINDS = {
+    "qwen3_5_mtp1": ("Qwen3_5ForConditionalGeneration", 1, False, 1),
+    "qwen3_5_mtp3": ("Qwen3_5ForCausalLM", 3, False, 1),
+    "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", 1, False, 1),
+    "qwen3_next": ("Qwen3NextForCausalLM", 1, True, 2),
+}
+_TOKENIZER_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and verifies them.",
+    "for i in range(10):\n    print(i * i)\n",
+    "Multi-token prediction heads propose several tokens; the target model checks them in one pass.",
+    "class Cache:\n    def __init__(self):\n        self.pages = []\n",
+]
+
+
+def tiny_config(kind: str, dtype: str = "float32") -> dict:
+    """config.json for a tiny checkpoint of `kind`, as the family's releases write it."""
+    arch, mtp_layers, _, _ = TINY_KINDS[kind]
+    text = dict(_TEXT, mtp_num_hidden_layers=mtp_layers, dtype=dtype, eos_token_id=2, pad_token_id=0)
+    if arch.startswith("Qwen3_5Moe"):
+        text.update(_MOE, model_type="qwen3_5_moe_text")
+    elif arch == "Qwen3NextForCausalLM":
+        # No layer_types: derived from full_attention_interval; layer 1 keeps a dense MLP.
+        text.update(_MOE, model_type="qwen3_next", full_attention_interval=2, decoder_sparse_step=1,
+                    mlp_only_layers=[1], norm_topk_prob=True)
+        del text["layer_types"]
+        text["rope_theta"] = text["rope_parameters"]["rope_theta"]
+        text["partial_rotary_factor"] = text.pop("rope_parameters")["partial_rotary_factor"]
+    else:
+        text["model_type"] = "qwen3_5_text"
+    if arch == "Qwen3_5ForConditionalGeneration":
+        text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[1, 1, 0], mrope_interleaved=True)
+        return {"architectures": [arch], "model_type": "qwen3_5", "text_config": text,
+                "vision_config": dict(_VISION, model_type="qwen3_5_vision"), "tie_word_embeddings": False,
+                "dtype": dtype}
+    return dict(text, architectures=[arch])
+
+
+def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random values with the statistics of a trained model, so tests see real signal
+    (no near-ties from all-equal logits)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if name.endswith("linear_attn.norm.weight"):  # plain-weight RMSNormGated
+        return 1.0 + 0.1 * rng.standard_normal(shape)
+    if "norm" in name and leaf in ("weight", "bias"):  # zero-centred RMSNorm, vision LayerNorm
+        return 0.1 * rng.standard_normal(shape)
+    if leaf == "A_log":
+        return np.log(rng.uniform(1.0, 16.0, shape))
+    if leaf == "dt_bias":
+        return rng.uniform(0.5, 1.5, shape)
+    if leaf == "bias":
+        return 0.02 * rng.standard_normal(shape)
+    if "embed_tokens" in name:
+        return rng.standard_normal(shape)
+    fan_in = int(np.prod(shape[1:])) if len(shape) == 2 or "conv1d" in name else shape[-1]
+    return rng.standard_normal(shape) / np.sqrt(fan_in)
+
+
+def _vision_shapes(v: dict) -> dict[str, tuple[int, ...]]:
+    h, m, p, t = v["hidden_size"], v["intermediate_size"], v["patch_size"], v["temporal_patch_size"]
+    merged = h * v["spatial_merge_size"] ** 2
+    out = {"model.visual.patch_embed.proj.weight": (h, v["in_channels"], t, p, p),
+           "model.visual.patch_embed.proj.bias": (h,),
+           "model.visual.pos_embed.weight": (v["num_position_embeddings"], h),
+           "model.visual.merger.norm.weight": (h,), "model.visual.merger.norm.bias": (h,),
+           "model.visual.merger.linear_fc1.weight": (merged, merged), "model.visual.merger.linear_fc1.bias": (merged,),
+           "model.visual.merger.linear_fc2.weight": (v["out_hidden_size"], merged),
+           "model.visual.merger.linear_fc2.bias": (v["out_hidden_size"],)}
+    for b in range(v["depth"]):
+        q = f"model.visual.blocks.{b}."
+        out.update({q + "norm1.weight": (h,), q + "norm1.bias": (h,), q + "norm2.weight": (h,), q + "norm2.bias": (h,),
+                    q + "attn.qkv.weight": (3 * h, h), q + "attn.qkv.bias": (3 * h,), q + "attn.proj.weight": (h, h),
+                    q + "attn.proj.bias": (h,), q + "mlp.linear_fc1.weight": (m, h), q + "mlp.linear_fc1.bias": (m,),
+                    q + "mlp.linear_fc2.weight": (h, m), q + "mlp.linear_fc2.bias": (h,)})
+    return out
+
+
+def stored_shapes(config: dict, per_expert: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor name -> shape a checkpoint with this config.json holds."""
+    arch = config["architectures"][0]
+    family = FAMILIES[arch]
+    text = family.text_config(config, arch)
+    desc = family.describe(config, arch, mtp_layers=text.get("mtp_num_hidden_layers", 0), mtp_source="checkpoint")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for src in family.sources(desc, per_expert=per_expert).values():
+        shapes.update(zip(src.names, src.shapes, strict=True))
+    if "vision_config" in config:
+        shapes.update(_vision_shapes(config["vision_config"]))
+    return shapes
+
+
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """Minimal safetensors writer (any numpy dtype incl. ml_dtypes.bfloat16), names sorted."""
+    tags = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16", np.dtype(ml_dtypes.bfloat16): "BF16",
+            np.dtype(np.int64): "I64", np.dtype(np.int32): "I32", np.dtype(np.uint8): "U8",
+            np.dtype(ml_dtypes.float8_e4m3fn): "F8_E4M3"}
+    header, offset, blobs = {}, 0, []
+    for name in sorted(tensors):
+        data = np.ascontiguousarray(tensors[name]).tobytes()
+        header[name] = {"dtype": tags[tensors[name].dtype], "shape": list(tensors[name].shape),
+                        "data_offsets": [offset, offset + len(data)]}
+        offset += len(data)
+        blobs.append(data)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for blob in blobs:
+            f.write(blob)
+
+
+def write_weights(folder: Path, tensors: dict[str, np.ndarray], shards: int = 1) -> None:
+    """model.safetensors, or `shards` files plus model.safetensors.index.json."""
+    if shards == 1:
+        write_safetensors(folder / "model.safetensors", tensors)
+        return
+    names = sorted(tensors)
+    weight_map, total = {}, 0
+    for s in range(shards):
+        part = names[s::shards]
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        write_safetensors(folder / file, {n: tensors[n] for n in part})
+        weight_map.update({n: file for n in part})
+        total += sum(tensors[n].nbytes for n in part)
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_tiny_tokenizer(folder: Path, vocab_size: int = 300) -> dict[str, int]:
+    return save_tokenizer(train_byte_level_bpe(_TOKENIZER_TEXT, vocab_size), folder)
+
+
+def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype: str = "float32") -> Path:
+    """Write a complete tiny checkpoint folder of `kind` (see TINY_KINDS) and return its path."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _, _, per_expert, shards = TINY_KINDS[kind]
+    config = tiny_config(kind, dtype)
+    np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    rng = np.random.default_rng(seed)
+    tensors = {name: _init(name, shape, rng).astype(np_dtype)
+               for name, shape in sorted(stored_shapes(config, per_expert).items())}
+    write_weights(folder, tensors, shards)
+    ids = write_tiny_tokenizer(folder)
+    eos = ids["<|im_end|>"]
+    text = config.get("text_config", config)
+    text.update(eos_token_id=eos, pad_token_id=ids["<|endoftext|>"])
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    gen = {"eos_token_id": [eos, ids[SPECIAL_TOKENS[0]]], "pad_token_id": ids["<|endoftext|>"], "do_sample": False}
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    return folder
