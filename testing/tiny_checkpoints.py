@@ -185,3 +185,21 @@ def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype
     gen = {"eos_token_id": [eos, ids[SPECIAL_TOKENS[0]]], "pad_token_id": ids["<|endoftext|>"], "do_sample": False}
     (folder / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
     return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a tiny random checkpoint (no download).")
+    parser.add_argument("out", help="folder to write")
+    parser.add_argument("--kind", choices=sorted(TINY_KINDS), default="qwen3_5_mtp3")
+    parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    path = write_tiny_checkpoint(args.out, args.kind, seed=args.seed, dtype=args.dtype)
+    print(f"wrote tiny {args.kind} checkpoint to {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,64 @@
+"""Shared fixtures: tiny checkpoints of every kind, written once per session."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tandem.checkpoint.safetensors_files import TensorIndex
+from tandem.testing.tiny_checkpoints import TINY_KINDS, write_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tiny")
+    for kind in TINY_KINDS:
+        write_tiny_checkpoint(root / kind, kind)
+    return root
+
+
+@pytest.fixture
+def tiny_copy(tiny_root, tmp_path):
+    """copy(kind) -> a private copy of a tiny checkpoint that the test may break."""
+
+    def copy(kind: str) -> Path:
+        dst = tmp_path / kind
+        shutil.copytree(tiny_root / kind, dst)
+        return dst
+
+    return copy
+
+
+_REAL_READ = TensorIndex.read  # captured before any test patches it
+
+
+def read_all(folder: Path) -> dict:
+    """Every stored tensor of a folder as numpy (for tests that rewrite checkpoints)."""
+    import numpy as np
+
+    index = TensorIndex.open(folder)
+    return {n: np.array(_REAL_READ(index, n)) for n in index.names()}
+
+
+@pytest.fixture
+def no_weight_reads(monkeypatch):
+    """Fail the test if any tensor data is read (config-time checks must use headers only)."""
+
+    def refuse(self, name):
+        raise AssertionError(f"tensor data of {name} was read during config-time validation")
+
+    monkeypatch.setattr(TensorIndex, "read", refuse)
+
+
+def edit_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    target = data.get("text_config", data)
+    for key, value in changes.items():
+        if value is None:
+            target.pop(key, None)
+        else:
+            target[key] = value
+    path.write_text(json.dumps(data))
