@@ -26,7 +26,7 @@ def test_description_from_config(tiny_root, kind, no_weight_reads):
     assert "".join("M" if layer.mlp == MLPKind.MOE else "D" for layer in d.layers) == mlps
     assert d.mtp.num_layers == mtp_layers and d.mtp.source == "checkpoint"
     assert d.attention.rotary_dim == 8 and d.attention.output_gate
-    assert d.eos_token_ids[0] == 2  # from generation_config.json: <|im_end|>
+    assert d.eos_token_ids == (2, 0)  # generation_config.json: <|im_end|>, <|endoftext|>
     # 2 full-attention layers (+ MTP layers), K and V of 2 heads x 16 dims, fp32
     assert d.kv_bytes_per_token(include_mtp=False) == 2 * 2 * 2 * 16 * 4
     assert d.kv_bytes_per_token() == (2 + mtp_layers) * 2 * 2 * 16 * 4
