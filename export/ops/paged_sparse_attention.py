@@ -1,0 +1,78 @@
+"""`ai.tandem::PagedSparseAttention`: W new query rows per sequence over the committed K/V in a
+paged pool plus the W new rows (causal), with GQA, sliding window and optional top-k selection.
+
+Inputs   query [B, W, Hq, D], key [B, W, Hkv, D], value [B, W, Hkv, Dv] (new rows, post-RoPE),
+         key_cache [N, S, Hkv, D], value_cache [N, S, Hkv, Dv], block_tables [B, P] int64,
+         context_lens [B] int64, selected [B|1, W|1, K] int64 (committed positions each row may
+         see, -1 padded; K = 0 means dense)
+Output   [B, W, Hq, Dv]
+Attrs    scale (float), sliding_window (int, 0 = none)
+
+Row w sits at position p = context_lens[b] + w. It sees committed position j < context_lens[b]
+when p - j < window (if any) and j is selected (if any), and new row w' <= w when w - w' < window.
+Committed slot j of a sequence is page block_tables[b, j // S], offset j % S.
+
+    key_cache --Gather(block_tables)--> [B, P*S, Hkv, D] --Concat(new rows)--> [B, T+W, Hkv, D]
+    q [B,Hkv,G,W,D] x K^T --> scores [B,Hkv,G,W,T+W] --mask--> Softmax --> x V --> [B, W, Hq, Dv]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from onnx import TensorProto, helper
+
+from tandem.export.builder import OPSET, TANDEM_DOMAIN, GraphBuilder
+
+OP_TYPE = "PagedSparseAttention"
+ATTRIBUTES = ("scale", "sliding_window")
+_NEG = -1e30  # finite: every row sees at least itself, so no row is all-masked
+
+
+def make_function():
+    b = GraphBuilder(function=True)
+    q, k, v, kc, vc, tables, ctx, sel = ("query", "key", "value", "key_cache", "value_cache", "block_tables",
+                                         "context_lens", "selected")
+    i64 = lambda x: b.const(x, np.int64)  # noqa: E731
+    # Committed K/V of each sequence, in position order: [B, T, Hkv, D], T = P * S
+    def gather(cache):
+        paged = b.op("Gather", cache, tables, axis=0)                               # [B, P, S, Hkv, D]
+        return b.reshape(paged, b.concat([i64([0, -1]), b.shape_of(cache, 2, 4)], 0))
+    k_all = b.concat([gather(kc), k], 1)                                            # [B, T+W, Hkv, D]
+    v_all = b.concat([gather(vc), v], 1)
+    t_len = b.op("Mul", b.shape_of(tables, 1, 2), b.shape_of(kc, 1, 2))             # [1] = P*S
+    w_len = b.shape_of(q, 1, 2)
+    # q -> [B, Hkv, G, W, D]; K -> [B, Hkv, 1, D, T+W]; V -> [B, Hkv, 1, T+W, Dv]
+    hkv = b.shape_of(k, 2, 3)
+    g = b.op("Div", b.shape_of(q, 2, 3), hkv)
+    q5 = b.op("Transpose", b.reshape(q, b.concat([i64([0, 0]), hkv, g, b.shape_of(q, 3, 4)], 0)),
+              perm=[0, 2, 3, 1, 4])
+    k5 = b.unsqueeze(b.op("Transpose", k_all, perm=[0, 2, 3, 1]), [2])
+    v5 = b.unsqueeze(b.op("Transpose", v_all, perm=[0, 2, 1, 3]), [2])
+    scores = b.op("Mul", b.op("MatMul", q5, k5), b.attr_const("scale", "float"))   # [B, Hkv, G, W, T+W]
+
+    # Visibility mask [B, W, T+W]
+    t = b.op("Range", i64(0), b.squeeze(t_len, [0]), i64(1))                        # [T]
+    w = b.op("Range", i64(0), b.squeeze(w_len, [0]), i64(1))                        # [W]
+    ctx3 = b.unsqueeze(ctx, [1, 2])                                                 # [B, 1, 1]
+    pos_q = b.op("Add", ctx3, b.unsqueeze(w, [0, 2]))                               # [B, W, 1]
+    window = b.attr_const("sliding_window", "int")
+    no_window = b.op("LessOrEqual", window, i64(0))
+    committed = b.op("Less", b.unsqueeze(t, [0, 1]), ctx3)                          # [B, 1, T]
+    in_window_c = b.op("Or", b.op("Less", b.op("Sub", pos_q, b.unsqueeze(t, [0, 1])), window), no_window)
+    hits = b.op("ReduceSum", b.op("Cast", b.op("Equal", b.unsqueeze(sel, [3]), b.unsqueeze(t, [0, 1, 2])),
+                                  to=TensorProto.FLOAT), i64([2]), keepdims=0)      # [B|1, W|1, T]
+    dense = b.op("Equal", b.shape_of(sel, 2, 3), i64([0]))
+    selected = b.op("Or", b.op("Greater", hits, b.const(0.0, np.float32)), dense)
+    mask_c = b.op("And", b.op("And", committed, in_window_c), selected)            # [B, W, T]
+    dw = b.op("Sub", b.unsqueeze(w, [1]), b.unsqueeze(w, [0]))                      # [W, W] = w - w'
+    mask_n = b.op("And", b.op("GreaterOrEqual", dw, i64(0)), b.op("Or", b.op("Less", dw, window), no_window))
+    bw = b.concat([b.shape_of(q, 0, 2), w_len], 0)
+    mask_c = b.op("Expand", mask_c, b.concat([b.shape_of(q, 0, 2), t_len], 0))
+    mask = b.concat([mask_c, b.op("Expand", b.unsqueeze(mask_n, [0]), bw)], 2)    # [B, W, T+W]
+    masked = b.op("Where", b.unsqueeze(mask, [1, 2]), scores, b.const(_NEG, np.float32))
+    probs = b.op("Softmax", masked, axis=-1)
+    out5 = b.op("MatMul", probs, v5)                                                # [B, Hkv, G, W, Dv]
+    out = b.op("Transpose", out5, perm=[0, 3, 1, 2, 4])                             # [B, W, Hkv, G, Dv]
+    b.op("Reshape", out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0), outputs=["output"])
+    return helper.make_function(TANDEM_DOMAIN, OP_TYPE, [q, k, v, kc, vc, tables, ctx, sel], ["output"], b.nodes,
+                                [helper.make_opsetid("", OPSET)], attributes=list(ATTRIBUTES))
