@@ -1,0 +1,172 @@
+"""The graphs tandem runs, assembled from layers.py on the I/O contract of tandem.contract.
+
+    target step   ids [B, W] --embed--> L x decoder layer --norm--> hidden [B, W, H] --lm_head--> logits
+                  (+ new K/V rows per attention layer, new states after state_rows rows per GDN layer)
+    verify        same trunk over [pending, d_1..d_k]; acceptance in-graph; GDN states and conv
+                  windows selected after the accepted rows (row_states -> GatherND at `accepted`)
+    MTP head j    x = fc(cat[norm_e(embed(t_{i+1})), norm_h(h_i)]) -> mtp.layers.j -> mtp.norm -> hidden
+                  row last_row -> lm_head -> greedy draft, its probability, the hidden to chain
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from tandem import contract as c
+from tandem.checkpoint.description import LayerKind, ModelDescription
+from tandem.export import acceptance
+from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN, GraphBuilder, value_info
+from tandem.export.layers import (
+    Paging,
+    Weights,
+    attention,
+    decoder_layer,
+    gated_deltanet_layer,
+    rms_norm,
+    rotary_tables,
+)
+from tandem.export.ops import gated_deltanet, paged_sparse_attention
+
+
+def _paging(b: GraphBuilder, desc: ModelDescription, ids: str) -> Paging:
+    """Positions context_lens + w for the rows of `ids`, their RoPE tables, and dense selection."""
+    w = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(ids, 1, 2), [0]), b.const(1, np.int64))
+    positions = b.op("Add", b.unsqueeze(c.CONTEXT_LENS, [1]), b.unsqueeze(w, [0]), name="positions")
+    cos, sin = rotary_tables(b, desc, positions)
+    return Paging(c.CONTEXT_LENS, c.BLOCK_TABLES, cos, sin, b.const(np.zeros((1, 1, 0), np.int64)))
+
+
+def _conv_window_after(b: GraphBuilder, padded: str, rows: str, kernel: int) -> str:
+    """padded [B, C, K-1+W] -> the K-1 conv inputs after `rows` [B] rows: padded[:, :, n : n+K-1]."""
+    idx = b.op("Add", b.unsqueeze(rows, [1]), b.const(np.arange(kernel - 1)[None, :], np.int64))  # [B, K-1]
+    shape = b.concat([b.shape_of(padded, 0, 2), b.const([kernel - 1], np.int64)], 0)
+    return b.op("GatherElements", padded, b.op("Expand", b.unsqueeze(idx, [1]), shape), axis=2)
+
+
+def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
+    """Embed -> layers -> final norm. Returns (hidden, attention K/V per layer, GDN pieces)."""
+    paging = _paging(b, desc, c.INPUT_IDS)
+    with b.scope("model/embed_tokens"):
+        x = b.op("Gather", w.plain(b, "embed_tokens.weight"), c.INPUT_IDS, axis=0)
+    state_rows = c.STATE_ROWS
+    if verify:  # every row's state is kept; the accepted one is picked after acceptance
+        state_rows = b.op("Expand", b.squeeze(b.shape_of(c.INPUT_IDS, 1, 2), [0]), b.shape_of(c.INPUT_IDS, 0, 1))
+    kv, gdn = {}, {}
+    for i, layer in enumerate(desc.layers):
+        p = f"layers.{i}."
+        with b.scope(f"model/layers.{i}"):
+            if layer.kind == LayerKind.FULL_ATTENTION:
+                def mixer(xn, i=i, p=p):
+                    out, k, v = attention(b, desc, w, xn, p, paging, c.key_pool(i), c.value_pool(i))
+                    return out, (k, v)
+            else:
+                def mixer(xn, i=i, p=p):
+                    rec = b.op("Gather", c.recurrent_pool(i), c.STATE_SLOTS, axis=0, name="gather_state")
+                    conv = b.op("Gather", c.conv_pool(i), c.STATE_SLOTS, axis=0, name="gather_conv")
+                    out = gated_deltanet_layer(b, desc, w, xn, p, rec, conv, state_rows, row_states=verify)
+                    return out.output, out
+            x, extra = decoder_layer(b, desc, w, x, p, layer, mixer)
+        (kv if layer.kind == LayerKind.FULL_ATTENTION else gdn)[i] = extra
+    with b.scope("model/norm"):
+        hidden = rms_norm(b, x, w.plus_one(b, "norm.weight"), desc.rms_norm_eps, "RMSNormalization")
+    return hidden, kv, gdn
+
+
+def _lm_head(b: GraphBuilder, w: Weights, hidden: str) -> str:
+    with b.scope("lm_head"):
+        return b.op("MatMul", hidden, w.matmul_t(b, "lm_head.weight"), name="MatMul")
+
+
+def _finish(b: GraphBuilder, name: str, ins, outs, produced: dict[str, str], functions) -> onnx.ModelProto:
+    """Wire produced tensors to the contract's output names and make the model."""
+    for spec in outs:
+        b.op("Identity", produced[spec.name], outputs=[spec.name], name=f"outputs/{spec.name}")
+    graph = helper.make_graph(
+        b.nodes, name, [value_info(s.name, s.dtype, s.shape) for s in ins],
+        [value_info(s.name, s.dtype, s.shape) for s in outs],
+        initializer=[onnx.numpy_helper.from_array(a, n) for n, a in b.initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid(TANDEM_DOMAIN, 1)],
+                              functions=functions, producer_name="tandem")
+    model.ir_version = IR_VERSION
+    return model
+
+
+def target_step(desc: ModelDescription, w: Weights) -> onnx.ModelProto:
+    ins, outs = c.target_step_io(desc)
+    b = GraphBuilder()
+    hidden, kv, gdn = _trunk(b, desc, w, verify=False)
+    produced = {c.HIDDEN: hidden, c.LOGITS: _lm_head(b, w, hidden)}
+    for i, (k, v) in kv.items():
+        produced[c.new_key(i)], produced[c.new_value(i)] = k, v
+    for i, g in gdn.items():
+        with b.scope(f"model/layers.{i}/commit"):
+            produced[c.new_recurrent_state(i)] = g.state
+            produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, c.STATE_ROWS,
+                                                               desc.linear_attention.conv_kernel)
+    return _finish(b, "target_step", ins, outs, produced, _functions(row_states=False))
+
+
+def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.ModelProto:
+    ins, outs = c.verify_step_io(desc)
+    if not sampling:  # the greedy graph takes no sampling inputs
+        ins = [s for s in ins if s.name not in (c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS)]
+    b = GraphBuilder()
+    hidden, kv, gdn = _trunk(b, desc, w, verify=True)
+    logits = _lm_head(b, w, hidden)
+    if sampling:
+        accepted, nxt = acceptance.sampled(b, logits, c.INPUT_IDS, c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS)
+    else:
+        accepted, nxt = acceptance.greedy(b, logits, c.INPUT_IDS)
+    produced = {c.ACCEPTED: accepted, c.NEXT_TOKEN: nxt, c.HIDDEN: hidden}
+    for i, (k, v) in kv.items():
+        produced[c.new_key(i)], produced[c.new_value(i)] = k, v
+    kept = b.op("Add", accepted, b.const(1, np.int64), name="kept_rows")       # rows 0..accepted
+    for i, g in gdn.items():
+        with b.scope(f"model/layers.{i}/commit"):
+            produced[c.new_recurrent_state(i)] = b.op("GatherND", g.state, b.unsqueeze(accepted, [1]), batch_dims=1)
+            produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, kept,
+                                                               desc.linear_attention.conv_kernel)
+    name = "verify_sample" if sampling else "verify_greedy"
+    return _finish(b, name, ins, outs, produced, _functions(row_states=True))
+
+
+def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
+    ins, outs = c.mtp_head_io(desc, head)
+    b = GraphBuilder()
+    layer_name = c.mtp_layer_name(head)
+    eps = desc.rms_norm_eps
+    paging = _paging(b, desc, c.INPUT_IDS)
+    with b.scope(f"mtp/{layer_name}"):
+        with b.scope("embed_tokens"):
+            e = b.op("Gather", w.plain(b, "embed_tokens.weight"), c.INPUT_IDS, axis=0)
+        e = rms_norm(b, e, w.plus_one(b, "mtp.pre_fc_norm_embedding.weight"), eps, "pre_fc_norm_embedding")
+        h = rms_norm(b, c.HIDDEN_IN, w.plus_one(b, "mtp.pre_fc_norm_hidden.weight"), eps, "pre_fc_norm_hidden")
+        x = b.op("MatMul", b.concat([e, h], -1), w.matmul_t(b, "mtp.fc.weight"), name="fc/MatMul")
+        p = f"mtp.layers.{head}."
+
+        def mixer(xn):
+            out, k, v = attention(b, desc, w, xn, p, paging, c.key_pool(layer_name), c.value_pool(layer_name))
+            return out, (k, v)
+
+        x, (k, v) = decoder_layer(b, desc, w, x, p, desc.mtp.layer, mixer)
+        g = rms_norm(b, x, w.plus_one(b, "mtp.norm.weight"), eps, "norm")
+        g_last = b.op("GatherND", g, b.unsqueeze(c.LAST_ROW, [1]), batch_dims=1, name="last_row")   # [B, H]
+    logits = _lm_head(b, w, g_last)                                                                 # [B, V]
+    with b.scope("draft"):
+        draft = b.op("ArgMax", logits, axis=-1, keepdims=0)
+        top = b.op("ReduceMax", logits, b.const([-1], np.int64), keepdims=1)
+        denom = b.op("ReduceSum", b.op("Exp", b.op("Sub", logits, top)), b.const([-1], np.int64), keepdims=0)
+        prob = b.op("Reciprocal", denom)          # softmax probability of the argmax
+    produced = {c.DRAFT_TOKEN: draft, c.DRAFT_PROB: prob, c.HIDDEN_OUT: g_last,
+                c.new_key(layer_name): k, c.new_value(layer_name): v}
+    return _finish(b, f"mtp_head_{head}", ins, outs, produced, _functions(row_states=False, gdn=False))
+
+
+def _functions(row_states: bool, gdn: bool = True) -> list[onnx.FunctionProto]:
+    fns = [paged_sparse_attention.make_function()]
+    if gdn:
+        fns.append(gated_deltanet.make_function(emit_row_states=row_states))
+    return fns

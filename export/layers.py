@@ -1,0 +1,217 @@
+"""Subgraph builders for one decoder layer and its parts, built straight from the weights.
+
+Shapes: x [B, W, H]; heads split as [B, W, heads, dim]. Norms are zero-centred RMSNorm, so the
+exporter stores the scale 1 + w and uses the standard RMSNormalization op (fp32 stash).
+
+    gated attention:  x -> q_proj -> [q | gate] per head; q_norm, k_norm; partial NeoX RoPE
+                      -> PagedSparseAttention(q, k, v, pools) * sigmoid(gate) -> o_proj
+    Gated DeltaNet:   x -> in_proj_qkv -> causal conv (with the K-1 window) -> SiLU -> q | k | v
+                      q, k: L2 norm; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias)
+                      -> GatedDeltaNet -> RMSNormGated(., z) -> out_proj
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from onnx import TensorProto
+
+from tandem.checkpoint.description import LayerKind, LayerSpec, MLPKind, ModelDescription
+from tandem.export.builder import TANDEM_DOMAIN, GraphBuilder
+from tandem.export.ops import gated_deltanet, paged_sparse_attention
+
+
+class Weights:
+    """Canonical checkpoint tensors as export-dtype numpy, with the derived forms graphs use."""
+
+    def __init__(self, checkpoint, dtype: str = "float32"):
+        self.ckpt = checkpoint
+        self.np_dtype = np.dtype(dtype)
+
+    def raw(self, name: str) -> np.ndarray:
+        return np.asarray(self.ckpt.weight(name)).astype(np.float32)
+
+    def matmul_t(self, b: GraphBuilder, name: str) -> str:
+        """W^T [in, out] for x @ W^T (nn.Linear)."""
+        return b.weight(name + ".T", self.raw(name).T.astype(self.np_dtype))
+
+    def plus_one(self, b: GraphBuilder, name: str) -> str:
+        """1 + w: zero-centred RMSNorm scale."""
+        return b.weight(name + ".plus_one", (1.0 + self.raw(name)).astype(self.np_dtype))
+
+    def plain(self, b: GraphBuilder, name: str, dtype=None) -> str:
+        return b.weight(name, self.raw(name).astype(dtype or self.np_dtype))
+
+
+@dataclass(frozen=True)
+class Paging:
+    """The graph-level tensors every attention layer reads."""
+
+    context_lens: str   # [B]
+    block_tables: str   # [B, P]
+    cos: str            # [B, W, 1, rotary_dim]
+    sin: str
+    selected: str       # [B|1, W|1, K] committed positions each row may see; K = 0: dense
+
+
+def rms_norm(b: GraphBuilder, x: str, scale: str, eps: float, name: str) -> str:
+    return b.op("RMSNormalization", x, scale, axis=-1, epsilon=eps, stash_type=1, name=name)
+
+
+def silu(b: GraphBuilder, x: str) -> str:
+    return b.op("Mul", x, b.op("Sigmoid", x))
+
+
+def linear(b: GraphBuilder, w: Weights, x: str, name: str, scope: str) -> str:
+    return b.op("MatMul", x, w.matmul_t(b, name), name=f"{scope}/MatMul")
+
+
+def rotary_tables(b: GraphBuilder, desc: ModelDescription, positions: str) -> tuple[str, str]:
+    """cos/sin [B, W, 1, rd] for int64 positions [B, W] (NeoX layout: freqs repeated twice)."""
+    a = desc.attention
+    inv_freq = 1.0 / (a.rope_theta ** (np.arange(0, a.rotary_dim, 2, dtype=np.float64) / a.rotary_dim))
+    with b.scope("rotary"):
+        freqs = b.op("Mul", b.unsqueeze(b.op("Cast", positions, to=TensorProto.FLOAT), [2]),
+                     b.const(inv_freq.astype(np.float32)))                   # [B, W, rd/2]
+        emb = b.unsqueeze(b.concat([freqs, freqs], -1), [2])                 # [B, W, 1, rd]
+        return b.op("Cos", emb, name="cos"), b.op("Sin", emb, name="sin")
+
+
+def apply_rotary(b: GraphBuilder, x: str, paging: Paging, head_dim: int, rotary_dim: int) -> str:
+    """Partial NeoX RoPE: rotate_half on the first rotary_dim dims of each head."""
+    half = rotary_dim // 2
+    x1 = b.slice(x, [0], [half], [3])
+    x2 = b.slice(x, [half], [rotary_dim], [3])
+    rot = b.concat([b.op("Neg", x2), x1], -1)
+    x_rot = b.op("Add", b.op("Mul", b.slice(x, [0], [rotary_dim], [3]), paging.cos), b.op("Mul", rot, paging.sin))
+    if rotary_dim == head_dim:
+        return x_rot
+    return b.concat([x_rot, b.slice(x, [rotary_dim], [head_dim], [3])], -1)
+
+
+def attention(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str, paging: Paging,
+              key_pool: str, value_pool: str) -> tuple[str, str, str]:
+    """Gated full attention of canonical layer prefix `p` -> (output, new K rows, new V rows)."""
+    a, eps = desc.attention, desc.rms_norm_eps
+    hd = a.head_dim
+    with b.scope("attn"):
+        qg = b.reshape(linear(b, w, x, p + "self_attn.q_proj.weight", "q_proj"), [0, 0, a.num_heads, 2 * hd])
+        q = b.slice(qg, [0], [hd], [3])                                       # [B, W, Hq, D]
+        gate = b.reshape(b.slice(qg, [hd], [2 * hd], [3]), [0, 0, a.num_heads * hd])
+        k = b.reshape(linear(b, w, x, p + "self_attn.k_proj.weight", "k_proj"), [0, 0, a.num_kv_heads, hd])
+        v = b.reshape(linear(b, w, x, p + "self_attn.v_proj.weight", "v_proj"), [0, 0, a.num_kv_heads, hd])
+        q = rms_norm(b, q, w.plus_one(b, p + "self_attn.q_norm.weight"), eps, "q_norm")
+        k = rms_norm(b, k, w.plus_one(b, p + "self_attn.k_norm.weight"), eps, "k_norm")
+        q = apply_rotary(b, q, paging, hd, a.rotary_dim)
+        k = apply_rotary(b, k, paging, hd, a.rotary_dim)
+        attn = b.op(paged_sparse_attention.OP_TYPE, q, k, v, key_pool, value_pool, paging.block_tables,
+                    paging.context_lens, paging.selected, domain=TANDEM_DOMAIN, scale=float(hd ** -0.5),
+                    sliding_window=0, name="PagedSparseAttention")
+        attn = b.reshape(attn, [0, 0, a.num_heads * hd])
+        out = linear(b, w, b.op("Mul", attn, b.op("Sigmoid", gate)), p + "self_attn.o_proj.weight", "o_proj")
+    return out, k, v
+
+
+@dataclass(frozen=True)
+class GDNOutputs:
+    output: str
+    state: str          # [B, Hv, dk, dv] after state_rows rows, or [B, W, Hv, dk, dv] per row
+    conv_padded: str    # [B, C, K-1+W]: the conv window followed by this step's conv inputs
+
+
+def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str,
+                         recurrent_state: str, conv_state: str, state_rows: str, row_states: bool) -> GDNOutputs:
+    """Gated DeltaNet mixer of canonical prefix `p`; states are the gathered per-sequence ones."""
+    g, eps = desc.linear_attention, desc.rms_norm_eps
+    q = p + "linear_attn."
+    with b.scope("linear_attn"):
+        qkv = linear(b, w, x, q + "in_proj_qkv.weight", "in_proj_qkv")        # [B, W, C]
+        z = b.reshape(linear(b, w, x, q + "in_proj_z.weight", "in_proj_z"), [0, 0, g.num_value_heads,
+                                                                              g.value_head_dim])
+        beta = b.op("Sigmoid", linear(b, w, x, q + "in_proj_b.weight", "in_proj_b"))
+        a_proj = linear(b, w, x, q + "in_proj_a.weight", "in_proj_a")
+        neg_a = b.weight(q + "A_log.neg_exp", (-np.exp(w.raw(q + "A_log"))).astype(np.float32))
+        decay = b.op("Mul", neg_a, b.op("Softplus", b.op("Add", a_proj, w.plain(b, q + "dt_bias", np.float32))))
+        with b.scope("conv"):
+            padded = b.concat([conv_state, b.op("Transpose", qkv, perm=[0, 2, 1])], 2)   # [B, C, K-1+W]
+            conv = b.op("Conv", padded, w.plain(b, q + "conv1d.weight"), group=g.conv_dim,
+                        kernel_shape=[g.conv_kernel])
+            mixed = b.op("Transpose", silu(b, conv), perm=[0, 2, 1])                     # [B, W, C]
+        kd = g.key_dim
+        shape_k = [0, 0, g.num_key_heads, g.key_head_dim]
+        qh = b.reshape(b.slice(mixed, [0], [kd], [2]), shape_k)
+        kh = b.reshape(b.slice(mixed, [kd], [2 * kd], [2]), shape_k)
+        vh = b.reshape(b.slice(mixed, [2 * kd], [2 * kd + g.value_dim], [2]), [0, 0, g.num_value_heads,
+                                                                                  g.value_head_dim])
+        qh, kh = l2_norm(b, qh), l2_norm(b, kh)
+        outs = b.op(gated_deltanet.OP_TYPE, qh, kh, vh, decay, beta, recurrent_state, state_rows,
+                    domain=TANDEM_DOMAIN, outputs=3 if row_states else 2, scale=float(g.key_head_dim ** -0.5),
+                    name="GatedDeltaNet")
+        y = outs[0]                                                                       # [B, W, Hv, dv]
+        normed = rms_norm(b, y, w.plain(b, q + "norm.weight"), eps, "norm")
+        gated = b.op("Mul", normed, silu(b, z))
+        out = linear(b, w, b.reshape(gated, [0, 0, g.value_dim]), q + "out_proj.weight", "out_proj")
+    return GDNOutputs(out, outs[2] if row_states else outs[1], padded)
+
+
+def l2_norm(b: GraphBuilder, x: str) -> str:
+    """x * rsqrt(sum(x^2) + 1e-6) over the last axis (FLA's l2norm)."""
+    ss = b.op("ReduceSum", b.op("Mul", x, x), b.const([-1], np.int64), keepdims=1)
+    return b.op("Mul", x, b.op("Reciprocal", b.op("Sqrt", b.op("Add", ss, b.const(1e-6, np.float32)))))
+
+
+def mlp(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str, kind: MLPKind) -> str:
+    with b.scope("mlp"):
+        if kind == MLPKind.DENSE:
+            return _swiglu(b, w, x, p + "mlp.")
+        return _moe(b, desc, w, x, p + "mlp.")
+
+
+def _swiglu(b: GraphBuilder, w: Weights, x: str, p: str) -> str:
+    gate = linear(b, w, x, p + "gate_proj.weight", "gate_proj")
+    up = linear(b, w, x, p + "up_proj.weight", "up_proj")
+    return linear(b, w, b.op("Mul", silu(b, gate), up), p + "down_proj.weight", "down_proj")
+
+
+def _moe(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str) -> str:
+    """Softmax router, top-k (renormalised when norm_topk_prob), all experts computed densely
+    and weighted (a fused MoE kernel is a lowering), plus the sigmoid-gated shared expert."""
+    m = desc.moe
+    shape = b.shape_of(x)
+    x2 = b.reshape(x, [-1, desc.hidden_size])                                   # [T, H]
+    probs = b.op("Softmax", linear(b, w, x2, p + "gate.weight", "gate"), axis=-1)  # [T, E]
+    top_v, top_i = b.op("TopK", probs, b.const([m.top_k], np.int64), outputs=2, axis=-1)
+    if m.norm_topk_prob:
+        top_v = b.op("Div", top_v, b.op("ReduceSum", top_v, b.const([-1], np.int64), keepdims=1))
+    route = b.op("ScatterElements", b.op("Mul", probs, b.const(0.0, np.float32)), top_i, top_v, axis=1)
+    gate_up = b.weight(p + "experts.gate_up_proj.T",
+                       w.raw(p + "experts.gate_up_proj").transpose(0, 2, 1).astype(w.np_dtype))   # [E, H, 2I]
+    down = b.weight(p + "experts.down_proj.T",
+                    w.raw(p + "experts.down_proj").transpose(0, 2, 1).astype(w.np_dtype))         # [E, I, H]
+    i = m.expert_intermediate_size
+    h = b.op("MatMul", b.unsqueeze(x2, [0]), gate_up, name="experts/gate_up/MatMul")   # [E, T, 2I]
+    act = b.op("Mul", silu(b, b.slice(h, [0], [i], [2])), b.slice(h, [i], [2 * i], [2]))
+    y = b.op("MatMul", act, down, name="experts/down/MatMul")                           # [E, T, H]
+    weighted = b.op("Mul", y, b.unsqueeze(b.op("Transpose", route, perm=[1, 0]), [2]))
+    routed = b.op("ReduceSum", weighted, b.const([0], np.int64), keepdims=0)          # [T, H]
+    with b.scope("shared_expert"):
+        shared = _swiglu(b, w, x2, p + "shared_expert.")
+    shared_gate = b.op("Sigmoid", linear(b, w, x2, p + "shared_expert_gate.weight", "shared_expert_gate"))
+    return b.reshape(b.op("Add", routed, b.op("Mul", shared, shared_gate)), shape)
+
+
+def decoder_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str, layer: LayerSpec,
+                  mixer) -> tuple[str, object]:
+    """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). `mixer(xn)` returns
+    (output, extra) where extra carries the layer's new K/V or state tensors."""
+    eps = desc.rms_norm_eps
+    xn = rms_norm(b, x, w.plus_one(b, p + "input_layernorm.weight"), eps, "input_layernorm")
+    mixed, extra = mixer(xn)
+    h = b.op("Add", x, mixed, name="residual_attn")
+    hn = rms_norm(b, h, w.plus_one(b, p + "post_attention_layernorm.weight"), eps, "post_attention_layernorm")
+    return b.op("Add", h, mlp(b, desc, w, hn, p, layer.mlp), name="residual_mlp"), extra
+
+
+__all__ = ["LayerKind", "Paging", "Weights", "attention", "decoder_layer", "gated_deltanet_layer", "rms_norm",
+           "rotary_tables"]

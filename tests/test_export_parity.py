@@ -1,0 +1,125 @@
+"""Exported graphs == transformers (target) and == the torch MTP reference (heads), fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem import contract as c
+from tandem.checkpoint import open_checkpoint
+from tandem.export.graphs import mtp_head, target_step
+from tandem.export.layers import Weights
+from tandem.testing.tiny_checkpoints import TINY_KINDS
+
+from .paged_driver import PagedState, session
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+from tandem.testing.mtp_reference import MTPReference, load_target  # noqa: E402
+
+TOL = 1e-4
+PROMPTS = [[5, 17, 33, 200, 7, 64, 91, 12, 250, 3, 44], [9, 120, 77, 301, 15, 2]]
+
+
+@pytest.fixture(scope="module")
+def exported(tiny_root):
+    out = {}
+    for kind in TINY_KINDS:
+        ckpt = open_checkpoint(tiny_root / kind)
+        w = Weights(ckpt)
+        heads = [session(mtp_head(ckpt.description, w, j)) for j in range(ckpt.description.mtp.num_layers)]
+        out[kind] = (ckpt.description, session(target_step(ckpt.description, w)), heads)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_root):
+    refs = {}
+    for kind in TINY_KINDS:
+        text_model, lm_head, cfg = load_target(tiny_root / kind)
+        refs[kind] = (text_model, lm_head, MTPReference.from_checkpoint(tiny_root / kind, text_model, lm_head, cfg))
+    return refs
+
+
+def hf_forward(ref, tokens):
+    text_model, lm_head, _ = ref
+    with torch.no_grad():
+        h = text_model(input_ids=torch.tensor([tokens])).last_hidden_state
+        return h[0].numpy(), lm_head(h)[0].numpy()
+
+
+def run_chunks(desc, sess, prompts, chunks):
+    """Feed each prompt in the given chunk sizes (padded batch); return per-prompt logits/hidden."""
+    state = PagedState(desc, len(prompts))
+    logits = [[] for _ in prompts]
+    hidden = [[] for _ in prompts]
+    done = [0] * len(prompts)
+    for size in chunks:
+        rows = np.array([max(0, min(size, len(p) - d)) for p, d in zip(prompts, done, strict=True)], np.int64)
+        if rows.max() == 0:
+            break
+        ids = np.zeros((len(prompts), size), np.int64)
+        for b, p in enumerate(prompts):
+            ids[b, : rows[b]] = p[done[b] : done[b] + rows[b]]
+        out = state.run(sess, {c.INPUT_IDS: ids, c.STATE_ROWS: np.maximum(rows, 1)})
+        # a sequence with no rows this step keeps its state: commit nothing for it
+        state.commit(out, rows, commit_states=True) if rows.min() > 0 else _commit_some(state, out, rows)
+        for b in range(len(prompts)):
+            logits[b].append(out[c.LOGITS][b, : rows[b]])
+            hidden[b].append(out[c.HIDDEN][b, : rows[b]])
+            done[b] += int(rows[b])
+    return [np.concatenate(x) for x in logits], [np.concatenate(x) for x in hidden]
+
+
+def _commit_some(state, out, rows):
+    keep = {i: (state.rec[i][state.slots].copy(), state.conv[i][state.slots].copy()) for i in state.gdn_layers}
+    state.commit(out, rows)
+    for i, (r, cv) in keep.items():
+        for b in np.flatnonzero(rows == 0):
+            state.rec[i][state.slots[b]], state.conv[i][state.slots[b]] = r[b], cv[b]
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_target_logits_match_transformers_on_every_row(exported, references, kind):
+    desc, sess, _ = exported[kind]
+    logits, hidden = run_chunks(desc, sess, PROMPTS, [16])
+    for b, prompt in enumerate(PROMPTS):
+        ref_h, ref_logits = hf_forward(references[kind], prompt)
+        print(kind, "max |logits - transformers|", np.abs(logits[b] - ref_logits).max())
+        assert np.abs(logits[b] - ref_logits).max() < TOL
+        assert np.abs(hidden[b] - ref_h).max() < TOL
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_chunked_prefill_then_decode_equals_one_forward(exported, kind):
+    desc, sess, _ = exported[kind]
+    full, _ = run_chunks(desc, sess, PROMPTS, [16])
+    # chunks of 3 and 4 (padding where a prompt runs out), then single-row decode steps
+    chunked, _ = run_chunks(desc, sess, PROMPTS, [3, 4] + [1] * 10)
+    for b in range(len(PROMPTS)):
+        assert np.abs(chunked[b] - full[b]).max() < TOL
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS)
+def test_mtp_heads_match_the_torch_reference(exported, references, kind):
+    desc, _, heads = exported[kind]
+    text_model, lm_head, ref = references[kind]
+    tokens = PROMPTS[0]
+    with torch.no_grad():
+        h = text_model(input_ids=torch.tensor([tokens])).last_hidden_state       # [1, T, H]
+    rows_tok, rows_h = tokens[1:], h[:, :-1]                                      # row i: (t_{i+1}, h_i)
+    n = len(rows_tok)
+    for j, sess in enumerate(heads):
+        with torch.no_grad():
+            g_ref, logits_ref = ref(torch.tensor([rows_tok]), rows_h, layer=j,
+                                    positions=torch.arange(n)[None])            # slot i at position i
+        state = PagedState(desc, 1, kv_layers=[c.mtp_layer_name(j)])
+        split = 4  # commit rows 0..3, then run rows 4.. on top of the paged KV
+        for lo, hi in ((0, split), (split, n)):
+            out = state.run(sess, {c.INPUT_IDS: np.array([rows_tok[lo:hi]]), c.HIDDEN_IN: rows_h[:, lo:hi].numpy(),
+                                   c.LAST_ROW: np.array([hi - lo - 1])})
+            assert np.abs(out[c.HIDDEN_OUT][0] - g_ref[0, hi - 1].numpy()).max() < TOL
+            assert out[c.DRAFT_TOKEN][0] == int(logits_ref[0, hi - 1].argmax())
+            p_ref = torch.softmax(logits_ref[0, hi - 1], -1).max().item()
+            assert abs(out[c.DRAFT_PROB][0] - p_ref) < TOL
+            state.commit(out, np.array([hi - lo]), commit_states=False)
