@@ -85,7 +85,6 @@ def test_target_logits_match_transformers_on_every_row(exported, references, kin
     logits, hidden = run_chunks(desc, sess, PROMPTS, [16])
     for b, prompt in enumerate(PROMPTS):
         ref_h, ref_logits = hf_forward(references[kind], prompt)
-        print(kind, "max |logits - transformers|", np.abs(logits[b] - ref_logits).max())
         assert np.abs(logits[b] - ref_logits).max() < TOL
         assert np.abs(hidden[b] - ref_h).max() < TOL
 
