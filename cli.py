@@ -30,6 +30,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from tandem.checkpoint import CheckpointError, open_checkpoint
+    from tandem.export.exporter import export_checkpoint
+
+    try:
+        ckpt = open_checkpoint(args.model_dir, speculative=not args.no_mtp, draft=args.draft)
+    except CheckpointError as e:
+        print(f"{args.model_dir}: REFUSED", file=sys.stderr)
+        for p in e.problems:
+            print(f"  - {p}", file=sys.stderr)
+        return 1
+    result = export_checkpoint(ckpt, args.out)
+    print(f"exported {', '.join(result.graphs.values())} + weights.bin ({result.weights_bytes:,} bytes) "
+          f"to {result.folder} in {result.seconds:.2f} s")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Serve LLMs that carry MTP heads.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -42,6 +59,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-mtp", action="store_true", help="plain decoding: ignore mtp.* tensors")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("export", help="lower the target, verify step and MTP heads to ONNX graphs")
+    p.add_argument("model_dir", help="local Hugging Face checkpoint folder")
+    p.add_argument("--out", required=True, help="folder for the .onnx graphs and weights.bin")
+    p.add_argument("--draft", help="folder with the MTP (mtp.*) weights, when they are not in the checkpoint")
+    p.add_argument("--no-mtp", action="store_true", help="export the target graphs only")
+    p.set_defaults(func=cmd_export)
     return parser
 
 

@@ -1,0 +1,125 @@
+"""Writes every graph of a checkpoint into one folder, sharing one external weights file.
+
+    out/
+      target_step.onnx      prefill chunks and plain decode
+      verify_greedy.onnx    target + greedy acceptance
+      verify_sample.onnx    target + rejection sampling (temperature / top-k / top-p)
+      mtp_head_{j}.onnx     one per MTP layer
+      weights.bin           every weight once, 4 KiB aligned (external data of all graphs)
+      export.json           contract version, graphs with content hashes, sizes, timings
+
+Exporting the same checkpoint twice gives byte-identical files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+
+from tandem import contract
+from tandem.checkpoint.reader import Checkpoint
+from tandem.export.graphs import mtp_head, target_step, verify_step
+from tandem.export.layers import Weights
+
+WEIGHTS_FILE = "weights.bin"
+_ALIGN = 4096
+_INLINE_BYTES = 1024  # small constants stay inside the graph
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    folder: Path
+    graphs: dict[str, str]   # graph name -> file name
+    seconds: float
+    weights_bytes: int
+
+
+class _SharedWeights:
+    """Appends each named tensor once to weights.bin and points TensorProtos at it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.offsets: dict[str, tuple[int, int]] = {}
+        self._file = open(path, "wb")
+        self._size = 0
+
+    def externalize(self, model: onnx.ModelProto) -> None:
+        for tensor in model.graph.initializer:
+            if tensor.name.startswith("/const/") and len(tensor.raw_data) <= _INLINE_BYTES:
+                continue
+            if tensor.name not in self.offsets:
+                pad = -self._size % _ALIGN
+                self._file.write(b"\0" * pad)
+                self._size += pad
+                self.offsets[tensor.name] = (self._size, len(tensor.raw_data))
+                self._file.write(tensor.raw_data)
+                self._size += len(tensor.raw_data)
+            offset, length = self.offsets[tensor.name]
+            tensor.ClearField("raw_data")
+            tensor.data_location = onnx.TensorProto.EXTERNAL
+            del tensor.external_data[:]
+            for key, value in (("location", WEIGHTS_FILE), ("offset", str(offset)), ("length", str(length))):
+                entry = tensor.external_data.add()
+                entry.key, entry.value = key, value
+
+    def close(self) -> int:
+        self._file.close()
+        return self._size
+
+
+def build_graphs(ckpt: Checkpoint, dtype: str = "float32") -> dict[str, onnx.ModelProto]:
+    if dtype != "float32":
+        raise ValueError(f"export dtype {dtype!r} is not supported yet; use float32")
+    desc, w = ckpt.description, Weights(ckpt, dtype)
+    graphs = {"target_step": target_step(desc, w), "verify_greedy": verify_step(desc, w, sampling=False),
+              "verify_sample": verify_step(desc, w, sampling=True)}
+    for j in range(desc.mtp.num_layers if desc.mtp else 0):
+        graphs[f"mtp_head_{j}"] = mtp_head(desc, w, j)
+    return graphs
+
+
+def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float32") -> ExportResult:
+    """Export all graphs of `ckpt` into `out_dir` (created; existing graph files are replaced)."""
+    start = time.perf_counter()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    graphs = build_graphs(ckpt, dtype)
+    shared = _SharedWeights(out / WEIGHTS_FILE)
+    files, hashes = {}, {}
+    try:
+        for name, model in graphs.items():
+            shared.externalize(model)
+            data = model.SerializeToString(deterministic=True)
+            files[name] = f"{name}.onnx"
+            (out / files[name]).write_bytes(data)
+            hashes[name] = hashlib.sha256(data).hexdigest()
+    finally:
+        weights_bytes = shared.close()
+    seconds = time.perf_counter() - start
+    manifest = {
+        "contract_version": contract.CONTRACT_VERSION,
+        "dtype": dtype,
+        "family": ckpt.description.family,
+        "mtp_layers": ckpt.description.mtp.num_layers if ckpt.description.mtp else 0,
+        "graphs": {n: {"file": files[n], "sha256": hashes[n], "nodes": len(graphs[n].graph.node)} for n in files},
+        "weights": {"file": WEIGHTS_FILE, "bytes": weights_bytes,
+                    "sha256": _file_sha256(out / WEIGHTS_FILE)},
+    }
+    (out / "export.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return ExportResult(out, files, seconds, weights_bytes)
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+__all__ = ["ExportResult", "build_graphs", "export_checkpoint"]
