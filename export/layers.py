@@ -147,7 +147,7 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x:
         qh, kh = l2_norm(b, qh), l2_norm(b, kh)
         outs = b.op(gated_deltanet.OP_TYPE, qh, kh, vh, decay, beta, recurrent_state, state_rows,
                     domain=TANDEM_DOMAIN, outputs=3 if row_states else 2, scale=float(g.key_head_dim ** -0.5),
-                    name="GatedDeltaNet")
+                    num_key_heads=g.num_key_heads, num_value_heads=g.num_value_heads, name="GatedDeltaNet")
         y = outs[0]                                                                       # [B, W, Hv, dv]
         normed = rms_norm(b, y, w.plain(b, q + "norm.weight"), eps, "norm")
         gated = b.op("Mul", normed, silu(b, z))

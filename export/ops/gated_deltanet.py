@@ -4,7 +4,8 @@ Inputs   query, key [B, W, Hk, dk] (L2-normalised), value [B, W, Hv, dv], decay 
          (log-space g), beta [B, W, Hv], initial_state [B, Hv, dk, dv] fp32, state_rows [B] int64
 Outputs  output [B, W, Hv, dv], final_state [B, Hv, dk, dv]  (state after state_rows[b] rows),
          row_states [B, W, Hv, dk, dv] (only with emit_row_states=1: the state after each row)
-Attrs    scale (float): output = scale * S_t^T q_t;  emit_row_states (int, structural)
+Attrs    scale (float): output = scale * S_t^T q_t; num_key_heads, num_value_heads (ints, for
+         kernels that need them as attributes); emit_row_states is structural (body variant)
 
 Per value head h (key head h // r, r = Hv / Hk), per row t:
     S = exp(g_t) * S;  u = beta_t * (v_t - S^T k_t);  S = S + k_t u^T;  o_t = scale * S^T q_t
@@ -24,7 +25,7 @@ from onnx import TensorProto, helper
 from tandem.export.builder import OPSET, TANDEM_DOMAIN, GraphBuilder
 
 OP_TYPE = "GatedDeltaNet"
-ATTRIBUTES = ("scale",)
+ATTRIBUTES = ("scale", "num_key_heads", "num_value_heads")  # head counts: for lowerings
 
 
 def _scan_body(emit_row_states: bool):

@@ -1,0 +1,100 @@
+"""Per-backend lowering: rewrite `ai.tandem` ops into a runtime's native kernels where that is
+faster, keep the standard-ONNX function body everywhere else.
+
+ONNX Runtime (CPU), chosen by measurement (figures in docs/lowering.md, `bench/ops.py`):
+  GatedDeltaNet  -> com.microsoft::LinearAttention (update_rule gated_delta), keys repeated to the
+                    value heads (value head h reads key head h // r: checked against numpy).
+                    Rows past state_rows get decay 0 and beta 0, as in the function body.
+                    row_states (verify) needs the per-row states, which CPU LinearAttention cannot
+                    emit (state_window is CUDA-only), so those nodes are unrolled into `rows`
+                    single-row LinearAttention nodes when the verify width is known (per bucket).
+  PagedSparseAttention -> kept (function body): GroupQueryAttention wants a contiguous BNSH past,
+                    and the gather it would need is the function body's own first step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
+from tandem.export.ops import gated_deltanet
+
+
+def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None) -> onnx.ModelProto:
+    """Return a copy of `model` with its GatedDeltaNet nodes lowered (see module doc). `rows`
+    is the static verify width; without it, nodes that emit row states keep their body."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    nodes = []
+    lowered = 0
+    for node in out.graph.node:
+        if node.domain == TANDEM_DOMAIN and node.op_type == gated_deltanet.OP_TYPE:
+            emits_rows = len(node.output) == 3 and node.output[2] != ""
+            if not emits_rows or rows is not None:
+                nodes.extend(_lower_gdn(node, rows if emits_rows else None))
+                lowered += 1
+                continue
+        nodes.append(node)
+    del out.graph.node[:]
+    out.graph.node.extend(nodes)
+    if lowered:
+        if not any(o.domain == MS_DOMAIN for o in out.opset_import):
+            out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+        still_used = any(n.op_type == gated_deltanet.OP_TYPE and n.domain == TANDEM_DOMAIN for n in out.graph.node)
+        if not still_used:
+            keep = [f for f in out.functions if f.name != gated_deltanet.OP_TYPE]
+            del out.functions[:]
+            out.functions.extend(keep)
+    return out
+
+
+def _lower_gdn(node: onnx.NodeProto, unroll: int | None) -> list[onnx.NodeProto]:
+    """GatedDeltaNet(q, k, v, g, beta, s0, state_rows) -> LinearAttention on [B, T, H*D] tensors."""
+    q, k, v, g, beta, s0, rows = node.input
+    scale = next(a.f for a in node.attribute if a.name == "scale")
+    b = GraphBuilder(function=True, root=node.name + "/lowered")  # constants as nodes: no initializers
+    i64 = lambda x: b.const(x, np.int64)  # noqa: E731
+    # mask rows at or beyond state_rows (same as the body)
+    w = b.op("Range", i64(0), b.squeeze(b.shape_of(q, 1, 2), [0]), i64(1))
+    validf = b.unsqueeze(b.op("Cast", b.op("Less", b.unsqueeze(w, [0]), b.unsqueeze(rows, [1])),
+                              to=TensorProto.FLOAT), [2])
+    g_m, beta_m = b.op("Mul", g, validf), b.op("Mul", beta, validf)
+    # keys repeated to the value heads (h -> h // r), everything packed to [B, T, H*D]
+    hk, hv = b.shape_of(q, 2, 3), b.shape_of(v, 2, 3)
+    r = b.op("Div", hv, hk)
+    k_rep = b.op("Expand", b.unsqueeze(k, [3]), b.concat([b.shape_of(k, 0, 3), r, b.shape_of(k, 3, 4)], 0))
+    pack = lambda x: b.reshape(x, [0, 0, -1])  # noqa: E731
+    qp, kp, vp = pack(q), pack(k_rep), pack(v)
+    attrs = dict(update_rule="gated_delta", scale=scale)
+
+    def linear_attention(qx, kx, vx, state, gx, bx, outputs, name):
+        # q heads and kv heads come from shapes at build time; they are static in every graph tandem builds
+        return b.op("LinearAttention", qx, kx, vx, state, gx, bx, domain=MS_DOMAIN, outputs=outputs, name=name,
+                    q_num_heads=_heads(node, "q"), kv_num_heads=_heads(node, "v"), **attrs)
+
+    if unroll is None:
+        out, final = linear_attention(qp, kp, vp, s0, g_m, beta_m, 2, "LinearAttention")
+        b.op("Reshape", out, b.concat([i64([0, 0]), hv, i64([-1])], 0), outputs=[node.output[0]])
+        b.op("Identity", final, outputs=[node.output[1]])
+        return b.nodes
+    state, outs, states = s0, [], []
+    for t in range(unroll):
+        sl = lambda x, t=t: b.slice(x, [t], [t + 1], [1])  # noqa: E731
+        o, state = linear_attention(sl(qp), sl(kp), sl(vp), state, sl(g_m), sl(beta_m), 2, f"LinearAttention_{t}")
+        outs.append(o)
+        states.append(b.unsqueeze(state, [1]))
+    b.op("Reshape", b.concat(outs, 1), b.concat([i64([0, 0]), hv, i64([-1])], 0), outputs=[node.output[0]])
+    b.op("Identity", state, outputs=[node.output[1]])
+    b.op("Concat", *states, axis=1, outputs=[node.output[2]])
+    return b.nodes
+
+
+def _heads(node: onnx.NodeProto, which: str) -> int:
+    """Head counts are recorded on the node by the exporter (q_heads / v_heads attributes)."""
+    attr = {"q": "num_key_heads", "v": "num_value_heads"}[which]
+    for a in node.attribute:
+        if a.name == attr:
+            return a.i
+    raise ValueError(f"{node.name}: GatedDeltaNet node lacks the {attr} attribute needed to lower it")
