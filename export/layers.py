@@ -28,20 +28,26 @@ class Weights:
     def __init__(self, checkpoint, dtype: str = "float32"):
         self.ckpt = checkpoint
         self.np_dtype = np.dtype(dtype)
+        self._derived: dict[str, np.ndarray] = {}  # graphs share weights: derive each once
 
     def raw(self, name: str) -> np.ndarray:
         return np.asarray(self.ckpt.weight(name)).astype(np.float32)
 
+    def derived(self, b: GraphBuilder, name: str, make) -> str:
+        if name not in self._derived:
+            self._derived[name] = np.ascontiguousarray(make())
+        return b.weight(name, self._derived[name])
+
     def matmul_t(self, b: GraphBuilder, name: str) -> str:
         """W^T [in, out] for x @ W^T (nn.Linear)."""
-        return b.weight(name + ".T", self.raw(name).T.astype(self.np_dtype))
+        return self.derived(b, name + ".T", lambda: self.raw(name).T.astype(self.np_dtype))
 
     def plus_one(self, b: GraphBuilder, name: str) -> str:
         """1 + w: zero-centred RMSNorm scale."""
-        return b.weight(name + ".plus_one", (1.0 + self.raw(name)).astype(self.np_dtype))
+        return self.derived(b, name + ".plus_one", lambda: (1.0 + self.raw(name)).astype(self.np_dtype))
 
     def plain(self, b: GraphBuilder, name: str, dtype=None) -> str:
-        return b.weight(name, self.raw(name).astype(dtype or self.np_dtype))
+        return self.derived(b, name, lambda: self.raw(name).astype(dtype or self.np_dtype))
 
 
 @dataclass(frozen=True)
@@ -131,7 +137,7 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x:
                                                                               g.value_head_dim])
         beta = b.op("Sigmoid", linear(b, w, x, q + "in_proj_b.weight", "in_proj_b"))
         a_proj = linear(b, w, x, q + "in_proj_a.weight", "in_proj_a")
-        neg_a = b.weight(q + "A_log.neg_exp", (-np.exp(w.raw(q + "A_log"))).astype(np.float32))
+        neg_a = w.derived(b, q + "A_log.neg_exp", lambda: (-np.exp(w.raw(q + "A_log"))).astype(np.float32))
         decay = b.op("Mul", neg_a, b.op("Softplus", b.op("Add", a_proj, w.plain(b, q + "dt_bias", np.float32))))
         with b.scope("conv"):
             padded = b.concat([conv_state, b.op("Transpose", qkv, perm=[0, 2, 1])], 2)   # [B, C, K-1+W]
@@ -185,10 +191,10 @@ def _moe(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str) ->
     if m.norm_topk_prob:
         top_v = b.op("Div", top_v, b.op("ReduceSum", top_v, b.const([-1], np.int64), keepdims=1))
     route = b.op("ScatterElements", b.op("Mul", probs, b.const(0.0, np.float32)), top_i, top_v, axis=1)
-    gate_up = b.weight(p + "experts.gate_up_proj.T",
-                       w.raw(p + "experts.gate_up_proj").transpose(0, 2, 1).astype(w.np_dtype))   # [E, H, 2I]
-    down = b.weight(p + "experts.down_proj.T",
-                    w.raw(p + "experts.down_proj").transpose(0, 2, 1).astype(w.np_dtype))         # [E, I, H]
+    gate_up = w.derived(b, p + "experts.gate_up_proj.T",   # [E, H, 2I]
+                        lambda: w.raw(p + "experts.gate_up_proj").transpose(0, 2, 1).astype(w.np_dtype))
+    down = w.derived(b, p + "experts.down_proj.T",         # [E, I, H]
+                     lambda: w.raw(p + "experts.down_proj").transpose(0, 2, 1).astype(w.np_dtype))
     i = m.expert_intermediate_size
     h = b.op("MatMul", b.unsqueeze(x2, [0]), gate_up, name="experts/gate_up/MatMul")   # [E, T, 2I]
     act = b.op("Mul", silu(b, b.slice(h, [0], [i], [2])), b.slice(h, [i], [2 * i], [2]))

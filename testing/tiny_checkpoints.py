@@ -39,6 +39,16 @@ TINY_KINDS = {
     "qwen3_5_moe": ("Qwen3_5MoeForCausalLM", 1, False, 1),
     "qwen3_next": ("Qwen3NextForCausalLM", 1, True, 2),
 }
+# Larger random checkpoints for benchmarks: kind -> (base tiny kind, text-config overrides).
+# qwen3_5_150m: ~150M parameters (12 layers, 9 GDN + 3 attention, hidden 768, vocab 32000).
+BENCH_KINDS = {
+    "qwen3_5_150m": ("qwen3_5_mtp1", dict(
+        vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=128, linear_num_key_heads=4, linear_num_value_heads=8,
+        linear_key_head_dim=128, linear_value_head_dim=128,
+        layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 3,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})),
+}
 _TOKENIZER_TEXT = [
     "def add(a, b):\n    return a + b\n",
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and verifies them.",
@@ -49,9 +59,10 @@ _TOKENIZER_TEXT = [
 
 
 def tiny_config(kind: str, dtype: str = "float32") -> dict:
-    """config.json for a tiny checkpoint of `kind`, as the family's releases write it."""
+    """config.json for a tiny (or BENCH_KINDS) checkpoint of `kind`, as the family's releases write it."""
+    kind, overrides = BENCH_KINDS.get(kind, (kind, {}))
     arch, mtp_layers, _, _ = TINY_KINDS[kind]
-    text = dict(_TEXT, mtp_num_hidden_layers=mtp_layers, dtype=dtype, eos_token_id=2, pad_token_id=0)
+    text = dict(_TEXT, **overrides, mtp_num_hidden_layers=mtp_layers, dtype=dtype, eos_token_id=2, pad_token_id=0)
     if arch.startswith("Qwen3_5Moe"):
         text.update(_MOE, model_type="qwen3_5_moe_text")
     elif arch == "Qwen3NextForCausalLM":
@@ -170,11 +181,11 @@ def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype
     """Write a complete tiny checkpoint folder of `kind` (see TINY_KINDS) and return its path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _, _, per_expert, shards = TINY_KINDS[kind]
+    _, _, per_expert, shards = TINY_KINDS[BENCH_KINDS.get(kind, (kind,))[0]]
     config = tiny_config(kind, dtype)
     np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
     rng = np.random.default_rng(seed)
-    tensors = {name: _init(name, shape, rng).astype(np_dtype)
+    tensors = {name: _init(name, shape, rng).astype(np.float32).astype(np_dtype)
                for name, shape in sorted(stored_shapes(config, per_expert).items())}
     write_weights(folder, tensors, shards)
     ids = write_tiny_tokenizer(folder)
@@ -192,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="Write a tiny random checkpoint (no download).")
     parser.add_argument("out", help="folder to write")
-    parser.add_argument("--kind", choices=sorted(TINY_KINDS), default="qwen3_5_mtp3")
+    parser.add_argument("--kind", choices=sorted(TINY_KINDS) + sorted(BENCH_KINDS), default="qwen3_5_mtp3")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
