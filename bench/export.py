@@ -37,7 +37,7 @@ def main() -> None:
         params = ckpt.parameter_count() + ckpt.parameter_count(mtp=True)
         print(f"\n{kind}: {params / 1e6:.1f}M parameters ({dtype} checkpoint), open+validate {t_open * 1e3:.0f} ms, "
               f"export {result.seconds:.2f} s, weights.bin {result.weights_bytes / 2**20:.1f} MiB (fp32)")
-        for name, file in result.graphs.items():
+        for file in result.graphs.values():
             size = (result.folder / file).stat().st_size
             print(f"  {file:<22} {size / 1024:8.1f} KiB graph")
 

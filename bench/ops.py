@@ -8,6 +8,7 @@ Prints median / p90 ms per call; the ratio column is body / lowered (> 1: loweri
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -52,10 +53,23 @@ def main() -> None:
             feeds = {f"in{j}": a for j, a in enumerate(inputs)}
             body = session(model, threads)
             low = session(lower_for_onnxruntime(model, rows=w if emit else None), threads)
-            tb = timeit(lambda: body.run(None, feeds))
-            tl = timeit(lambda: low.run(None, feeds))
+            tb = timeit(partial(body.run, None, feeds))
+            tl = timeit(partial(low.run, None, feeds))
             label = f"Hk={hk:2d} Hv={hv:2d} B={b} W={w:2d}" + (" row states" if emit else "")
             print(f"  {label:<44} {tb[0]:7.3f} ({tb[1]:6.3f})  {tl[0]:7.3f} ({tl[1]:6.3f})   {tb[0] / tl[0]:5.2f}x")
+    print("\nGatedDeltaNet prefill, recurrent body vs chunked body (C=64) vs lowered       ms (p90)")
+    for hk, hv in ((4, 8), (16, 32)):
+        for w in (64, 256):
+            model, inputs = gdn_case(1, w, hk, hv, 128, False)
+            feeds = {f"in{j}": a for j, a in enumerate(inputs)}
+            chunked = model.__class__()
+            chunked.CopyFrom(model)
+            del chunked.functions[:]
+            chunked.functions.append(gated_deltanet.make_function(chunk_size=64))
+            times = [timeit(partial(session(m, threads).run, None, feeds), runs=10)
+                     for m in (model, chunked, lower_for_onnxruntime(model))]
+            print(f"  Hk={hk:2d} Hv={hv:2d} B=1 W={w:3d}   recurrent {times[0][0]:8.2f} ({times[0][1]:7.2f})   "
+                  f"chunked {times[1][0]:7.2f} ({times[1][1]:7.2f})   lowered {times[2][0]:6.2f} ({times[2][1]:6.2f})")
     print("\nPagedSparseAttention, function body (Hq=8, Hkv=2, D=128, page 16)   ms (p90)")
     rng = np.random.default_rng(0)
     for b, w, ctx in ((1, 1, 512), (1, 4, 512), (8, 1, 512), (8, 4, 512), (1, 1, 4096), (1, 64, 0)):
@@ -70,7 +84,7 @@ def main() -> None:
                                 scale=128 ** -0.5, sliding_window=0)
         sess = session(model, threads)
         feeds = {f"in{j}": a for j, a in enumerate(inputs)}
-        t = timeit(lambda: sess.run(None, feeds))
+        t = timeit(partial(sess.run, None, feeds))
         print(f"  B={b} W={w:2d} context={ctx:5d}                                     {t[0]:7.3f} ({t[1]:6.3f})")
 
 

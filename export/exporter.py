@@ -72,11 +72,12 @@ class _SharedWeights:
         return self._size
 
 
-def build_graphs(ckpt: Checkpoint, dtype: str = "float32") -> dict[str, onnx.ModelProto]:
+def build_graphs(ckpt: Checkpoint, dtype: str = "float32", gdn_chunk_size: int = 0) -> dict[str, onnx.ModelProto]:
     if dtype != "float32":
         raise ValueError(f"export dtype {dtype!r} is not supported yet; use float32")
     desc, w = ckpt.description, Weights(ckpt, dtype)
-    graphs = {"target_step": target_step(desc, w), "verify_greedy": verify_step(desc, w, sampling=False),
+    graphs = {"target_step": target_step(desc, w, gdn_chunk_size),
+              "verify_greedy": verify_step(desc, w, sampling=False),
               "verify_sample": verify_step(desc, w, sampling=True)}
     for j in range(desc.mtp.num_layers if desc.mtp else 0):
         graphs[f"mtp_head_{j}"] = mtp_head(desc, w, j)

@@ -94,7 +94,9 @@ def _finish(b: GraphBuilder, name: str, ins, outs, produced: dict[str, str], fun
     return model
 
 
-def target_step(desc: ModelDescription, w: Weights) -> onnx.ModelProto:
+def target_step(desc: ModelDescription, w: Weights, gdn_chunk_size: int = 0) -> onnx.ModelProto:
+    """gdn_chunk_size > 0 gives GatedDeltaNet the chunked body (long prefill chunks on runtimes
+    without a native kernel); 0 the recurrent one."""
     ins, outs = c.target_step_io(desc)
     b = GraphBuilder()
     hidden, kv, gdn = _trunk(b, desc, w, verify=False)
@@ -106,7 +108,7 @@ def target_step(desc: ModelDescription, w: Weights) -> onnx.ModelProto:
             produced[c.new_recurrent_state(i)] = g.state
             produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, c.STATE_ROWS,
                                                                desc.linear_attention.conv_kernel)
-    return _finish(b, "target_step", ins, outs, produced, _functions(row_states=False))
+    return _finish(b, "target_step", ins, outs, produced, _functions(row_states=False, chunk=gdn_chunk_size))
 
 
 def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.ModelProto:
@@ -165,8 +167,8 @@ def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
     return _finish(b, f"mtp_head_{head}", ins, outs, produced, _functions(row_states=False, gdn=False))
 
 
-def _functions(row_states: bool, gdn: bool = True) -> list[onnx.FunctionProto]:
+def _functions(row_states: bool, gdn: bool = True, chunk: int = 0) -> list[onnx.FunctionProto]:
     fns = [paged_sparse_attention.make_function()]
     if gdn:
-        fns.append(gated_deltanet.make_function(emit_row_states=row_states))
+        fns.append(gated_deltanet.make_function(emit_row_states=row_states, chunk_size=chunk))
     return fns

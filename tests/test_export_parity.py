@@ -122,3 +122,13 @@ def test_mtp_heads_match_the_torch_reference(exported, references, kind):
             p_ref = torch.softmax(logits_ref[0, hi - 1], -1).max().item()
             assert abs(out[c.DRAFT_PROB][0] - p_ref) < TOL
             state.commit(out, np.array([hi - lo]), commit_states=False)
+
+
+def test_chunked_gdn_body_gives_the_same_target_step(tiny_root, exported):
+    desc, sess, _ = exported["qwen3_next"]
+    ckpt = open_checkpoint(tiny_root / "qwen3_next")
+    chunked = session(target_step(desc, Weights(ckpt), gdn_chunk_size=4))
+    a, _ = run_chunks(desc, sess, PROMPTS, [7, 16])
+    b, _ = run_chunks(desc, chunked, PROMPTS, [7, 16])
+    for x, y in zip(a, b):
+        assert np.abs(x - y).max() < TOL

@@ -99,3 +99,21 @@ def test_paged_attention_ignores_pool_contents_past_context(seed=3):
         kc[page] = -1e3
     (after,) = run(model, inputs)
     np.testing.assert_array_equal(before, after)
+
+
+@pytest.mark.parametrize("w,chunk", [(5, 4), (16, 4), (13, 8), (1, 4), (40, 16)])
+def test_gated_deltanet_chunked_equals_recurrent_and_numpy(w, chunk):
+    rng = np.random.default_rng(w)
+    q, k, v, g, beta, s0 = gdn_inputs(rng, b=2, w=w)
+    rows = np.array([w, max(1, w - 3)], np.int64)
+    inputs = [q, k, v, g, beta, s0, rows]
+    attrs = dict(scale=0.35, num_key_heads=2, num_value_heads=4)
+    chunked = run(single_op_model(gated_deltanet.make_function(chunk_size=chunk), "GatedDeltaNet", inputs, [4, 4],
+                                  **attrs), inputs)
+    recurrent = run(single_op_model(gated_deltanet.make_function(), "GatedDeltaNet", inputs, [4, 4], **attrs), inputs)
+    r_out, r_final, _ = ref.gated_deltanet(q, k, v, g, beta, s0, rows, scale=0.35)
+    np.testing.assert_allclose(chunked[1], r_final, atol=2e-5)
+    np.testing.assert_allclose(recurrent[1], r_final, atol=2e-5)
+    for b, n in enumerate(rows):
+        np.testing.assert_allclose(chunked[0][b, :n], r_out[b, :n], atol=2e-5)
+        np.testing.assert_allclose(chunked[0][b, :n], recurrent[0][b, :n], atol=2e-5)

@@ -14,7 +14,15 @@ padding rows of a prefill chunk and the final state agree with an unpadded run.
 
 Why a `row_states` output: the verify graph learns how many rows to commit only at its end
 (acceptance), so it keeps each row's state (W <= 9) and selects the accepted one in-graph.
-The body is a Scan over rows (recurrent form).
+
+Two bodies with the same semantics: the recurrent form (a Scan over rows; decode, verify) and
+the chunked form (chunk_size C > 0; long prefill chunks where no native kernel exists). Chunked,
+per chunk with G = cumsum(g), D[i, j] = exp(G_i - G_j) for j <= i (else 0):
+    A = strictly_lower((beta k) k^T * D);  T = (I + A)^-1 = prod_j (I + (-A)^(2^j))  (A nilpotent)
+    U = T (beta v);  Kd = T (beta k exp(G))            # the WY form of the chunk's delta updates
+    then across chunks (Scan):  V' = U - Kd S;  o = (q exp(G)) S + tril(q k^T * D) V'
+                                S = exp(G_last) S + (k exp(G_last - G))^T V'
+Padding rows (g = 0, beta = 0) leave both forms' state unchanged.
 """
 
 from __future__ import annotations
@@ -50,9 +58,13 @@ def _scan_body(emit_row_states: bool):
     return helper.make_graph(b.nodes, "gdn_row", [info(n) for n in (s_in, q, k, v, g, beta)], [info(n) for n in outs])
 
 
-def make_function(emit_row_states: bool = False):
-    """The function body; `emit_row_states` picks the body variant a model uses (ONNX
-    functions cannot switch structure on an attribute, so the exporter emits one per model)."""
+def make_function(emit_row_states: bool = False, chunk_size: int = 0):
+    """The function body; `emit_row_states` and `chunk_size` pick the body variant a model uses
+    (ONNX functions cannot switch structure on an attribute, so the exporter emits one per model)."""
+    if chunk_size:
+        if emit_row_states:
+            raise ValueError("the chunked GatedDeltaNet body does not emit row states; use the recurrent one")
+        return _chunked_function(chunk_size)
     b = GraphBuilder(function=True)
     q, k, v, g, beta, s0, rows = "query", "key", "value", "decay", "beta", "initial_state", "state_rows"
     # Repeat q/k across the r value heads of each key head: [B, W, Hk, dk] -> [B, W, Hv, dk]
@@ -78,4 +90,85 @@ def make_function(emit_row_states: bool = False):
         b.op("Identity", scan[2], outputs=["row_states"])
         outputs.append("row_states")
     return helper.make_function(TANDEM_DOMAIN, OP_TYPE, [q, k, v, g, beta, s0, rows], outputs, b.nodes,
+                                [helper.make_opsetid("", OPSET)], attributes=list(ATTRIBUTES))
+
+
+def _repeat_and_mask(b: GraphBuilder, q, k, v, g, beta, rows):
+    """q, k repeated to the value heads; g, beta zeroed at rows >= state_rows."""
+    hk = b.shape_of(q, 2, 3)
+    r = b.op("Div", b.shape_of(v, 2, 3), hk)
+    expand_to = b.concat([b.shape_of(q, 0, 3), r, b.shape_of(q, 3, 4)], 0)
+    flat = b.concat([b.const([0, 0, -1], np.int64), b.shape_of(q, 3, 4)], 0)
+    q_r = b.reshape(b.op("Expand", b.unsqueeze(q, [3]), expand_to), flat)
+    k_r = b.reshape(b.op("Expand", b.unsqueeze(k, [3]), expand_to), flat)
+    w = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(q, 1, 2), [0]), b.const(1, np.int64))
+    validf = b.unsqueeze(b.op("Cast", b.op("Less", b.unsqueeze(w, [0]), b.unsqueeze(rows, [1])),
+                              to=TensorProto.FLOAT), [2])
+    return q_r, k_r, b.op("Mul", g, validf), b.op("Mul", beta, validf)
+
+
+def _chunk_scan_body():
+    """One chunk: (S, q, k, U, Kd, Aq, G) -> (S', o). Shapes [B, H, C, d], Aq [B, H, C, C], G [B, H, C]."""
+    b = GraphBuilder(function=True, root="chunk")
+    s_in, q, k, u, kd, aq, gc = "S_in", "q_c", "k_c", "u_c", "kd_c", "aq_c", "g_c"
+    v_new = b.op("Sub", u, b.op("MatMul", kd, s_in))                                   # [B, H, C, dv]
+    inter = b.op("MatMul", b.op("Mul", q, b.unsqueeze(b.op("Exp", gc), [3])), s_in)
+    b.op("Add", inter, b.op("MatMul", aq, v_new), outputs=["o_c"])
+    g_last = b.slice(gc, [-1], [np.iinfo(np.int64).max], [2])                          # [B, H, 1]
+    k_dec = b.op("Mul", k, b.unsqueeze(b.op("Exp", b.op("Sub", g_last, gc)), [3]))
+    decayed = b.op("Mul", s_in, b.unsqueeze(b.op("Exp", g_last), [3]))
+    b.op("Add", decayed, b.op("MatMul", b.op("Transpose", k_dec, perm=[0, 1, 3, 2]), v_new), outputs=["S_out"])
+    ranks = {s_in: 4, q: 4, k: 4, u: 4, kd: 4, aq: 4, gc: 3, "S_out": 4, "o_c": 4}
+    info = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [None] * ranks[n])  # noqa: E731
+    return helper.make_graph(b.nodes, "gdn_chunk", [info(n) for n in (s_in, q, k, u, kd, aq, gc)],
+                             [info("S_out"), info("o_c")])
+
+
+def _chunked_function(chunk: int):
+    b = GraphBuilder(function=True)
+    q, k, v, g, beta, s0, rows = "query", "key", "value", "decay", "beta", "initial_state", "state_rows"
+    i64 = lambda x: b.const(x, np.int64)  # noqa: E731
+    q, k, g, beta = _repeat_and_mask(b, q, k, v, g, beta, rows)
+    q = b.op("Mul", q, b.attr_const("scale", "float"))
+    # pad W up to n_chunks * C rows (padding rows have g = beta = 0 and zero q/k/v)
+    w_len = b.shape_of(q, 1, 2)
+    n_chunks = b.op("Div", b.op("Add", w_len, i64([chunk - 1])), i64([chunk]))
+    pad = b.op("Sub", b.op("Mul", n_chunks, i64([chunk])), w_len)
+
+    def chunked(x, rank):  # [B, W, H(, d)] -> [B, H, nc, C(, d)]
+        pads = b.concat([i64([0] * (rank + 1)), pad, i64([0] * (rank - 2))], 0)
+        x = b.op("Pad", x, pads)
+        x = b.reshape(x, b.concat([b.shape_of(x, 0, 1), n_chunks, i64([chunk]), b.shape_of(x, 2)], 0))
+        return b.op("Transpose", x, perm=[0, 3, 1, 2, 4] if rank == 4 else [0, 3, 1, 2])
+    qc, kc, vc, gc, bc = chunked(q, 4), chunked(k, 4), chunked(v, 4), chunked(g, 3), chunked(beta, 3)
+    big_g = b.op("CumSum", gc, i64(-1))                                                # [B, H, nc, C]
+    eye = b.const(np.eye(chunk, dtype=np.float32))
+    lower_incl = b.const(np.tril(np.ones((chunk, chunk), bool)))
+    lower_strict = b.const(np.tril(np.ones((chunk, chunk), bool), -1))
+    diff = b.op("Sub", b.unsqueeze(big_g, [4]), b.unsqueeze(big_g, [3]))               # G_i - G_j
+    zero = b.const(0.0, np.float32)
+    decay_mask = b.op("Where", lower_incl, b.op("Exp", b.op("Where", lower_incl, diff, zero)), zero)
+    k_beta = b.op("Mul", kc, b.unsqueeze(bc, [4]))
+    v_beta = b.op("Mul", vc, b.unsqueeze(bc, [4]))
+    kt = b.op("Transpose", kc, perm=[0, 1, 2, 4, 3])
+    a = b.op("Where", lower_strict, b.op("Mul", b.op("MatMul", k_beta, kt), decay_mask), zero)
+    # (I + A)^-1 = prod_j (I + N^(2^j)), N = -A nilpotent of order <= C
+    n = b.op("Neg", a)
+    inv = b.op("Add", eye, n)
+    power = 1
+    while power * 2 < chunk:
+        n = b.op("MatMul", n, n)
+        inv = b.op("MatMul", inv, b.op("Add", eye, n))
+        power *= 2
+    u = b.op("MatMul", inv, v_beta)                                                    # [B, H, nc, C, dv]
+    kd = b.op("MatMul", inv, b.op("Mul", k_beta, b.unsqueeze(b.op("Exp", big_g), [4])))
+    aq = b.op("Mul", b.op("MatMul", qc, kt), decay_mask)                               # [B, H, nc, C, C]
+    scan = b.op("Scan", s0, qc, kc, u, kd, aq, big_g, outputs=2, body=_chunk_scan_body(), num_scan_inputs=6,
+                scan_input_axes=[2] * 6, scan_output_axes=[2])
+    b.op("Identity", scan[0], outputs=["final_state"])
+    o = b.op("Transpose", scan[1], perm=[0, 2, 3, 1, 4])                               # [B, nc, C, H, dv]
+    o = b.reshape(o, b.concat([b.shape_of(o, 0, 1), i64([-1]), b.shape_of(o, 3)], 0))
+    b.op("Slice", o, i64([0]), w_len, i64([1]), outputs=["output"])
+    return helper.make_function(TANDEM_DOMAIN, OP_TYPE, ["query", "key", "value", "decay", "beta", "initial_state",
+                                                         "state_rows"], ["output", "final_state"], b.nodes,
                                 [helper.make_opsetid("", OPSET)], attributes=list(ATTRIBUTES))
