@@ -132,3 +132,38 @@ def test_chunked_gdn_body_gives_the_same_target_step(tiny_root, exported):
     b, _ = run_chunks(desc, chunked, PROMPTS, [7, 16])
     for x, y in zip(a, b):
         assert np.abs(x - y).max() < TOL
+
+
+@pytest.mark.parametrize("chained", [True, False])
+def test_head_graphs_reproduce_reference_drafting(exported, references, chained):
+    """Re-anchor every head over the prompt rows (t_{i+1}, h_i), then draft k tokens: step s runs
+    head s % n (chained) or head 0 (reused) over (d_1, g_0) .. (d_s, g_{s-1}) on top of its KV."""
+    from tandem.testing.mtp_reference import greedy_draft
+
+    desc, target, heads = exported["qwen3_5_mtp3"]
+    text_model, lm_head, ref = references["qwen3_5_mtp3"]
+    tokens, k = PROMPTS[0], 3
+    t_next_ref, drafts_ref = greedy_draft(text_model, lm_head, ref, tokens, k, chained=chained)
+
+    state = PagedState(desc, 1)
+    n = len(tokens)
+    out = state.run(target, {c.INPUT_IDS: np.array([tokens]), c.STATE_ROWS: np.array([n])})
+    hidden, t_next = out[c.HIDDEN], int(out[c.LOGITS][0, -1].argmax())
+    assert t_next == t_next_ref
+    used = list(range(len(heads))) if chained else [0]
+    head_state = {}
+    for j in used:  # re-anchor (process): rows (t_{i+1}, h_i), i = 0..n-1, all committed
+        st = PagedState(desc, 1, kv_layers=[c.mtp_layer_name(j)])
+        o = st.run(heads[j], {c.INPUT_IDS: np.array([tokens[1:] + [t_next]]), c.HIDDEN_IN: hidden,
+                              c.LAST_ROW: np.array([n - 1])})
+        st.commit(o, np.array([n]), commit_states=False)
+        head_state[j] = st
+        if j == 0:
+            drafts, chain_h = [int(o[c.DRAFT_TOKEN][0])], [o[c.HIDDEN_OUT][0]]
+    for s in range(1, k):
+        j = s % len(heads) if chained else 0
+        o = head_state[j].run(heads[j], {c.INPUT_IDS: np.array([drafts]), c.HIDDEN_IN: np.stack(chain_h)[None],
+                                         c.LAST_ROW: np.array([s - 1])})
+        drafts.append(int(o[c.DRAFT_TOKEN][0]))
+        chain_h.append(o[c.HIDDEN_OUT][0])
+    assert drafts == drafts_ref
