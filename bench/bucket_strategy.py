@@ -1,0 +1,125 @@
+"""ONNX Runtime bucket strategy: one optimised static-shape model per (batch, width) bucket vs one
+dynamic model bound per bucket with preallocated buffers (IOBinding). Prints load time and
+per-call latency for both.
+
+    .venv/bin/python bench/bucket_strategy.py [--kind qwen3_5_150m] [--workdir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine, timeit  # noqa: E402
+from tandem import contract as c  # noqa: E402
+from tandem.checkpoint import open_checkpoint  # noqa: E402
+from tandem.checkpoint.description import LayerKind  # noqa: E402
+from tandem.export.exporter import export_checkpoint  # noqa: E402
+from tandem.export.lowering import lower_for_onnxruntime  # noqa: E402
+from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+
+def feeds_for(desc, sess, batch, rows, ctx=256, page=16):
+    a, g = desc.attention, desc.linear_attention
+    pages = ctx // page + 1
+    n_pages = batch * pages + 1
+    f = {c.INPUT_IDS: np.ones((batch, rows), np.int64), c.CONTEXT_LENS: np.full(batch, ctx, np.int64),
+         c.BLOCK_TABLES: np.arange(batch * pages, dtype=np.int64).reshape(batch, pages),
+         c.STATE_ROWS: np.full(batch, rows, np.int64), c.STATE_SLOTS: np.arange(batch, dtype=np.int64)}
+    for i in desc.layer_indices(LayerKind.FULL_ATTENTION):
+        f[c.key_pool(i)] = np.zeros((n_pages, page, a.num_kv_heads, a.head_dim), np.float32)
+        f[c.value_pool(i)] = np.zeros((n_pages, page, a.num_kv_heads, a.head_dim), np.float32)
+    for i in desc.layer_indices(LayerKind.LINEAR_ATTENTION):
+        f[c.recurrent_pool(i)] = np.zeros((batch, g.num_value_heads, g.key_head_dim, g.value_head_dim), np.float32)
+        f[c.conv_pool(i)] = np.zeros((batch, g.conv_dim, g.conv_kernel - 1), np.float32)
+    names = {i.name for i in sess.get_inputs()}
+    return {k: v for k, v in f.items() if k in names}
+
+
+def options(level=ort.GraphOptimizationLevel.ORT_ENABLE_ALL, save_to=None):
+    o = ort.SessionOptions()
+    o.graph_optimization_level = level
+    o.intra_op_num_threads = 2
+    o.log_severity_level = 3
+    if save_to:
+        o.optimized_model_filepath = str(save_to)
+        o.add_session_config_entry("session.optimized_model_external_initializers_file_name", save_to.name + ".data")
+        o.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes", "1024")
+    return o
+
+
+def fix_shapes(model: onnx.ModelProto, batch: int, rows: int) -> onnx.ModelProto:
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for inp in out.graph.input:
+        for d in inp.type.tensor_type.shape.dim:
+            if d.dim_param == "batch":
+                d.dim_value = batch
+            elif d.dim_param == "rows":
+                d.dim_value = rows
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kind", default="qwen3_5_150m")
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bucket-"))
+    src = work / args.kind
+    if not (src / "config.json").exists():
+        write_tiny_checkpoint(src, args.kind, dtype="bfloat16")
+    ckpt = open_checkpoint(src)
+    exp = work / f"{args.kind}-onnx"
+    if not (exp / "export.json").exists():
+        export_checkpoint(ckpt, exp)
+    print(f"machine: {machine()}; onnxruntime {ort.__version__}; {args.kind}")
+    print(f"{'graph':<14}{'B':>3}{'W':>3}  {'static: build+save s':>21} {'load s':>7} {'call ms (p90)':>16}"
+          f"  {'dynamic: load s':>16} {'call ms (p90)':>16}")
+    dynamic_cache = {}
+    for graph, rows in (("target_step", 1), ("verify_greedy", 4)):
+        base = onnx.load(str(exp / f"{graph}.onnx"), load_external_data=False)
+        lowered = lower_for_onnxruntime(base, rows=rows)
+        lowered_path = exp / f"{graph}.lowered{rows}.onnx"
+        onnx.save(lowered, str(lowered_path))
+        for batch in (1, 8):
+            t = time.perf_counter()
+            static_path = exp / f"{graph}.b{batch}w{rows}.opt.onnx"
+            fixed = exp / f"{graph}.b{batch}w{rows}.fixed.onnx"
+            onnx.save(fix_shapes(lowered, batch, rows), str(fixed))
+            ort.InferenceSession(str(fixed), options(save_to=static_path), providers=["CPUExecutionProvider"])
+            t_build = time.perf_counter() - t
+            t = time.perf_counter()
+            static = ort.InferenceSession(str(static_path), options(ort.GraphOptimizationLevel.ORT_DISABLE_ALL),
+                                          providers=["CPUExecutionProvider"])
+            t_load_static = time.perf_counter() - t
+            t = time.perf_counter()
+            if graph not in dynamic_cache:
+                dynamic_cache[graph] = ort.InferenceSession(str(lowered_path), options(),
+                                                            providers=["CPUExecutionProvider"])
+            t_load_dyn = time.perf_counter() - t
+            dyn = dynamic_cache[graph]
+            results = []
+            for sess in (static, dyn):
+                feeds = feeds_for(ckpt.description, sess, batch, rows)
+                binding = sess.io_binding()
+                for k, v in feeds.items():
+                    binding.bind_cpu_input(k, v)
+                for o in sess.get_outputs():
+                    binding.bind_output(o.name)
+                results.append(timeit(lambda s=sess, b=binding: s.run_with_iobinding(b), warmup=3, runs=15))
+            print(f"{graph:<14}{batch:>3}{rows:>3}  {t_build:>21.2f} {t_load_static:>7.2f} "
+                  f"{results[0][0]:>9.2f} ({results[0][1]:5.2f})  {t_load_dyn:>16.2f} "
+                  f"{results[1][0]:>9.2f} ({results[1][1]:5.2f})")
+
+
+if __name__ == "__main__":
+    main()
