@@ -37,14 +37,44 @@ def cmd_export(args: argparse.Namespace) -> int:
     try:
         ckpt = open_checkpoint(args.model_dir, speculative=not args.no_mtp, draft=args.draft)
     except CheckpointError as e:
-        print(f"{args.model_dir}: REFUSED", file=sys.stderr)
-        for p in e.problems:
-            print(f"  - {p}", file=sys.stderr)
-        return 1
+        return _refused(args.model_dir, e.problems)
     result = export_checkpoint(ckpt, args.out)
     print(f"exported {', '.join(result.graphs.values())} + weights.bin ({result.weights_bytes:,} bytes) "
           f"to {result.folder} in {result.seconds:.2f} s")
     return 0
+
+
+def cmd_build_engines(args: argparse.Namespace) -> int:
+    from tandem.checkpoint import CheckpointError
+    from tandem.engines.atomic import OutputError
+    from tandem.engines.backends.common import BackendUnavailable
+    from tandem.engines.builder import BuildError, build_engines
+    from tandem.engines.options import BuildOptions, OptionsError, parse_int_list
+
+    try:
+        options = BuildOptions(
+            backend=args.backend, batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"), spec_k=args.spec_k,
+            verify_widths=parse_int_list(args.verify_widths, "--verify-widths") if args.verify_widths else None,
+            max_seq_len=args.max_seq_len, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
+            dtype=args.dtype, draft=args.draft, no_mtp=args.no_mtp)
+        result = build_engines(args.model_dir, args.out, options, show_progress=not args.quiet)
+    except CheckpointError as e:
+        return _refused(args.model_dir, e.problems)
+    except (OptionsError, OutputError, BuildError, BackendUnavailable) as e:
+        return _refused("build-engines", [str(e)])
+    if result.status == "up-to-date":
+        print(f"{result.engine_dir} is up to date (same checkpoint files and options): nothing to rebuild")
+    else:
+        print(f"built {result.engine_dir}: {len(result.rebuilt)} engine(s) built and verified, "
+              f"{len(result.reused)} reused, {result.size_bytes / 2**20:.1f} MiB, {result.seconds:.1f} s")
+    return 0
+
+
+def _refused(what: str, problems: list[str]) -> int:
+    print(f"{what}: REFUSED", file=sys.stderr)
+    for p in problems:
+        print(f"  - {p}", file=sys.stderr)
+    return 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +96,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", help="folder with the MTP (mtp.*) weights, when they are not in the checkpoint")
     p.add_argument("--no-mtp", action="store_true", help="export the target graphs only")
     p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("build-engines", help="build engines per (batch size, verify width) with a manifest")
+    p.add_argument("model_dir", help="local Hugging Face checkpoint folder")
+    p.add_argument("--out", required=True, help="engine directory to write (replaced atomically)")
+    p.add_argument("--backend", default="onnxruntime", choices=["onnxruntime", "tensorrt"])
+    p.add_argument("--batch-sizes", default="1,2,4,8", help="comma-separated batch sizes (default 1,2,4,8)")
+    p.add_argument("--spec-k", type=int, default=3, help="draft tokens per round; verify width = k+1 (default 3)")
+    p.add_argument("--verify-widths", default=None, help="explicit verify widths, e.g. 2,4 (overrides the defaults)")
+    p.add_argument("--max-seq-len", type=int, default=4096, help="longest sequence the engines serve")
+    p.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (power of two)")
+    p.add_argument("--prefill-chunk", type=int, default=64, help="rows per prefill chunk")
+    p.add_argument("--dtype", default="float32", help="engine precision (float32)")
+    p.add_argument("--draft", help="folder with the MTP (mtp.*) weights, when they are not in the checkpoint")
+    p.add_argument("--no-mtp", action="store_true", help="plain decoding only: no heads, no verify engines")
+    p.add_argument("--quiet", action="store_true", help="no progress bars")
+    p.set_defaults(func=cmd_build_engines)
     return parser
 
 

@@ -8,7 +8,7 @@ KV rows per full-attention layer [Hkv, head_dim] for K and V; Gated DeltaNet rec
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass
 from enum import Enum
 
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -125,7 +125,6 @@ class ModelDescription:
     bos_token_id: int | None = None
     # Norms are zero-centred RMSNorm x*rsqrt(mean(x^2)+eps)*(1+w), except the GDN output norm.
     norm_zero_centred: bool = True
-    extra: dict = field(default_factory=dict, compare=False, hash=False)
 
     def __post_init__(self):
         if self.dtype not in DTYPE_BYTES:
@@ -153,3 +152,34 @@ class ModelDescription:
         recurrent = g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
         conv = g.conv_dim * (g.conv_kernel - 1) * DTYPE_BYTES[dtype or self.dtype]
         return len(self.layer_indices(LayerKind.LINEAR_ATTENTION)) * (recurrent + conv)
+
+
+def description_to_dict(desc: ModelDescription) -> dict:
+    """JSON-safe form (enums as their values); the engine manifest stores it."""
+    return _plain(asdict(desc))
+
+
+def description_from_dict(data: dict) -> ModelDescription:
+    """Inverse of description_to_dict: the pipeline rebuilds the description from the manifest."""
+    layer = lambda d: LayerSpec(LayerKind(d["kind"]), MLPKind(d["mlp"]))  # noqa: E731
+    mtp = data.get("mtp")
+    return ModelDescription(
+        **{k: v for k, v in data.items() if k not in ("layers", "attention", "linear_attention", "moe", "mtp",
+                                                       "eos_token_ids")},
+        layers=tuple(layer(x) for x in data["layers"]),
+        attention=AttentionSpec(**{**data["attention"], "mrope_section": tuple(data["attention"]["mrope_section"])
+                                   if data["attention"].get("mrope_section") else None}),
+        linear_attention=LinearAttentionSpec(**data["linear_attention"]),
+        moe=MoESpec(**data["moe"]) if data.get("moe") else None,
+        mtp=MTPSpec(mtp["num_layers"], layer(mtp["layer"]), mtp["source"]) if mtp else None,
+        eos_token_ids=tuple(data.get("eos_token_ids", ())))
+
+
+def _plain(x):
+    if isinstance(x, Enum):
+        return x.value
+    if isinstance(x, dict):
+        return {k: _plain(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain(v) for v in x]
+    return x

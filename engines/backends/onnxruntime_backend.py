@@ -1,0 +1,87 @@
+"""ONNX Runtime backend (CPU, the embedded default).
+
+Engine layout, chosen by measurement (bench/bucket_strategy.py, docs/engines.md): one dynamic
+lowered model per graph kind (and per verify width, since the verify lowering unrolls W rows),
+all sharing weights.bin; the pipeline binds preallocated buffers per (batch, width) bucket with
+IOBinding. Per-call latency matched one optimised static-shape model per bucket within noise,
+while those stored a full weights copy per bucket (570 MiB each for 150M parameters).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from tandem.engines.backends.common import link_or_copy
+from tandem.engines.buckets import Bucket
+from tandem.export.exporter import WEIGHTS_FILE
+from tandem.export.lowering import lower_for_onnxruntime
+
+NAME = "onnxruntime"
+__all__ = ["NAME", "Checker", "ReferenceRunner", "build", "engine_file", "link_or_copy", "session", "versions"]
+
+
+def versions() -> dict[str, str]:
+    return {"onnxruntime": ort.__version__, "onnx": onnx.__version__, "numpy": np.__version__}
+
+
+def engine_file(bucket: Bucket) -> str:
+    if bucket.graph.startswith("verify_"):
+        return f"{bucket.graph}.w{bucket.rows}.onnx"
+    return f"{bucket.graph}.onnx"
+
+
+def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, options=None,
+          progress=None) -> dict[str, tuple[str, int]]:
+    """Write the lowered graphs the buckets need; returns bucket name -> (engine file, profile 0)."""
+    if not (out_dir / WEIGHTS_FILE).exists():
+        link_or_copy(export_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
+    files = {}
+    for bucket in buckets:
+        name = engine_file(bucket)
+        if not (out_dir / name).exists():
+            model = onnx.load(str(export_dir / f"{bucket.graph}.onnx"), load_external_data=False)
+            rows = bucket.rows if bucket.graph.startswith("verify_") else None
+            onnx.save(lower_for_onnxruntime(model, rows=rows), str(out_dir / name))
+        files[bucket.name] = (name, 0)
+        if progress:
+            progress.step(bucket.name)
+    return files
+
+
+def session(path: Path, threads: int | None = None) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    if threads:
+        opts.intra_op_num_threads = threads
+    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+
+
+class ReferenceRunner:
+    """Runs exported (un-lowered) graphs with ONNX Runtime: the reference every backend's
+    engines are checked against. One session per file."""
+
+    def __init__(self):
+        self._sessions: dict[Path, ort.InferenceSession] = {}
+
+    def run(self, path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        if path not in self._sessions:
+            self._sessions[path] = session(path)
+        sess = self._sessions[path]
+        return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+
+
+class Checker:
+    """(reference outputs, engine outputs) for a bucket's fixed input."""
+
+    def __init__(self, engine_dir: Path, export_dir: Path):
+        self.engine_dir, self.export_dir = engine_dir, export_dir
+        self.runner = ReferenceRunner()
+
+    def run(self, bucket: Bucket, engine: tuple[str, int], feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:
+        reference = self.runner.run(self.export_dir / f"{bucket.graph}.onnx", feeds)
+        return reference, self.runner.run(self.engine_dir / engine[0], feeds)

@@ -1,0 +1,112 @@
+"""TensorRT backend (NVIDIA GPUs). Imports tensorrt only when used: where it is missing,
+selecting this backend raises BackendUnavailable with how to get it.
+
+One serialized plan per graph kind (and verify width), with one optimization profile per batch
+bucket: profiles of one engine share one copy of the weights (separately built engines cannot),
+and the pipeline picks a profile per bucket, one execution context each. Shapes per profile come
+from tandem.engines.buckets.profile_shapes (backend-neutral, unit-tested without TensorRT).
+
+Custom ops: the ONNX parser imports each `ai.tandem` node's function body (the portable
+fallback). Plugin kernels do not ship yet; tandem.plugins.tensorrt_plugins holds the attribute
+mapping they will receive and the node tagging (plugin_namespace) that makes the parser prefer a
+registered plugin over the body.
+
+CUDA graphs: the runtime runs enqueueV3 once per (context, shapes) after a shape change, then
+captures one graph per bucket with fixed input/output addresses and replays it every round.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from tandem.engines.backends.common import BackendUnavailable, link_or_copy
+from tandem.engines.backends.onnxruntime_backend import ReferenceRunner
+from tandem.engines.buckets import Bucket, profile_shapes
+
+NAME = "tensorrt"
+__all__ = ["NAME", "Checker", "build", "engine_file", "link_or_copy", "versions"]
+_WORKSPACE = 4 << 30
+
+
+def _trt():
+    try:
+        import tensorrt as trt
+    except ImportError as e:
+        raise BackendUnavailable(
+            "--backend tensorrt needs the TensorRT Python package and an NVIDIA GPU, and TensorRT is not "
+            "installed here (its wheels fetch their libraries from NVIDIA's own package index; see TensorRT's "
+            "install guide). Use --backend onnxruntime on this machine.") from e
+    return trt
+
+
+def versions() -> dict[str, str]:
+    return {"tensorrt": _trt().__version__}
+
+
+def engine_file(bucket: Bucket) -> str:
+    if bucket.graph.startswith("verify_"):
+        return f"{bucket.graph}.w{bucket.rows}.plan"
+    return f"{bucket.graph}.plan"
+
+
+def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc, options, progress=None
+          ) -> dict[str, tuple[str, int]]:
+    """Parse each exported graph once, add one profile per bucket, serialize the plan."""
+    trt = _trt()
+    logger = trt.Logger(trt.Logger.WARNING)
+    groups: dict[str, list[Bucket]] = {}
+    for bucket in buckets:
+        groups.setdefault(engine_file(bucket), []).append(bucket)
+    files = {}
+    for file, group in groups.items():
+        builder = trt.Builder(logger)
+        flags = 0
+        if hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):  # precision from the ONNX types
+            flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+        network = builder.create_network(flags)
+        parser = trt.OnnxParser(network, logger)
+        onnx_path = export_dir / f"{group[0].graph}.onnx"
+        if not parser.parse_from_file(str(onnx_path)):
+            errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+            raise RuntimeError(f"TensorRT could not parse {onnx_path.name}: {errors}")
+        config = builder.create_builder_config()
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, _WORKSPACE)
+        inputs = {network.get_input(i).name for i in range(network.num_inputs)}
+        for index, bucket in enumerate(group):
+            profile = builder.create_optimization_profile()
+            for name, (lo, opt, hi) in profile_shapes(desc, bucket, options).items():
+                if name in inputs:
+                    profile.set_shape(name, lo, opt, hi)
+            config.add_optimization_profile(profile)
+            files[bucket.name] = (file, index)
+        plan = builder.build_serialized_network(network, config)
+        if plan is None:
+            raise RuntimeError(f"TensorRT failed to build {file}; run with TensorRT's verbose log for the reason")
+        (out_dir / file).write_bytes(bytes(plan))
+        for bucket in group:
+            if progress:
+                progress.step(bucket.name)
+    return files
+
+
+class Checker:
+    """Engine outputs (polygraphy's TrtRunner on the bucket's profile) against ONNX Runtime on
+    the exported graph: the same comparison the ONNX Runtime backend makes."""
+
+    def __init__(self, engine_dir: Path, export_dir: Path):
+        self.engine_dir, self.export_dir = engine_dir, export_dir
+        self.reference = ReferenceRunner()
+        self._engines = {}
+
+    def run(self, bucket: Bucket, engine: tuple[str, int], feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:
+        from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+        file, profile = engine
+        if file not in self._engines:
+            self._engines[file] = EngineFromBytes((self.engine_dir / file).read_bytes())()
+        reference = self.reference.run(self.export_dir / f"{bucket.graph}.onnx", feeds)
+        with TrtRunner(self._engines[file], optimization_profile=profile) as runner:
+            outputs = runner.infer(feed_dict=feeds)
+        return reference, {name: np.asarray(value) for name, value in outputs.items()}

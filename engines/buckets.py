@@ -1,0 +1,122 @@
+"""Which engines a build makes: the (graph, batch, rows) buckets, the default verify width per
+batch size, and the optimization-profile shapes a static-shape backend (TensorRT) needs.
+Backend-neutral and pure: tested without any runtime.
+
+Buckets per batch size B:
+    decode        target_step   rows 1
+    prefill       target_step   rows = prefill chunk
+    verify        verify_greedy / verify_sample at each verify width W = k+1 in use
+    heads         mtp_head_j    rows 1 .. max(prefill chunk, max W)   (re-anchor and draft steps)
+
+Default verify width per batch size (seed 003's idea): drafting pays off less as the batch
+grows, because the target's verify of W rows costs about W x the decode at large B. Until
+`tandem profile` measures it, the default is k+1 up to B = 2, at most 3 up to B = 8, 2 beyond.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tandem import contract as c
+from tandem.checkpoint.description import ModelDescription
+from tandem.engines.options import BuildOptions
+
+
+@dataclass(frozen=True)
+class Bucket:
+    graph: str         # graph kind: target_step, verify_greedy, verify_sample, mtp_head_{j}
+    batch: int
+    rows: int          # W (or R for heads): the largest rows count this bucket serves
+    min_rows: int = 0  # smallest rows count (0: same as rows)
+    role: str = ""     # decode / prefill / verify / head
+
+    @property
+    def name(self) -> str:
+        return f"{self.graph}.b{self.batch}.w{self.rows}" + (f"-{self.min_rows}" if self.min_rows else "")
+
+
+def default_verify_width(batch: int, spec_k: int) -> int:
+    if batch <= 2:
+        return spec_k + 1
+    if batch <= 8:
+        return min(spec_k + 1, 3)
+    return 2
+
+
+def verify_width_per_batch(options: BuildOptions) -> dict[int, int]:
+    """The width the pipeline uses for each batch size (profile can tune it later)."""
+    if options.no_mtp:
+        return {}
+    if not options.verify_widths:
+        return {b: default_verify_width(b, options.spec_k) for b in options.batch_sizes}
+    widths = options.verify_widths
+    out = {}
+    for b in options.batch_sizes:  # the widest listed width within the default, else the narrowest
+        fitting = [w for w in widths if w <= default_verify_width(b, max(widths) - 1)]
+        out[b] = max(fitting) if fitting else min(widths)
+    return out
+
+
+def verify_widths(options: BuildOptions) -> tuple[int, ...]:
+    if options.no_mtp:
+        return ()
+    if options.verify_widths:
+        return options.verify_widths
+    return tuple(sorted(set(verify_width_per_batch(options).values())))
+
+
+def plan(desc: ModelDescription, options: BuildOptions) -> list[Bucket]:
+    out = []
+    widths = verify_widths(options)
+    heads = 0 if options.no_mtp or desc.mtp is None else desc.mtp.num_layers
+    for b in options.batch_sizes:
+        out.append(Bucket("target_step", b, 1, role="decode"))
+        if options.prefill_chunk > 1:
+            out.append(Bucket("target_step", b, options.prefill_chunk, min_rows=2, role="prefill"))
+        for w in widths:
+            out.append(Bucket("verify_greedy", b, w, role="verify"))
+            out.append(Bucket("verify_sample", b, w, role="verify"))
+        for j in range(heads):
+            out.append(Bucket(f"mtp_head_{j}", b, max([options.prefill_chunk, *widths]), min_rows=1, role="head"))
+    return out
+
+
+def _dim(d, bucket: Bucket, options: BuildOptions, desc: ModelDescription, which: str) -> int:
+    """One symbolic contract dim at the min / opt / max point of a bucket's profile."""
+    max_pages = -(-options.max_seq_len // options.page_size)
+    if isinstance(d, int):
+        return d
+    if d == "batch":
+        return bucket.batch
+    if d == "rows":
+        lo = bucket.min_rows or bucket.rows
+        return {"min": lo, "opt": bucket.rows, "max": bucket.rows}[which]
+    if d == "max_pages":
+        return {"min": 1, "opt": max_pages, "max": max_pages}[which]
+    if d == "num_pages":  # the pool: at least one sequence's worth, at most the whole batch's
+        return {"min": 1, "opt": bucket.batch * max_pages, "max": bucket.batch * max_pages + 1}[which]
+    if d == "page_size":
+        return options.page_size
+    if d == "num_slots":
+        return {"min": 1, "opt": bucket.batch, "max": bucket.batch * 2 + 1}[which]
+    raise ValueError(f"unknown symbolic dim {d!r}")
+
+
+def io_specs(desc: ModelDescription, graph: str) -> list[c.TensorSpec]:
+    if graph == "target_step":
+        return c.target_step_io(desc)[0]
+    if graph.startswith("verify_"):
+        ins = c.verify_step_io(desc)[0]
+        if graph == "verify_greedy":
+            ins = [s for s in ins if s.name not in (c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS)]
+        return ins
+    return c.mtp_head_io(desc, int(graph.rsplit("_", 1)[1]))[0]
+
+
+def profile_shapes(desc: ModelDescription, bucket: Bucket, options: BuildOptions) -> dict[str, tuple]:
+    """input name -> (min, opt, max) shapes of the bucket's optimization profile."""
+    out = {}
+    for spec in io_specs(desc, bucket.graph):
+        out[spec.name] = tuple(tuple(_dim(d, bucket, options, desc, which) for d in spec.shape)
+                               for which in ("min", "opt", "max"))
+    return out

@@ -1,0 +1,171 @@
+"""`tandem build-engines`: checkpoint -> engine directory, safely.
+
+    validate checkpoint + options (config time) -> up to date? stop -> check the output location
+    -> [temporary sibling] export once -> build engines per bucket (reusing unchanged ones)
+    -> run each engine once and compare with the un-lowered graph -> copy tokenizer/config
+    -> manifest.json (last) -> rename into place
+
+A failure anywhere removes the temporary directory; an existing engine directory stays as it was.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tandem import __version__, contract
+from tandem.checkpoint import open_checkpoint
+from tandem.checkpoint.description import description_to_dict
+from tandem.checkpoint.summary import summarize
+from tandem.engines import buckets as bucket_plan
+from tandem.engines.atomic import check_writable, staged_directory
+from tandem.engines.backends import get_backend
+from tandem.engines.manifest import (
+    CHECKPOINT_FILES,
+    FORMAT,
+    FORMAT_VERSION,
+    ManifestError,
+    check_files,
+    checkpoint_fingerprint,
+    file_sha256,
+    read_manifest,
+    write_manifest,
+)
+from tandem.engines.options import BuildOptions, OptionsError
+from tandem.engines.progress import Progress
+from tandem.engines.verification import compare, fixed_inputs, timed
+from tandem.export.exporter import export_checkpoint
+
+_EXPORT_OPTIONS = ("dtype", "no_mtp", "draft")  # options that change the exported graphs
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    engine_dir: Path
+    status: str                 # "built" or "up-to-date"
+    seconds: float
+    size_bytes: int
+    rebuilt: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+
+
+def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions | None = None,
+                  show_progress: bool = True) -> BuildResult:
+    start = time.perf_counter()
+    options = options or BuildOptions()
+    out = Path(out)
+    ckpt = open_checkpoint(model_dir, speculative=not options.no_mtp, spec_k=options.spec_k, draft=options.draft)
+    desc = ckpt.description
+    if options.max_seq_len > desc.max_position_embeddings:
+        raise OptionsError(f"--max-seq-len {options.max_seq_len} exceeds the model's max_position_embeddings "
+                           f"({desc.max_position_embeddings})")
+    backend = get_backend(options.backend)
+    draft = Path(options.draft) if options.draft else None
+    fingerprint = {"checkpoint": checkpoint_fingerprint(Path(model_dir), draft), "options": options.to_json(),
+                   "tandem": __version__, "backend": backend.versions(), "contract_version": contract.CONTRACT_VERSION}
+    previous = _previous_manifest(out)
+    if previous and previous.get("fingerprint") == fingerprint and not check_files(out, previous):
+        return BuildResult(out, "up-to-date", time.perf_counter() - start, _dir_size(out))
+
+    params = ckpt.parameter_count() + (ckpt.parameter_count(mtp=True) if desc.mtp else 0)
+    check_writable(out, need_bytes=int(params * 4 * 1.2) + (64 << 20))
+    plan = bucket_plan.plan(desc, options)
+    reusable = _reusable_engines(previous, fingerprint, out)
+    with staged_directory(out) as tmp:
+        export_dir = tmp / "_export"
+        with Progress("export", 1, show_progress) as bar:
+            export_checkpoint(ckpt, export_dir, dtype=options.dtype)
+            bar.step()
+        for name in {e["file"] for e in reusable.values()} | ({"weights.bin"} if reusable else set()):
+            if (out / name).exists():
+                backend.link_or_copy(out / name, tmp / name)
+        with Progress("build", len(plan), show_progress) as bar:
+            files = backend.build(export_dir, tmp, plan, desc=desc, options=options, progress=bar)
+        records, rebuilt, reused = [], [], []
+        checker = backend.Checker(tmp, export_dir)
+        with Progress("verify", len(plan), show_progress) as bar:
+            for bucket in plan:
+                file, profile = files[bucket.name]
+                old = reusable.get(bucket.name)
+                if old and old["file"] == file and old.get("profile", 0) == profile:
+                    verification = old["verification"]
+                    reused.append(bucket.name)
+                else:
+                    feeds = fixed_inputs(desc, bucket, options)
+                    (ref, got), seconds = timed(lambda b=bucket, f=feeds, e=(file, profile): checker.run(b, e, f))
+                    verification = compare(ref, got, options.dtype, seconds).to_json()
+                    rebuilt.append(bucket.name)
+                records.append({"name": bucket.name, "graph": bucket.graph, "role": bucket.role, "batch": bucket.batch,
+                                "rows": bucket.rows, "min_rows": bucket.min_rows or bucket.rows,
+                                "file": file, "profile": profile, "verification": verification})
+                bar.step(bucket.name)
+        failed = [r["name"] for r in records if not r["verification"]["passed"]]
+        if failed:
+            raise BuildError(f"{len(failed)} engine(s) disagree with the un-lowered graphs beyond the tolerance: "
+                             f"{', '.join(failed)}. Nothing was written; report this with the model's config.json.")
+        shutil.rmtree(export_dir)
+        for name in CHECKPOINT_FILES:
+            if (Path(model_dir) / name).exists():
+                shutil.copyfile(Path(model_dir) / name, tmp / name)
+        manifest = _manifest(ckpt, options, backend, fingerprint, records, tmp, time.perf_counter() - start)
+        write_manifest(tmp, manifest)
+    return BuildResult(out, "built", time.perf_counter() - start, _dir_size(out), rebuilt, reused)
+
+
+def _previous_manifest(out: Path) -> dict | None:
+    try:
+        return read_manifest(out) if out.is_dir() else None
+    except ManifestError:
+        return None
+
+
+def _reusable_engines(previous: dict | None, fingerprint: dict, out: Path) -> dict[str, dict]:
+    """Engines of the previous build that this one can keep: same checkpoint, export options,
+    backend and versions, and files that still hash as recorded."""
+    if not previous:
+        return {}
+    old = previous.get("fingerprint", {})
+    same = (old.get("checkpoint") == fingerprint["checkpoint"] and old.get("backend") == fingerprint["backend"]
+            and old.get("tandem") == fingerprint["tandem"]
+            and all(old.get("options", {}).get(k) == fingerprint["options"][k] for k in _EXPORT_OPTIONS)
+            and old.get("options", {}).get("page_size") == fingerprint["options"]["page_size"])
+    if not same or check_files(out, previous):
+        return {}
+    return {e["name"]: e for e in previous.get("engines", []) if e["verification"]["passed"]}
+
+
+def _manifest(ckpt, options: BuildOptions, backend, fingerprint: dict, records: list[dict], folder: Path,
+              seconds: float) -> dict:
+    desc = ckpt.description
+    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "contract_version": contract.CONTRACT_VERSION,
+        "tandem_version": __version__,
+        "backend": backend.NAME,
+        "versions": backend.versions(),
+        "model": summarize(ckpt, None if options.no_mtp else options.spec_k),
+        "description": description_to_dict(desc),
+        "options": options.to_json(),
+        "fingerprint": fingerprint,
+        "runtime": {"page_size": options.page_size, "max_seq_len": options.max_seq_len,
+                    "prefill_chunk": options.prefill_chunk, "batch_sizes": list(options.batch_sizes),
+                    "spec_k": None if options.no_mtp else options.spec_k,
+                    "verify_widths": list(bucket_plan.verify_widths(options)),
+                    "verify_width_per_batch": {str(b): w for b, w in
+                                               bucket_plan.verify_width_per_batch(options).items()}},
+        "engines": records,
+        "files": {name: file_sha256(folder / name) for name in files},
+        "build_seconds": round(seconds, 2),
+    }
+
+
+def _dir_size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in Path(folder).rglob("*") if p.is_file())

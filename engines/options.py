@@ -1,0 +1,79 @@
+"""Build options for `tandem build-engines`, validated at construction (before anything heavy).
+
+Contradictions and out-of-range values raise OptionsError with a message that says which
+option and what to pass instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from tandem.checkpoint.validation import MAX_SPEC_K, MIN_SPEC_K
+
+BACKENDS = ("onnxruntime", "tensorrt")
+SUPPORTED_DTYPES = ("float32",)
+MAX_BATCH = 256
+
+
+class OptionsError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    backend: str = "onnxruntime"
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    spec_k: int = 3
+    verify_widths: tuple[int, ...] | None = None  # None: from spec_k and the per-batch defaults
+    max_seq_len: int = 4096
+    page_size: int = 16
+    prefill_chunk: int = 64
+    dtype: str = "float32"
+    draft: str | None = None
+    no_mtp: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise OptionsError(f"--backend {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if not self.batch_sizes or any(not isinstance(b, int) or not 1 <= b <= MAX_BATCH for b in self.batch_sizes):
+            raise OptionsError(f"--batch-sizes {list(self.batch_sizes)}: give integers in 1..{MAX_BATCH}, e.g. 1,2,4,8")
+        object.__setattr__(self, "batch_sizes", tuple(sorted(set(self.batch_sizes))))
+        if self.no_mtp:
+            if self.draft:
+                raise OptionsError("--draft and --no-mtp contradict each other: a draft folder is only read for "
+                                   "speculative decoding. Drop one of them.")
+            if self.verify_widths:
+                raise OptionsError("--verify-widths and --no-mtp contradict each other: without MTP there is no "
+                                   "verify step. Drop one of them.")
+        elif not MIN_SPEC_K <= self.spec_k <= MAX_SPEC_K:
+            raise OptionsError(f"--spec-k {self.spec_k} is out of range: draft tokens per round must be in "
+                               f"{MIN_SPEC_K}..{MAX_SPEC_K}")
+        if self.verify_widths is not None:
+            widths = tuple(sorted(set(self.verify_widths)))
+            if not widths or any(not 2 <= w <= MAX_SPEC_K + 1 for w in widths):
+                raise OptionsError(f"--verify-widths {list(self.verify_widths)}: each width is k+1 for k drafts, "
+                                   f"so it must be in 2..{MAX_SPEC_K + 1}")
+            object.__setattr__(self, "verify_widths", widths)
+        if self.page_size < 1 or self.page_size & (self.page_size - 1) or self.page_size > 1024:
+            raise OptionsError(f"--page-size {self.page_size}: use a power of two in 1..1024 (16 is typical)")
+        if self.max_seq_len < self.page_size:
+            raise OptionsError(f"--max-seq-len {self.max_seq_len} is smaller than one page ({self.page_size})")
+        if not 1 <= self.prefill_chunk <= self.max_seq_len:
+            raise OptionsError(f"--prefill-chunk {self.prefill_chunk}: use 1..--max-seq-len ({self.max_seq_len})")
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise OptionsError(f"--dtype {self.dtype} is not supported yet; use {', '.join(SUPPORTED_DTYPES)}")
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out.pop("extra")
+        out["batch_sizes"], out["verify_widths"] = list(self.batch_sizes), (
+            list(self.verify_widths) if self.verify_widths else None)
+        return out
+
+
+def parse_int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise OptionsError(f"{flag} {text!r}: give comma-separated integers, e.g. 1,2,4,8") from e

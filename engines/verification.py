@@ -1,0 +1,82 @@
+"""The check every build ends with: each engine runs once on a fixed input and must agree with
+the un-lowered exported graph run by ONNX Runtime. Inputs are seeded per bucket, so a rebuild
+checks the same thing. Backend-neutral: a backend supplies `run(bucket, feeds) -> outputs`."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from tandem import contract as c
+from tandem.checkpoint.description import ModelDescription
+from tandem.engines.buckets import Bucket, io_specs
+from tandem.engines.options import BuildOptions
+
+TOLERANCE = {"float32": 1e-4}  # max abs difference of float outputs; integer outputs must be equal
+_CHECK_PAGES = 3               # committed context of up to 3 pages per sequence
+
+
+@dataclass(frozen=True)
+class Verification:
+    passed: bool
+    tolerance: float
+    max_abs_diff: dict[str, float]
+    seconds: float
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) -> dict[str, np.ndarray]:
+    """A valid input for the bucket: random tokens, scattered pages, partly filled contexts."""
+    rng = np.random.default_rng(_seed(bucket.name))
+    b, w, page = bucket.batch, bucket.rows, options.page_size
+    n_pages = b * _CHECK_PAGES + 1
+    n_slots = b + 1
+    dims = {"batch": b, "rows": w, "max_pages": _CHECK_PAGES, "num_pages": n_pages, "page_size": page,
+            "num_slots": n_slots}
+    out = {}
+    for spec in io_specs(desc, bucket.graph):
+        shape = tuple(dims[d] if isinstance(d, str) else d for d in spec.shape)
+        if spec.dtype != "int64":
+            out[spec.name] = (0.5 * rng.standard_normal(shape)).astype(spec.dtype)
+    out[c.INPUT_IDS] = rng.integers(0, desc.vocab_size, (b, w)).astype(np.int64)
+    out[c.CONTEXT_LENS] = rng.integers(0, _CHECK_PAGES * page + 1, b).astype(np.int64)
+    out[c.BLOCK_TABLES] = rng.permutation(n_pages)[: b * _CHECK_PAGES].reshape(b, _CHECK_PAGES).astype(np.int64)
+    out[c.STATE_SLOTS] = rng.permutation(n_slots)[:b].astype(np.int64)
+    out[c.STATE_ROWS] = rng.integers(1, w + 1, b).astype(np.int64)
+    out[c.LAST_ROW] = rng.integers(0, w, b).astype(np.int64)
+    out[c.TEMPERATURE] = rng.choice([0.0, 0.8], b).astype(np.float32)
+    out[c.TOP_K] = rng.choice([0, 20], b).astype(np.int64)
+    out[c.TOP_P] = rng.choice([1.0, 0.9], b).astype(np.float32)
+    out[c.UNIFORMS] = rng.random((b, w)).astype(np.float32)
+    names = {s.name for s in io_specs(desc, bucket.graph)}
+    return {k: v for k, v in out.items() if k in names}
+
+
+def compare(reference: dict[str, np.ndarray], engine: dict[str, np.ndarray], dtype: str,
+            seconds: float) -> Verification:
+    tol = TOLERANCE[dtype]
+    diffs, passed = {}, True
+    for name, ref in reference.items():
+        got = engine[name]
+        if ref.dtype.kind in "iub":
+            diffs[name] = float((ref != got).sum())
+            passed &= diffs[name] == 0
+        else:
+            diffs[name] = float(np.abs(ref.astype(np.float64) - got.astype(np.float64)).max()) if ref.size else 0.0
+            passed &= diffs[name] <= tol
+    return Verification(bool(passed), tol, diffs, round(seconds, 4))
+
+
+def timed(fn):
+    t = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t
+
+
+def _seed(name: str) -> int:
+    return int(hashlib.sha256(name.encode()).hexdigest()[:8], 16)
