@@ -26,6 +26,8 @@ def check_writable(out: Path, need_bytes: int) -> None:
     parent = out.resolve().parent
     if not parent.exists():
         raise OutputError(f"{parent} does not exist; create it or pass another --out")
+    if not parent.is_dir():
+        raise OutputError(f"{parent} is not a directory; pass another --out")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"{parent} is not writable; pass an --out folder you can write to")
     if out.exists() and not out.is_dir():
