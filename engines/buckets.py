@@ -58,11 +58,13 @@ def verify_width_per_batch(options: BuildOptions) -> dict[int, int]:
 
 
 def verify_widths(options: BuildOptions) -> tuple[int, ...]:
+    """Widths to build: every width 2..k+1 by default, so a round can verify fewer drafts (a
+    request's own k, or drafting stopped early by the probability floor) without padding."""
     if options.no_mtp:
         return ()
     if options.verify_widths:
         return options.verify_widths
-    return tuple(sorted(set(verify_width_per_batch(options).values())))
+    return tuple(range(2, options.spec_k + 2))
 
 
 def plan(desc: ModelDescription, options: BuildOptions) -> list[Bucket]:
