@@ -85,3 +85,47 @@ class Checker:
     def run(self, bucket: Bucket, engine: tuple[str, int], feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:
         reference = self.runner.run(self.export_dir / f"{bucket.graph}.onnx", feeds)
         return reference, self.runner.run(self.engine_dir / engine[0], feeds)
+
+
+class Runner:
+    """The pipeline side: one session per engine file, and per (file, batch, rows, pages) a
+    binding whose input and output buffers are allocated once and reused every round.
+
+    Pools are bound by reference (zero copy): engines read the runtime's own arrays. Outputs are
+    written into preallocated arrays. `capture` is the CUDA-graph hook of the backend protocol; on
+    the CPU there is nothing to capture, so it returns the plain run.
+    """
+
+    def __init__(self, engine_dir: Path, files: list[str], threads: int | None = None):
+        self.sessions = {f: session(Path(engine_dir) / f, threads) for f in files}
+        self._bindings: dict[tuple, _Binding] = {}
+
+    def binding(self, file: str, key: tuple, input_shapes: dict[str, tuple], output_shapes: dict[str, tuple],
+                fixed: dict[str, np.ndarray]) -> _Binding:
+        b = self._bindings.get((file, key))
+        if b is None:
+            b = self._bindings[(file, key)] = _Binding(self.sessions[file], input_shapes, output_shapes, fixed)
+        return b
+
+    def capture(self, binding: _Binding):
+        return binding.run
+
+
+class _Binding:
+    def __init__(self, sess: ort.InferenceSession, input_shapes, output_shapes, fixed: dict[str, np.ndarray]):
+        self.sess = sess
+        types = {i.name: i.type for i in sess.get_inputs()}
+        self.inputs = {n: np.zeros(s, np.int64 if "int64" in types[n] else np.float32)
+                       for n, s in input_shapes.items() if n in types}
+        out_types = {o.name: o.type for o in sess.get_outputs()}
+        self.outputs = {n: np.zeros(s, np.int64 if "int64" in out_types[n] else np.float32)
+                        for n, s in output_shapes.items() if n in out_types}
+        self.io = sess.io_binding()
+        for name, arr in {**self.inputs, **{k: v for k, v in fixed.items() if k in types}}.items():
+            self.io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
+        for name, arr in self.outputs.items():
+            self.io.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arr))
+
+    def run(self) -> dict[str, np.ndarray]:
+        self.sess.run_with_iobinding(self.io)
+        return self.outputs

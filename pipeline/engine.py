@@ -1,0 +1,251 @@
+"""The engine: one `step()` = admit, prefill chunks, one decode round, emit outputs.
+
+The speculative round, for a sequence whose pending token T sits at position p (committed = p),
+with head 0's draft d_1 and hidden g_0 already in hand from the last re-anchor:
+
+      draft       head l_s over rows (d_1,g_0) .. (d_s,g_{s-1}) on top of its KV    -> d_{s+1}, g_s
+                  (chained: l_s = s mod n, at most n drafts; reused: l_s = 0)         s = 1 .. k-1
+          |
+      verify      target over [T, d_1 .. d_k] at positions p .. p+k
+                  -> a = accepted drafts, T' = next token, hidden h_p .. h_{p+k}, new K/V, states
+          |
+      commit      target K/V rows 0..a and the states after row a;  tokens += d_1..d_a, T'
+          |
+      re-anchor   every head over rows (d_1,h_p) .. (d_a,h_{p+a-1}), (T',h_{p+a}) with the
+                  TARGET's hidden (not the chained one); commit those a+1 head rows
+                  head 0 at the last row -> d_1, g_0 for the next round
+          v
+      invariant   pending = T' at position p+a+1, pending hidden = h_{p+a}
+
+Rejecting a draft is not committing its rows: the pools only ever hold accepted rows.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem import contract as c
+from tandem.pipeline.model_runner import ModelRunner, Rows
+from tandem.pipeline.pools import Pools
+from tandem.pipeline.sampler import sample
+from tandem.pipeline.scheduler import Scheduler
+from tandem.pipeline.sequence import Sequence, Status
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    text: str                 # new text since the last output
+    token_ids: list[int]      # new tokens since the last output
+    finished: bool
+    finish_reason: str | None
+    sequence: Sequence
+
+
+@dataclass
+class EngineStats:
+    rounds: int = 0
+    round_seconds: float = 0.0
+    engine_seconds: float = 0.0
+    engine_calls: int = 0
+
+    @property
+    def host_share(self) -> float:
+        return 1.0 - self.engine_seconds / self.round_seconds if self.round_seconds else 0.0
+
+
+class Engine:
+    def __init__(self, runner: ModelRunner, pools: Pools, scheduler: Scheduler, eos_ids: tuple[int, ...],
+                 mtp_layers: int, chained: bool = True, synthetic_acceptance: float | None = None):
+        self.runner, self.pools, self.scheduler = runner, pools, scheduler
+        self.eos_ids = set(eos_ids)
+        self.mtp_layers, self.chained = mtp_layers, chained
+        self.synthetic_acceptance = synthetic_acceptance
+        self.stats = EngineStats()
+        self._emitted: dict[str, int] = {}
+
+    # ---- the step ----------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        t0 = time.perf_counter()
+        engine_before = self.runner.engine_seconds
+        self.scheduler.admit()
+        touched: list[Sequence] = []
+        prefill = self.scheduler.prefill_batch()
+        if prefill:
+            touched += self._prefill(prefill)
+        decoding = self.scheduler.decode_batch()
+        spec = [s for s in decoding if s.speculative]
+        plain = [s for s in decoding if not s.speculative]
+        if spec:
+            self._speculative_round(spec)
+        if plain:
+            self._plain_round(plain)
+        touched += decoding
+        outputs = [self._postprocess(s) for s in dict.fromkeys(touched)]
+        if decoding:
+            self.stats.rounds += 1
+            self.stats.round_seconds += time.perf_counter() - t0
+            self.stats.engine_seconds += self.runner.engine_seconds - engine_before
+        return [o for o in outputs if o is not None]
+
+    # ---- prefill -----------------------------------------------------------------------
+    def _prefill(self, work: list[tuple[Sequence, int, int]]) -> list[Sequence]:
+        rows = [Rows(ids=s.tokens[a:b], context=a, pages=s.table.pages, slot=s.slot) for s, a, b in work]
+        outs = self.runner.target_step(rows)
+        self.pools.write_rows(self.runner.trunk_kv, _stack(outs), np.arange(len(work)),
+                              np.array([b - a for _, a, b in work]), np.array([a for _, a, _ in work]),
+                              [s.table.pages for s, _, _ in work])
+        self.pools.commit_states(_stack(outs), np.arange(len(work)), np.array([s.slot for s, _, _ in work]))
+        done = []
+        for (seq, a, b), out in zip(work, outs):
+            seq.prefilled = seq.committed = b
+            if b == seq.prefill_target:
+                if seq.num_generated == 0:  # fresh prompt: its first token comes from the last row
+                    seq.tokens.append(sample(out[c.LOGITS][b - a - 1], seq.params, seq.rng))
+                    seq.metrics.first_token = time.perf_counter()
+                seq.pending_hidden = out[c.HIDDEN][b - a - 1].copy()
+                seq.status = Status.DECODE
+                done.append(seq)
+        spec = [(s, a, b, o) for (s, a, b), o in zip(work, outs) if s.speculative]
+        if spec:  # re-anchor the heads over this chunk: row i pairs tokens[i+1] with h_i
+            self._reanchor([(s, s.tokens[a + 1 : b + 1], o[c.HIDDEN][: b - a]) for s, a, b, o in spec])
+        return [s for s, _, _ in work]
+
+    # ---- decode rounds -----------------------------------------------------------------
+    def _plain_round(self, seqs: list[Sequence]) -> None:
+        rows = [Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot) for s in seqs]
+        outs = self.runner.target_step(rows)
+        stacked = _stack(outs)
+        n = len(seqs)
+        self.pools.write_rows(self.runner.trunk_kv, stacked, np.arange(n), np.ones(n, int),
+                              np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
+        self.pools.commit_states(stacked, np.arange(n), np.array([s.slot for s in seqs]))
+        for seq, out in zip(seqs, outs):
+            seq.committed += 1
+            seq.pending_hidden = out[c.HIDDEN][0].copy()
+            seq.tokens.append(sample(out[c.LOGITS][0], seq.params, seq.rng))
+
+    def _speculative_round(self, seqs: list[Sequence]) -> None:
+        drafts = self._draft(seqs)
+        for width in sorted({len(d) + 1 for d in drafts.values()}):
+            group = [s for s in seqs if len(drafts[s.request_id]) + 1 == width]
+            self._verify_and_commit(group, drafts, width)
+
+    def _draft(self, seqs: list[Sequence]) -> dict[str, list[int]]:
+        """d_1 comes from the last re-anchor; steps s = 1..k-1 extend the chain."""
+        drafts = {s.request_id: [s.draft] if s.draft_prob >= s.params.p_min else [] for s in seqs}
+        chains = {s.request_id: [s.chain_hidden] for s in seqs}
+        limit = {s.request_id: min(s.k, self.mtp_layers) if self.chained else s.k for s in seqs}
+        for step in range(1, max(limit.values())):
+            active = [s for s in seqs if len(drafts[s.request_id]) == step < limit[s.request_id]]
+            head = step % self.mtp_layers if self.chained else 0
+            if not active:
+                break
+            rows = [Rows(ids=drafts[s.request_id], context=s.head_committed, pages=s.table.pages,
+                         hidden=np.stack(chains[s.request_id])) for s in active]
+            for seq, out in zip(active, self.runner.head(head, rows)):
+                if out[c.DRAFT_PROB] >= seq.params.p_min:
+                    drafts[seq.request_id].append(int(out[c.DRAFT_TOKEN]))
+                    chains[seq.request_id].append(out[c.HIDDEN_OUT].copy())
+        return drafts
+
+    def _verify_and_commit(self, seqs: list[Sequence], drafts: dict[str, list[int]], width: int) -> None:
+        sampling = any(not s.params.greedy for s in seqs)
+        rows = []
+        for s in seqs:
+            p = s.params
+            rows.append(Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
+                             slot=s.slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
+                             uniforms=s.rng.random(width).astype(np.float32) if sampling else None))
+        if self.synthetic_acceptance is None:
+            outs = self.runner.verify(rows, sampling) if width > 1 else self.runner.target_step(rows)
+            accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs]
+            nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else sample(o[c.LOGITS][0], s.params, s.rng)
+                   for o, s in zip(outs, seqs)]
+        else:
+            accepted, nxt, outs = self._synthetic_verify(seqs, rows, width)
+        stacked = _stack(outs)
+        n = len(seqs)
+        self.pools.write_rows(self.runner.trunk_kv, stacked, np.arange(n), np.array(accepted) + 1,
+                              np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
+        self.pools.commit_states(stacked, np.arange(n), np.array([s.slot for s in seqs]))
+        anchor = []
+        for seq, out, a, t in zip(seqs, outs, accepted, nxt):
+            new = drafts[seq.request_id][:a] + [t]
+            seq.metrics.record_round(width - 1, a)
+            seq.committed += a + 1
+            seq.tokens += new
+            seq.pending_hidden = out[c.HIDDEN][a].copy()
+            anchor.append((seq, new, out[c.HIDDEN][: a + 1]))
+        self._reanchor(anchor)
+
+    def _synthetic_verify(self, seqs, rows, width):
+        """Benchmark aid (explicit option, documented): accept each draft with the configured
+        probability, whatever the tokens; the target still runs over all rows and commits the
+        states of the rows kept. Output tokens are not the model's: use only to time rounds."""
+        for r, s in zip(rows, seqs):
+            keep = 0
+            while keep < width - 1 and s.rng.random() < self.synthetic_acceptance:
+                keep += 1
+            r.state_rows = keep + 1
+        outs = self.runner.target_step(rows)
+        accepted = [r.state_rows - 1 for r in rows]
+        nxt = [int(np.argmax(o[c.LOGITS][a])) for o, a in zip(outs, accepted)]
+        return accepted, nxt, outs
+
+    def _reanchor(self, work: list[tuple[Sequence, list[int], np.ndarray]]) -> None:
+        """Run every head over (token, target hidden) rows and commit them; head 0's last row
+        gives the next round's first draft."""
+        heads = range(self.mtp_layers) if self.chained else range(1)
+        for j in heads:
+            rows = [Rows(ids=ids, context=s.head_committed, pages=s.table.pages, hidden=h) for s, ids, h in work]
+            outs = self.runner.head(j, rows)
+            layer = c.mtp_layer_name(j)
+            self.pools.write_rows([layer], _stack(outs), np.arange(len(work)), np.array([len(i) for _, i, _ in work]),
+                                  np.array([s.head_committed for s, _, _ in work]), [s.table.pages for s, _, _ in work])
+            if j == 0:
+                for (seq, _, _), out in zip(work, outs):
+                    seq.draft, seq.draft_prob = int(out[c.DRAFT_TOKEN]), float(out[c.DRAFT_PROB])
+                    seq.chain_hidden = out[c.HIDDEN_OUT].copy()
+        for seq, ids, _ in work:
+            seq.head_committed += len(ids)
+
+    # ---- outputs -----------------------------------------------------------------------
+    def _postprocess(self, seq: Sequence) -> StepOutput | None:
+        """Emit the tokens committed since the last output; stop on EOS, stop ids, stop strings
+        or max_tokens (dropping whatever the round produced past the stop)."""
+        if seq.status == Status.FINISHED:
+            return None
+        start = self._emitted.get(seq.request_id, len(seq.prompt))
+        budget = seq.params.max_tokens - (start - len(seq.prompt))
+        reason, kept = None, []
+        for t in seq.tokens[start:]:
+            if (t in self.eos_ids and not seq.params.ignore_eos) or t in seq.params.stop_token_ids:
+                reason = "stop"
+                break
+            kept.append(t)
+            if len(kept) >= budget:
+                reason = "length"
+                break
+        seq.detok.add(kept)
+        at = seq.detok.find_stop()
+        if at >= 0:
+            seq.detok.truncate(at)
+            reason = "stop"
+        self._emitted[seq.request_id] = start + len(kept)
+        if reason is not None:
+            del seq.tokens[start + len(kept) :]
+            seq.metrics.finished = time.perf_counter()
+            self.scheduler.finish(seq, reason)
+            self._emitted.pop(seq.request_id, None)
+        return StepOutput(seq.request_id, seq.detok.take(final=reason is not None), kept, reason is not None,
+                          reason, seq)
+
+
+def _stack(outs: list[dict]) -> dict[str, np.ndarray]:
+    """Per-sequence output views -> batch arrays (only the keys the commit reads)."""
+    keys = [k for k in outs[0] if k.startswith(("new_", "hidden"))]
+    return {k: np.stack([o[k] for o in outs]) for k in keys}

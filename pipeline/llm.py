@@ -1,0 +1,152 @@
+"""The offline API over an engine directory:
+
+    llm = LLM("engines/")
+    for r in llm.generate(["def fib(n):"], SamplingParams(max_tokens=32)):
+        print(r.text, r.metrics.accept_length)
+    for chunk in llm.stream("def fib(n):", SamplingParams(max_tokens=32)):
+        print(chunk, end="")
+
+Reads manifest.json and the files it names; nothing else (no checkpoint, no torch).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from tandem.checkpoint.description import description_from_dict
+from tandem.engines.backends import get_backend
+from tandem.engines.manifest import read_manifest
+from tandem.pipeline.allocator import FreeList
+from tandem.pipeline.detokenizer import IncrementalDetokenizer
+from tandem.pipeline.engine import Engine, StepOutput
+from tandem.pipeline.model_runner import ModelRunner
+from tandem.pipeline.pools import Pools, plan_pools
+from tandem.pipeline.sampling_params import SamplingParams
+from tandem.pipeline.scheduler import Scheduler
+from tandem.pipeline.sequence import RequestMetrics, Sequence
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    memory_budget_bytes: int = 512 << 20   # KV pages + state slots, target and heads together
+    max_num_seqs: int | None = None        # running sequences (None: the largest batch size)
+    mtp_mode: str = "chained"              # "chained": head s mod n at step s; "reused": head 0 k times
+    spec_k: int | None = None              # global override of the engines' k
+    speculative: bool = True               # global switch; requests can also turn it off
+    synthetic_acceptance: float | None = None  # benchmark aid only: accept drafts with this probability
+    threads: int | None = None
+
+    def __post_init__(self):
+        if self.mtp_mode not in ("chained", "reused"):
+            raise ValueError(f"mtp_mode must be 'chained' or 'reused', got {self.mtp_mode!r}")
+        if self.synthetic_acceptance is not None and not 0.0 <= self.synthetic_acceptance <= 1.0:
+            raise ValueError("synthetic_acceptance must be in [0, 1]")
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    metrics: RequestMetrics
+
+
+class LLM:
+    def __init__(self, engine_dir: str | Path, config: EngineConfig | None = None):
+        self.engine_dir = Path(engine_dir)
+        self.config = config = config or EngineConfig()
+        self.manifest = m = read_manifest(self.engine_dir)
+        self.desc = description_from_dict(m["description"])
+        rt = m["runtime"]
+        self.page_size, self.max_seq_len = rt["page_size"], rt["max_seq_len"]
+        self.spec_k = config.spec_k or rt["spec_k"] or 0
+        self.verify_widths = set(rt["verify_widths"])
+        if self.spec_k and self.spec_k + 1 > max(self.verify_widths, default=1):
+            raise ValueError(f"spec_k {self.spec_k} needs verify width {self.spec_k + 1}, but the engines were "
+                             f"built for widths {sorted(self.verify_widths)}; rebuild with --spec-k {self.spec_k}")
+        self.mtp_layers = max([int(e["graph"].rsplit("_", 1)[1]) + 1 for e in m["engines"]
+                               if e["graph"].startswith("mtp_head_")], default=0)
+        self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
+        batch_sizes = rt["batch_sizes"]
+        max_seqs = config.max_num_seqs or max(batch_sizes)
+        sizes = plan_pools(self.desc, self.page_size, config.memory_budget_bytes, max_seqs, self.mtp_layers)
+        self.pools = Pools(self.desc, sizes, self.page_size, self.mtp_layers)
+        files = {}
+        for e in m["engines"]:
+            key = f"{e['graph']}.w{e['rows']}" if e["graph"].startswith("verify_") else e["graph"]
+            files[key] = e["file"]
+        backend = get_backend(m["backend"])
+        runner = backend.Runner(self.engine_dir, sorted(set(files.values())), threads=config.threads)
+        max_pages = -(-self.max_seq_len // self.page_size)
+        self.runner = ModelRunner(self.desc, runner, self.pools, files, batch_sizes, max_pages, self.mtp_layers)
+        self.pages = FreeList(sizes.num_pages, "KV page")
+        self.slots = FreeList(sizes.num_slots, "state slot")
+        self.scheduler = Scheduler(self.pages, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"])
+        self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
+                             chained=config.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance)
+        self._ids = itertools.count()
+
+    # ---- requests ----------------------------------------------------------------------
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt).ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        params = params or SamplingParams()
+        ids = self.encode(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        k = params.k if params.k is not None else self.spec_k
+        speculative = bool(self.config.speculative and params.speculative and self.mtp_layers and k)
+        if speculative and k + 1 not in self.verify_widths:
+            raise ValueError(f"k={k} needs verify width {k + 1}; the engines have widths {sorted(self.verify_widths)}")
+        limit = self.max_seq_len - (k + 1 if speculative else 1)
+        if len(ids) + params.max_tokens > limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engines' "
+                             f"limit of {limit} tokens (max_seq_len {self.max_seq_len}); shorten the prompt or "
+                             "lower max_tokens")
+        capacity = (self.pages.size - 1) * self.page_size
+        if len(ids) + params.max_tokens + k + 1 > capacity:
+            raise ValueError(f"the request needs {len(ids) + params.max_tokens} positions but the KV memory holds "
+                             f"{capacity}; raise memory_budget_bytes")
+        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params,
+                       IncrementalDetokenizer(self.tokenizer, params.stop), self.page_size, speculative,
+                       k if speculative else 0)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> None:
+        self.scheduler.abort(request_id)
+
+    def step(self) -> list[StepOutput]:
+        return self.engine.step()
+
+    # ---- offline API -------------------------------------------------------------------
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[GenerationResult]:
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
+        texts = {s.request_id: [] for s in seqs}
+        while any(s.finish_reason is None for s in seqs):
+            for out in self.step():
+                if out.request_id in texts:
+                    texts[out.request_id].append(out.text)
+        return [GenerationResult(s.request_id, s.prompt, s.output_ids(), "".join(texts[s.request_id]),
+                                 s.finish_reason, s.metrics) for s in seqs]
+
+    def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StepOutput]:
+        """Yields this request's outputs as they come (other requests keep running alongside)."""
+        seq = self.add_request(prompt, params)
+        while seq.finish_reason is None:
+            for out in self.step():
+                if out.request_id == seq.request_id:
+                    yield out

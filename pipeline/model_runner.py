@@ -1,0 +1,132 @@
+"""Turns sequences' rows into engine calls: picks the bucket, fills its preallocated buffers in
+place, runs, and hands back views of the outputs. The one place that knows tensor layouts.
+
+A call with n sequences runs at the smallest built batch size >= n (more than the largest are
+split); padding rows point at the scratch page and slot and are never committed. The block
+table width is the batch's page count rounded up to a power of two, so attention gathers only
+pages that may hold context.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from tandem import contract as c
+from tandem.checkpoint.description import ModelDescription
+from tandem.engines.buckets import io_specs
+from tandem.pipeline.allocator import SCRATCH
+from tandem.pipeline.pools import Pools
+
+
+@dataclass
+class Rows:
+    """One sequence's part of a call."""
+
+    ids: list[int]
+    context: int                # committed positions before these rows
+    pages: list[int]
+    slot: int = SCRATCH
+    state_rows: int = 0         # target step: rows whose state to keep (default: all)
+    hidden: np.ndarray | None = None   # heads: [R, H] hidden paired with each row
+    last_row: int = -1          # heads: the row whose draft to return (default: last)
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    uniforms: np.ndarray | None = None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class ModelRunner:
+    def __init__(self, desc: ModelDescription, backend_runner, pools: Pools, files: dict[str, str],
+                 batch_sizes: list[int], max_pages: int, mtp_layers: int):
+        self.desc, self.runner, self.pools = desc, backend_runner, pools
+        self.files = files                      # graph kind (+ ".w{W}" for verify) -> engine file
+        self.batch_sizes = sorted(batch_sizes)
+        self.max_pages = max_pages
+        self.trunk_kv = [i for i in pools.keys if isinstance(i, int)]
+        self.fixed = {**pools.feeds(self.trunk_kv), **pools.state_feeds()}
+        self.head_fixed = {j: pools.feeds([c.mtp_layer_name(j)]) for j in range(mtp_layers)}
+        self.calls: dict[str, int] = {}
+        self.seconds: dict[str, float] = {}     # engine time per graph kind
+        self.engine_seconds = 0.0
+
+    # ---- public calls ------------------------------------------------------------------
+    def target_step(self, rows: list[Rows]) -> list[dict]:
+        return self._call("target_step", "target_step", rows, self.fixed)
+
+    def verify(self, rows: list[Rows], sampling: bool) -> list[dict]:
+        w = len(rows[0].ids)
+        graph = "verify_sample" if sampling else "verify_greedy"
+        return self._call(graph, f"{graph}.w{w}", rows, self.fixed)
+
+    def head(self, j: int, rows: list[Rows]) -> list[dict]:
+        return self._call(f"mtp_head_{j}", f"mtp_head_{j}", rows, self.head_fixed[j])
+
+    # ---- machinery ---------------------------------------------------------------------
+    def _call(self, graph: str, key: str, rows: list[Rows], fixed: dict) -> list[dict]:
+        """Returns per-sequence dicts of output views (valid until the same bucket runs again)."""
+        out = []
+        largest = self.batch_sizes[-1]
+        split = len(rows) > largest  # parts reuse one binding: copy all but the last part's views
+        for start in range(0, len(rows), largest):
+            part = rows[start : start + largest]
+            batch = next(b for b in self.batch_sizes if b >= len(part))
+            width = max(len(r.ids) for r in part)
+            pages = min(self.max_pages, _pow2(max(1, max(len(r.pages) for r in part))))
+            binding = self._binding(graph, key, batch, width, pages, fixed)
+            self._fill(binding.inputs, part, batch, width, pages)
+            t = time.perf_counter()
+            outputs = self.runner.capture(binding)()
+            elapsed = time.perf_counter() - t
+            self.engine_seconds += elapsed
+            self.seconds[graph] = self.seconds.get(graph, 0.0) + elapsed
+            self.calls[graph] = self.calls.get(graph, 0) + 1
+            last = start + largest >= len(rows)
+            out += [{name: arr[b] if last or not split else arr[b].copy() for name, arr in outputs.items()}
+                    for b in range(len(part))]
+        return out
+
+    def _binding(self, graph, key, batch, width, pages, fixed):
+        dims = {"batch": batch, "rows": width, "max_pages": pages}
+        shape = lambda spec: tuple(dims.get(d, d) if isinstance(d, str) else d for d in spec.shape)  # noqa: E731
+        ins = {s.name: shape(s) for s in io_specs(self.desc, graph) if s.name not in fixed}
+        outs = {s.name: shape(s) for s in self._output_specs(graph)}
+        return self.runner.binding(self.files[key], (batch, width, pages), ins, outs, fixed)
+
+    def _output_specs(self, graph: str):
+        if graph == "target_step":
+            return c.target_step_io(self.desc)[1]
+        if graph.startswith("verify"):
+            return c.verify_step_io(self.desc)[1]
+        return c.mtp_head_io(self.desc, int(graph.rsplit("_", 1)[1]))[1]
+
+    def _fill(self, buf: dict[str, np.ndarray], part: list[Rows], batch: int, width: int, pages: int) -> None:
+        ids = buf[c.INPUT_IDS]
+        ids.fill(0)
+        buf[c.CONTEXT_LENS].fill(0)
+        buf[c.BLOCK_TABLES].fill(SCRATCH)
+        for name, value in ((c.STATE_SLOTS, SCRATCH), (c.STATE_ROWS, 1), (c.LAST_ROW, 0), (c.TEMPERATURE, 0.0),
+                            (c.TOP_K, 0), (c.TOP_P, 1.0), (c.UNIFORMS, 0.5), (c.HIDDEN_IN, 0.0)):
+            if name in buf:
+                buf[name].fill(value)
+        for b, r in enumerate(part):
+            n = len(r.ids)
+            ids[b, :n] = r.ids
+            buf[c.CONTEXT_LENS][b] = r.context
+            buf[c.BLOCK_TABLES][b, : min(len(r.pages), pages)] = r.pages[:pages]
+            if c.STATE_SLOTS in buf:
+                buf[c.STATE_SLOTS][b] = r.slot
+            if c.STATE_ROWS in buf:
+                buf[c.STATE_ROWS][b] = r.state_rows or n
+            if c.HIDDEN_IN in buf:
+                buf[c.HIDDEN_IN][b, :n] = r.hidden
+                buf[c.LAST_ROW][b] = r.last_row if r.last_row >= 0 else n - 1
+            if c.TEMPERATURE in buf:
+                buf[c.TEMPERATURE][b], buf[c.TOP_K][b], buf[c.TOP_P][b] = r.temperature, r.top_k, r.top_p
+                buf[c.UNIFORMS][b, :n] = r.uniforms

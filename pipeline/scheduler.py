@@ -1,0 +1,101 @@
+"""Continuous batching: who runs this round, with memory for it.
+
+Requests wait in arrival order, are admitted while a state slot is free, prefill in chunks (at
+most `max_batch` sequences per round), then decode. Before each round every decoding sequence
+gets pages for the rows it may write (k+1); when the pool runs out, the most recently admitted
+other sequence is preempted: its pages and slot are freed and it goes back to the front of the
+queue, to be recomputed (prefill over its prompt and the tokens it already produced).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from tandem.pipeline.allocator import FreeList, OutOfMemory
+from tandem.pipeline.pools import Pools
+from tandem.pipeline.sequence import Sequence, Status
+
+
+class Scheduler:
+    def __init__(self, pages: FreeList, slots: FreeList, pools: Pools, max_batch: int, prefill_chunk: int):
+        self.pages, self.slots, self.pools = pages, slots, pools
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []   # admission order
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def admit(self) -> None:
+        while self.waiting and self.slots.num_free:
+            seq = self.waiting.popleft()
+            seq.slot = self.slots.allocate(1)[0]
+            self.pools.clear_slot(seq.slot)          # recurrent state starts from zero
+            seq.status, seq.prefilled = Status.PREFILL, 0
+            seq.committed = seq.head_committed = 0
+            self.running.append(seq)
+
+    def prefill_batch(self) -> list[tuple[Sequence, int, int]]:
+        """(sequence, start, end) of the next prompt chunk for up to max_batch prefilling sequences."""
+        out = []
+        for seq in [s for s in self.running if s.status == Status.PREFILL][: self.max_batch]:
+            start = seq.prefilled
+            end = min(seq.prefill_target, start + self.prefill_chunk)
+            if self._reserve(seq, end):
+                out.append((seq, start, end))
+        return [w for w in out if w[0].status == Status.PREFILL]  # a later reservation may preempt
+
+    def decode_batch(self) -> list[Sequence]:
+        out = []
+        for seq in [s for s in self.running if s.status == Status.DECODE]:
+            rows = seq.k + 1 if seq.speculative else 1
+            if seq.status == Status.DECODE and self._reserve(seq, seq.committed + rows):
+                out.append(seq)
+        return [s for s in out if s.status == Status.DECODE]  # a later reservation may preempt
+
+    def _reserve(self, seq: Sequence, positions: int) -> bool:
+        """Pages for `positions` positions, preempting newer sequences if needed."""
+        while True:
+            try:
+                seq.table.ensure(positions, self.pages)
+                return True
+            except OutOfMemory:
+                victims = [s for s in self.running if s is not seq and s.status != Status.FINISHED]
+                if not victims:  # alone and still out of pages: the sequence outgrew the whole pool
+                    self.finish(seq, "length")
+                    return False
+                self.preempt(victims[-1])
+
+    def preempt(self, seq: Sequence) -> None:
+        self._release(seq)
+        seq.status = Status.WAITING
+        seq.metrics.preemptions += 1
+        seq.draft = seq.chain_hidden = seq.pending_hidden = None
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        self._release(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+
+    def abort(self, request_id: str) -> Sequence | None:
+        for seq in list(self.waiting):
+            if seq.request_id == request_id:
+                self.waiting.remove(seq)
+                seq.status, seq.finish_reason = Status.FINISHED, "abort"
+                return seq
+        for seq in self.running:
+            if seq.request_id == request_id:
+                self.finish(seq, "abort")
+                return seq
+        return None
+
+    def _release(self, seq: Sequence) -> None:
+        seq.table.release(self.pages)
+        if seq.slot is not None:
+            self.slots.free([seq.slot])
+            seq.slot = None
+        if seq in self.running:
+            self.running.remove(seq)

@@ -1,0 +1,100 @@
+"""One request's state through the pipeline. Plain data; the engine and scheduler mutate it.
+
+Invariants while decoding (positions are 0-based):
+    tokens[-1] is the pending token: not yet run through the target
+    committed == len(tokens) - 1                      target K/V and states cover tokens[:-1]
+    pending_hidden == target hidden at position committed - 1
+    head_committed == committed (speculative): head row i pairs tokens[i+1] with hidden h_i, so the
+        last committed head row pairs the pending token with pending_hidden
+    draft, chain_hidden: head 0's draft d_1 and hidden g_0 at that last row
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from tandem.pipeline.allocator import BlockTable
+from tandem.pipeline.detokenizer import IncrementalDetokenizer
+from tandem.pipeline.sampling_params import SamplingParams
+
+
+class Status(str, Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    finished: float | None = None
+    rounds: int = 0                      # verify steps
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    preemptions: int = 0
+
+    def record_round(self, drafted: int, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for lst, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+            lst.extend([0] * (n - len(lst)))
+            for i in range(n):
+                lst[i] += 1
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens committed per verify step (accepted drafts + the target's own token)."""
+        return (self.accepted + self.rounds) / self.rounds if self.rounds else 0.0
+
+
+@dataclass(eq=False)  # identity: a sequence is one request
+class Sequence:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    detok: IncrementalDetokenizer
+    page_size: int
+    speculative: bool
+    k: int
+    tokens: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    slot: int | None = None
+    prefilled: int = 0
+    committed: int = 0
+    head_committed: int = 0
+    pending_hidden: np.ndarray | None = None
+    draft: int | None = None
+    draft_prob: float = 1.0
+    chain_hidden: np.ndarray | None = None
+    finish_reason: str | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    rng: np.random.Generator = field(default=None)
+    table: BlockTable = field(default=None)
+
+    def __post_init__(self):
+        if not self.tokens:
+            self.tokens = list(self.prompt)
+        self.table = self.table or BlockTable(self.page_size)
+        self.rng = self.rng or np.random.default_rng(self.params.seed)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.tokens) - len(self.prompt)
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens the target must process before decoding: all of a fresh prompt, or all but the
+        pending token when resuming after preemption."""
+        return len(self.tokens) - (1 if self.num_generated else 0)
+
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
