@@ -70,6 +70,31 @@ def cmd_build_engines(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    import time
+
+    from tandem.engines.manifest import ManifestError
+    from tandem.pipeline.llm import LLM, EngineConfig
+    from tandem.pipeline.sampling_params import SamplingParams
+
+    try:
+        llm = LLM(args.engine_dir, EngineConfig(mtp_mode=args.mtp_mode, speculative=not args.no_spec))
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                                top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, k=args.spec_k)
+        start = time.perf_counter()
+        seq = None
+        for out in llm.stream(args.prompt, params):
+            seq = out.sequence
+            print(out.text, end="", flush=True)
+    except (ManifestError, ValueError) as e:
+        return _refused("generate", [str(e)])
+    seconds = time.perf_counter() - start
+    m = seq.metrics
+    print(f"\n[{seq.num_generated} tokens in {seconds:.2f} s, {seq.num_generated / seconds:.1f} tokens/s, "
+          f"accept length {m.accept_length:.2f}, finish reason {seq.finish_reason}]")
+    return 0
+
+
 def _refused(what: str, problems: list[str]) -> int:
     print(f"{what}: REFUSED", file=sys.stderr)
     for p in problems:
@@ -112,6 +137,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-mtp", action="store_true", help="plain decoding only: no heads, no verify engines")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_build_engines)
+
+    p = sub.add_parser("generate", help="generate text from an engine directory (streams to stdout)")
+    p.add_argument("engine_dir")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--spec-k", type=int, default=None, help="draft tokens per round (default: the engines')")
+    p.add_argument("--mtp-mode", choices=["chained", "reused"], default="chained")
+    p.add_argument("--no-spec", action="store_true", help="plain decoding")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.set_defaults(func=cmd_generate)
     return parser
 
 

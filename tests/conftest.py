@@ -20,6 +20,14 @@ def tiny_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def engine_dirs(tiny_root, tmp_path_factory):
+    """Engine directories of two tiny kinds, built once per session (see pipeline_fixtures)."""
+    from .pipeline_fixtures import build_test_engines
+
+    return build_test_engines(tiny_root, tmp_path_factory)
+
+
 @pytest.fixture
 def tiny_copy(tiny_root, tmp_path):
     """copy(kind) -> a private copy of a tiny checkpoint that the test may break."""

@@ -1,0 +1,51 @@
+"""Engine directories for pipeline tests and test-double drafters.
+
+The doubles replace Engine._draft (tests only): each returns the drafts a real drafter would,
+so the verify / commit / re-anchor path runs unchanged."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tandem.engines.builder import build_engines
+from tandem.engines.options import BuildOptions
+from tandem.pipeline.engine import Engine
+
+OPTIONS = BuildOptions(batch_sizes=(1, 2, 4, 8), spec_k=3, prefill_chunk=8, max_seq_len=512, page_size=4)
+
+
+def build_test_engines(tiny_root, tmp_path_factory) -> dict:
+    out = {}
+    for kind in ("qwen3_5_mtp3", "qwen3_next"):
+        path = tmp_path_factory.mktemp("engines") / kind
+        build_engines(tiny_root / kind, path, OPTIONS, show_progress=False)
+        out[kind] = path
+    return out
+
+
+def install_drafter(monkeypatch, kind: str, reference: dict[str, list[int]] | None = None, vocab: int = 384,
+                    seed: int = 0):
+    """kind: 'wrong' (never the greedy token), 'oracle' (always it; needs reference outputs by
+    request id), 'random', 'prefix:N' (right for N drafts, then wrong)."""
+    rng = np.random.default_rng(seed)
+
+    def draft(self: Engine, seqs):
+        out = {}
+        for s in seqs:
+            k = s.k
+            ref = (reference or {}).get(s.request_id, [])
+            start = s.num_generated          # drafts predict tokens after the pending one
+            truth = ref[start : start + k] + [0] * k
+            if kind == "wrong":
+                d = [(t + 1) % vocab for t in truth[:k]]
+            elif kind == "oracle":
+                d = truth[:k]
+            elif kind == "random":
+                d = [int(x) for x in rng.integers(0, vocab, k)]
+            else:
+                n = int(kind.split(":")[1])
+                d = truth[:n] + [(t + 1) % vocab for t in truth[n:k]]
+            out[s.request_id] = d
+        return out
+
+    monkeypatch.setattr(Engine, "_draft", draft)

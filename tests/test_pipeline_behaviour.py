@@ -1,0 +1,176 @@
+"""Pipeline behaviour beyond the greedy contract: transformers parity, state commit, no leaks,
+sampling distribution, stops, detokenization, CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem import contract as c
+from tandem.cli import main
+from tandem.pipeline.detokenizer import IncrementalDetokenizer
+from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.sampling_params import SamplingParams
+
+from .pipeline_fixtures import install_drafter
+
+PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3], [44, 3]]
+
+
+def test_plain_greedy_equals_transformers_generate(engine_dirs, tiny_root):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    for kind in engine_dirs:
+        model = transformers.AutoModelForCausalLM.from_pretrained(tiny_root / kind, dtype=torch.float32)
+        llm = LLM(engine_dirs[kind])
+        ours = llm.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True, speculative=False))
+        spec = llm.generate(PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True))
+        for prompt, mine, mine_spec in zip(PROMPTS, ours, spec):
+            with torch.no_grad():
+                ref = model.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            assert mine.token_ids == ref, kind
+            assert mine_spec.token_ids == ref, kind
+
+
+@pytest.mark.parametrize("n_right", [0, 1, 2, 3])
+def test_commit_of_n_accepted_rows_equals_n_decode_steps(engine_dirs, monkeypatch, n_right):
+    """After one verify round that accepts n drafts, the pools hold exactly what n+1 plain decode
+    steps leave: the GDN states of the slot, and the K/V rows of the committed positions."""
+    path = engine_dirs["qwen3_5_mtp3"]
+    plain = LLM(path)
+    ref = plain.generate([PROMPTS[1]], SamplingParams(max_tokens=8, ignore_eos=True, speculative=False))[0].token_ids
+    install_drafter(monkeypatch, f"prefix:{n_right}", {"x": ref})
+    spec = LLM(path)
+    seq = spec.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True), request_id="x")
+    while seq.committed < len(PROMPTS[1]) or seq.metrics.rounds == 0:
+        spec.step()
+    assert seq.metrics.accepted == n_right and seq.committed == len(PROMPTS[1]) + n_right + 1
+
+    base = LLM(path)
+    other = base.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True, speculative=False))
+    while other.committed < seq.committed:
+        base.step()
+    for i in spec.pools.gdn_layers:
+        np.testing.assert_allclose(spec.pools.recurrent[i][seq.slot], base.pools.recurrent[i][other.slot], atol=1e-5)
+        np.testing.assert_allclose(spec.pools.conv[i][seq.slot], base.pools.conv[i][other.slot], atol=1e-6)
+    page = spec.page_size
+    for layer in base.runner.trunk_kv:
+        for pos in range(seq.committed):
+            a = spec.pools.keys[layer][seq.table.pages[pos // page], pos % page]
+            b = base.pools.keys[layer][other.table.pages[pos // page], pos % page]
+            np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_no_page_or_slot_leaks_after_many_requests_and_aborts(engine_dirs):
+    llm = LLM(engine_dirs["qwen3_next"], EngineConfig(memory_budget_bytes=2 << 20))
+    pages0, slots0 = llm.pages.num_free, llm.slots.num_free
+    rng = np.random.default_rng(0)
+    live = []
+    for i in range(40):
+        prompt = [int(x) for x in rng.integers(0, 300, rng.integers(1, 20))]
+        live.append(llm.add_request(prompt, SamplingParams(max_tokens=int(rng.integers(1, 12)),
+                                                           speculative=bool(i % 3))))
+        llm.step()
+        if i % 5 == 0:
+            llm.abort(live[int(rng.integers(0, len(live)))].request_id)
+    llm.abort("no-such-request")
+    while llm.scheduler.has_work():
+        llm.step()
+    assert llm.pages.num_free == pages0 and llm.slots.num_free == slots0
+    assert all(s.finish_reason is not None for s in live)
+
+
+def test_rejection_sampling_preserves_the_target_distribution(engine_dirs):
+    """First token after one verify (draft fixed) vs the target's own filtered distribution."""
+    from tandem.pipeline.model_runner import Rows
+    from tandem.pipeline.sampler import filtered_probs
+
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    seq = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True, speculative=False))
+    while seq.committed < len(PROMPTS[0]):
+        llm.step()
+    pending = seq.tokens[-1]
+    rows = Rows(ids=[pending], context=seq.committed, pages=seq.table.pages, slot=seq.slot)
+    logits = llm.runner.target_step([rows])[0][c.LOGITS][0].copy()
+    p = filtered_probs(logits, 1.5, 6, 1.0)
+    support = np.flatnonzero(p)
+    draft = int(support[np.argsort(p[support])[-2]])  # plausible but not the top token
+    rng = np.random.default_rng(0)
+    counts = np.zeros(len(p))
+    n = 0
+    for _ in range(300):
+        batch = [Rows(ids=[pending, draft], context=seq.committed, pages=seq.table.pages, slot=seq.slot,
+                      temperature=1.5, top_k=6, top_p=1.0, uniforms=rng.random(2).astype(np.float32))
+                 for _ in range(8)]
+        for out in llm.runner.verify(batch, sampling=True):
+            counts[draft if out[c.ACCEPTED] == 1 else int(out[c.NEXT_TOKEN])] += 1
+            n += 1
+    expected = n * p[support]
+    chi2 = (((counts[support] - expected) ** 2) / expected).sum()
+    assert chi2 < 20.5 and counts.sum() == counts[support].sum()  # 99.9% quantile, 5 dof
+
+
+def test_stops_eos_and_max_tokens(engine_dirs):
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    free = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+    stop_at = free.token_ids[5]
+    stopped = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, stop_token_ids=(stop_at,)))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: free.token_ids.index(stop_at)]
+    assert llm.generate([PROMPTS[1]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids == free.token_ids[:3]
+    text = free.text
+    needle = text[len(text) // 2 : len(text) // 2 + 2]
+    if needle and "\ufffd" not in needle:
+        cut = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, stop=(needle,), ignore_eos=True))[0]
+        assert cut.finish_reason == "stop" and cut.text == text[: text.index(needle)]
+
+
+def test_incremental_detokenizer_never_splits_characters(tiny_root):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_root / "qwen3_5_mtp1" / "tokenizer.json"))
+    text = "héllo wörld ∑ 🙂 naïve café 日本語"
+    ids = tok.encode(text).ids
+    detok = IncrementalDetokenizer(tok)
+    pieces = []
+    for t in ids:
+        detok.add([t])
+        pieces.append(detok.take(final=False))
+    pieces.append(detok.take(final=True))
+    assert "".join(pieces) == text
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_generate_cli(engine_dirs, capsys):
+    assert main(["generate", str(engine_dirs["qwen3_5_mtp3"]), "--prompt", "def add(a, b):", "--max-tokens", "8",
+                 "--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert "accept length" in out and "tokens/s" in out
+
+
+@pytest.mark.parametrize("mode", ["chained", "reused"])
+def test_drafts_match_the_reference_drafter(engine_dirs, tiny_root, monkeypatch, mode):
+    """The real heads inside the pipeline draft what the torch reference drafts from the same
+    committed tokens: re-anchoring uses the target's hidden, chaining the heads' own."""
+    pytest.importorskip("torch")
+    from tandem.pipeline.engine import Engine
+    from tandem.testing.mtp_reference import MTPReference, greedy_draft, load_target
+
+    text_model, lm_head, cfg = load_target(tiny_root / "qwen3_5_mtp3")
+    ref = MTPReference.from_checkpoint(tiny_root / "qwen3_5_mtp3", text_model, lm_head, cfg)
+    seen = []
+    real = Engine._draft
+
+    def record(self, seqs):
+        drafts = real(self, seqs)
+        seen.extend((list(s.tokens), drafts[s.request_id]) for s in seqs)
+        return drafts
+
+    monkeypatch.setattr(Engine, "_draft", record)
+    llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(mtp_mode=mode))
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=10, ignore_eos=True))
+    assert len(seen) >= 6
+    for tokens, drafts in seen:
+        _, expected = greedy_draft(text_model, lm_head, ref, tokens[:-1], k=3, chained=mode == "chained")
+        assert drafts == expected
