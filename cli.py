@@ -147,7 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--spec-k", type=int, default=None, help="draft tokens per round (default: the engines')")
-    p.add_argument("--mtp-mode", choices=["chained", "reused"], default="chained")
+    p.add_argument("--mtp-mode", choices=["chained", "reused"], default=None,
+                   help="chained heads (default with several heads) or one head reused k times")
     p.add_argument("--no-spec", action="store_true", help="plain decoding")
     p.add_argument("--ignore-eos", action="store_true")
     p.set_defaults(func=cmd_generate)

@@ -95,12 +95,12 @@ class Engine:
     def _prefill(self, work: list[tuple[Sequence, int, int]]) -> list[Sequence]:
         rows = [Rows(ids=s.tokens[a:b], context=a, pages=s.table.pages, slot=s.slot) for s, a, b in work]
         outs = self.runner.target_step(rows)
-        self.pools.write_rows(self.runner.trunk_kv, _stack(outs), np.arange(len(work)),
+        self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(len(work)),
                               np.array([b - a for _, a, b in work]), np.array([a for _, a, _ in work]),
                               [s.table.pages for s, _, _ in work])
-        self.pools.commit_states(_stack(outs), np.arange(len(work)), np.array([s.slot for s, _, _ in work]))
+        self.pools.commit_states(outs.arrays, np.arange(len(work)), np.array([s.slot for s, _, _ in work]))
         done = []
-        for (seq, a, b), out in zip(work, outs):
+        for (seq, a, b), out in zip(work, outs.rows()):
             seq.prefilled = seq.committed = b
             if b == seq.prefill_target:
                 if seq.num_generated == 0:  # fresh prompt: its first token comes from the last row
@@ -109,7 +109,7 @@ class Engine:
                 seq.pending_hidden = out[c.HIDDEN][b - a - 1].copy()
                 seq.status = Status.DECODE
                 done.append(seq)
-        spec = [(s, a, b, o) for (s, a, b), o in zip(work, outs) if s.speculative]
+        spec = [(s, a, b, o) for (s, a, b), o in zip(work, outs.rows()) if s.speculative]
         if spec:  # re-anchor the heads over this chunk: row i pairs tokens[i+1] with h_i
             self._reanchor([(s, s.tokens[a + 1 : b + 1], o[c.HIDDEN][: b - a]) for s, a, b, o in spec])
         return [s for s, _, _ in work]
@@ -118,12 +118,11 @@ class Engine:
     def _plain_round(self, seqs: list[Sequence]) -> None:
         rows = [Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot) for s in seqs]
         outs = self.runner.target_step(rows)
-        stacked = _stack(outs)
         n = len(seqs)
-        self.pools.write_rows(self.runner.trunk_kv, stacked, np.arange(n), np.ones(n, int),
+        self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(n), np.ones(n, int),
                               np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
-        self.pools.commit_states(stacked, np.arange(n), np.array([s.slot for s in seqs]))
-        for seq, out in zip(seqs, outs):
+        self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
+        for seq, out in zip(seqs, outs.rows()):
             seq.committed += 1
             seq.pending_hidden = out[c.HIDDEN][0].copy()
             seq.tokens.append(sample(out[c.LOGITS][0], seq.params, seq.rng))
@@ -146,7 +145,7 @@ class Engine:
                 break
             rows = [Rows(ids=drafts[s.request_id], context=s.head_committed, pages=s.table.pages,
                          hidden=np.stack(chains[s.request_id])) for s in active]
-            for seq, out in zip(active, self.runner.head(head, rows)):
+            for seq, out in zip(active, self.runner.head(head, rows).rows()):
                 if out[c.DRAFT_PROB] >= seq.params.p_min:
                     drafts[seq.request_id].append(int(out[c.DRAFT_TOKEN]))
                     chains[seq.request_id].append(out[c.HIDDEN_OUT].copy())
@@ -162,18 +161,17 @@ class Engine:
                              uniforms=s.rng.random(width).astype(np.float32) if sampling else None))
         if self.synthetic_acceptance is None:
             outs = self.runner.verify(rows, sampling) if width > 1 else self.runner.target_step(rows)
-            accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs]
+            accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs.rows()]
             nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else sample(o[c.LOGITS][0], s.params, s.rng)
-                   for o, s in zip(outs, seqs)]
+                   for o, s in zip(outs.rows(), seqs)]
         else:
             accepted, nxt, outs = self._synthetic_verify(seqs, rows, width)
-        stacked = _stack(outs)
         n = len(seqs)
-        self.pools.write_rows(self.runner.trunk_kv, stacked, np.arange(n), np.array(accepted) + 1,
+        self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(n), np.array(accepted) + 1,
                               np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
-        self.pools.commit_states(stacked, np.arange(n), np.array([s.slot for s in seqs]))
+        self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
         anchor = []
-        for seq, out, a, t in zip(seqs, outs, accepted, nxt):
+        for seq, out, a, t in zip(seqs, outs.rows(), accepted, nxt):
             new = drafts[seq.request_id][:a] + [t]
             seq.metrics.record_round(width - 1, a)
             seq.committed += a + 1
@@ -193,7 +191,7 @@ class Engine:
             r.state_rows = keep + 1
         outs = self.runner.target_step(rows)
         accepted = [r.state_rows - 1 for r in rows]
-        nxt = [int(np.argmax(o[c.LOGITS][a])) for o, a in zip(outs, accepted)]
+        nxt = [int(np.argmax(o[c.LOGITS][a])) for o, a in zip(outs.rows(), accepted)]
         return accepted, nxt, outs
 
     def _reanchor(self, work: list[tuple[Sequence, list[int], np.ndarray]]) -> None:
@@ -204,10 +202,10 @@ class Engine:
             rows = [Rows(ids=ids, context=s.head_committed, pages=s.table.pages, hidden=h) for s, ids, h in work]
             outs = self.runner.head(j, rows)
             layer = c.mtp_layer_name(j)
-            self.pools.write_rows([layer], _stack(outs), np.arange(len(work)), np.array([len(i) for _, i, _ in work]),
+            self.pools.write_rows([layer], outs.arrays, np.arange(len(work)), np.array([len(i) for _, i, _ in work]),
                                   np.array([s.head_committed for s, _, _ in work]), [s.table.pages for s, _, _ in work])
             if j == 0:
-                for (seq, _, _), out in zip(work, outs):
+                for (seq, _, _), out in zip(work, outs.rows()):
                     seq.draft, seq.draft_prob = int(out[c.DRAFT_TOKEN]), float(out[c.DRAFT_PROB])
                     seq.chain_hidden = out[c.HIDDEN_OUT].copy()
         for seq, ids, _ in work:
@@ -243,9 +241,3 @@ class Engine:
             self._emitted.pop(seq.request_id, None)
         return StepOutput(seq.request_id, seq.detok.take(final=reason is not None), kept, reason is not None,
                           reason, seq)
-
-
-def _stack(outs: list[dict]) -> dict[str, np.ndarray]:
-    """Per-sequence output views -> batch arrays (only the keys the commit reads)."""
-    keys = [k for k in outs[0] if k.startswith(("new_", "hidden"))]
-    return {k: np.stack([o[k] for o in outs]) for k in keys}

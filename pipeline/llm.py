@@ -35,14 +35,15 @@ from tandem.pipeline.sequence import RequestMetrics, Sequence
 class EngineConfig:
     memory_budget_bytes: int = 512 << 20   # KV pages + state slots, target and heads together
     max_num_seqs: int | None = None        # running sequences (None: the largest batch size)
-    mtp_mode: str = "chained"              # "chained": head s mod n at step s; "reused": head 0 k times
+    mtp_mode: str | None = None            # "chained": head s at step s (at most n drafts); "reused": head 0
+                                           # k times; None: chained when the model has several heads
     spec_k: int | None = None              # global override of the engines' k
     speculative: bool = True               # global switch; requests can also turn it off
     synthetic_acceptance: float | None = None  # benchmark aid only: accept drafts with this probability
     threads: int | None = None
 
     def __post_init__(self):
-        if self.mtp_mode not in ("chained", "reused"):
+        if self.mtp_mode not in (None, "chained", "reused"):
             raise ValueError(f"mtp_mode must be 'chained' or 'reused', got {self.mtp_mode!r}")
         if self.synthetic_acceptance is not None and not 0.0 <= self.synthetic_acceptance <= 1.0:
             raise ValueError("synthetic_acceptance must be in [0, 1]")
@@ -73,6 +74,7 @@ class LLM:
                              f"built for widths {sorted(self.verify_widths)}; rebuild with --spec-k {self.spec_k}")
         self.mtp_layers = max([int(e["graph"].rsplit("_", 1)[1]) + 1 for e in m["engines"]
                                if e["graph"].startswith("mtp_head_")], default=0)
+        self.mtp_mode = config.mtp_mode or ("chained" if self.mtp_layers > 1 else "reused")
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
         batch_sizes = rt["batch_sizes"]
         max_seqs = config.max_num_seqs or max(batch_sizes)
@@ -90,7 +92,7 @@ class LLM:
         self.slots = FreeList(sizes.num_slots, "state slot")
         self.scheduler = Scheduler(self.pages, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"])
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
-                             chained=config.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance)
+                             chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance)
         self._ids = itertools.count()
 
     # ---- requests ----------------------------------------------------------------------

@@ -38,6 +38,23 @@ class Rows:
     uniforms: np.ndarray | None = None
 
 
+@dataclass
+class Outputs:
+    """One call's outputs: name -> [n, ...] for its n sequences, as views of the bound buffers
+    (valid until the same bucket runs again). Commits read `arrays` directly: no copies."""
+
+    arrays: dict[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(next(iter(self.arrays.values())))
+
+    def row(self, i: int) -> dict[str, np.ndarray]:
+        return {name: arr[i] for name, arr in self.arrays.items()}
+
+    def rows(self):
+        return (self.row(i) for i in range(len(self)))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -57,23 +74,22 @@ class ModelRunner:
         self.engine_seconds = 0.0
 
     # ---- public calls ------------------------------------------------------------------
-    def target_step(self, rows: list[Rows]) -> list[dict]:
+    def target_step(self, rows: list[Rows]) -> Outputs:
         return self._call("target_step", "target_step", rows, self.fixed)
 
-    def verify(self, rows: list[Rows], sampling: bool) -> list[dict]:
+    def verify(self, rows: list[Rows], sampling: bool) -> Outputs:
         w = len(rows[0].ids)
         graph = "verify_sample" if sampling else "verify_greedy"
         return self._call(graph, f"{graph}.w{w}", rows, self.fixed)
 
-    def head(self, j: int, rows: list[Rows]) -> list[dict]:
+    def head(self, j: int, rows: list[Rows]) -> Outputs:
         return self._call(f"mtp_head_{j}", f"mtp_head_{j}", rows, self.head_fixed[j])
 
     # ---- machinery ---------------------------------------------------------------------
-    def _call(self, graph: str, key: str, rows: list[Rows], fixed: dict) -> list[dict]:
-        """Returns per-sequence dicts of output views (valid until the same bucket runs again)."""
-        out = []
+    def _call(self, graph: str, key: str, rows: list[Rows], fixed: dict) -> Outputs:
+        """Outputs as views of the bound buffers (valid until the same bucket runs again)."""
+        parts = []
         largest = self.batch_sizes[-1]
-        split = len(rows) > largest  # parts reuse one binding: copy all but the last part's views
         for start in range(0, len(rows), largest):
             part = rows[start : start + largest]
             batch = next(b for b in self.batch_sizes if b >= len(part))
@@ -87,10 +103,11 @@ class ModelRunner:
             self.engine_seconds += elapsed
             self.seconds[graph] = self.seconds.get(graph, 0.0) + elapsed
             self.calls[graph] = self.calls.get(graph, 0) + 1
-            last = start + largest >= len(rows)
-            out += [{name: arr[b] if last or not split else arr[b].copy() for name, arr in outputs.items()}
-                    for b in range(len(part))]
-        return out
+            parts.append({name: arr[: len(part)] for name, arr in outputs.items()})
+        if len(parts) == 1:
+            return Outputs(parts[0])
+        # more sequences than the largest batch: parts reused one binding, so join copies
+        return Outputs({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
 
     def _binding(self, graph, key, batch, width, pages, fixed):
         dims = {"batch": batch, "rows": width, "max_pages": pages}

@@ -95,7 +95,7 @@ def test_rejection_sampling_preserves_the_target_distribution(engine_dirs):
         llm.step()
     pending = seq.tokens[-1]
     rows = Rows(ids=[pending], context=seq.committed, pages=seq.table.pages, slot=seq.slot)
-    logits = llm.runner.target_step([rows])[0][c.LOGITS][0].copy()
+    logits = llm.runner.target_step([rows]).row(0)[c.LOGITS][0].copy()
     p = filtered_probs(logits, 1.5, 6, 1.0)
     support = np.flatnonzero(p)
     draft = int(support[np.argsort(p[support])[-2]])  # plausible but not the top token
@@ -106,7 +106,7 @@ def test_rejection_sampling_preserves_the_target_distribution(engine_dirs):
         batch = [Rows(ids=[pending, draft], context=seq.committed, pages=seq.table.pages, slot=seq.slot,
                       temperature=1.5, top_k=6, top_p=1.0, uniforms=rng.random(2).astype(np.float32))
                  for _ in range(8)]
-        for out in llm.runner.verify(batch, sampling=True):
+        for out in llm.runner.verify(batch, sampling=True).rows():
             counts[draft if out[c.ACCEPTED] == 1 else int(out[c.NEXT_TOKEN])] += 1
             n += 1
     expected = n * p[support]

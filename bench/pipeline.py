@@ -1,0 +1,92 @@
+"""Decode speed with speculative decoding off and on (ONNX Runtime CPU).
+
+    .venv/bin/python bench/pipeline.py [--kinds qwen3_5_mtp3,qwen3_5_150m] [--acceptance 0.7] [--workdir DIR]
+
+Random weights accept nothing, so speculative runs use the documented synthetic-acceptance aid
+(drafts accepted with the given probability; tokens are not the model's). Prints tokens/s off and
+on at batch 1 and 8, accept length, host overhead per round, and the measured speedup next to
+the bound accept_length x t_decode / t_round. Decode only: the first step (prefill) is excluded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine  # noqa: E402
+from tandem.engines.builder import build_engines  # noqa: E402
+from tandem.engines.options import BuildOptions  # noqa: E402
+from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
+from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
+
+
+def measure(engine_dir: Path, batch: int, spec: bool, acceptance: float, max_tokens: int, prompt_len: int,
+            threads: int | None) -> dict:
+    config = EngineConfig(speculative=spec, synthetic_acceptance=acceptance if spec else None, threads=threads,
+                          memory_budget_bytes=1 << 30)
+    llm = LLM(engine_dir, config)
+    rng = np.random.default_rng(0)
+    vocab = llm.desc.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    # warm-up: one short request through every graph this mode uses
+    llm.generate([[int(t) for t in rng.integers(0, vocab, prompt_len)]] * batch, SamplingParams(max_tokens=8,
+                                                                                                ignore_eos=True))
+    seqs = [llm.add_request([int(t) for t in rng.integers(0, vocab, prompt_len)], params) for _ in range(batch)]
+    llm.step()  # prefill (+ first round): excluded
+    start_tokens = sum(s.num_generated for s in seqs)
+    rounds0, round_s0, engine_s0 = llm.engine.stats.rounds, llm.engine.stats.round_seconds, \
+        llm.engine.stats.engine_seconds
+    t = time.perf_counter()
+    while any(s.finish_reason is None for s in seqs):
+        llm.step()
+    wall = time.perf_counter() - t
+    tokens = sum(len(s.output_ids()) for s in seqs) - start_tokens
+    st = llm.engine.stats
+    rounds = st.rounds - rounds0
+    round_s = st.round_seconds - round_s0
+    engine_s = st.engine_seconds - engine_s0
+    accepted = sum(s.metrics.accepted for s in seqs)
+    verify_rounds = sum(s.metrics.rounds for s in seqs)
+    return {"tok_s": tokens / wall, "t_round": round_s / rounds, "host_share": 1 - engine_s / round_s,
+            "accept_length": (accepted + verify_rounds) / verify_rounds if verify_rounds else 1.0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kinds", default="qwen3_5_mtp3,qwen3_5_150m")
+    parser.add_argument("--acceptance", type=float, default=0.7)
+    parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bench-"))
+    print(f"machine: {machine()}; synthetic acceptance {args.acceptance}, k = {args.k}")
+    for kind in args.kinds.split(","):
+        src = work / kind
+        if not (src / "config.json").exists():
+            write_tiny_checkpoint(src, kind, dtype="bfloat16" if "150m" in kind else "float32")
+        engines = work / f"{kind}-engines-k{args.k}"
+        build_engines(src, engines, BuildOptions(batch_sizes=(1, 8), spec_k=args.k, prefill_chunk=64,
+                                                 max_seq_len=1024), show_progress=False)
+        max_tokens = 48 if "150m" in kind else 96
+        print(f"\n{kind}:  batch | off tok/s  t_decode ms host% | on tok/s  t_round ms host%  accept_len | "
+              f"speedup  bound  speedup/bound")
+        for batch in (1, 8):
+            off = measure(engines, batch, False, args.acceptance, max_tokens, 32, args.threads)
+            on = measure(engines, batch, True, args.acceptance, max_tokens, 32, args.threads)
+            speedup = on["tok_s"] / off["tok_s"]
+            bound = on["accept_length"] * off["t_round"] / on["t_round"]
+            print(f"  {batch:>19} | {off['tok_s']:9.1f}  {off['t_round'] * 1e3:10.2f} {off['host_share'] * 100:4.1f} | "
+                  f"{on['tok_s']:8.1f}  {on['t_round'] * 1e3:10.2f} {on['host_share'] * 100:4.1f}  "
+                  f"{on['accept_length']:10.2f} | {speedup:7.2f}  {bound:5.2f}  {speedup / bound:6.0%}")
+
+
+if __name__ == "__main__":
+    main()
