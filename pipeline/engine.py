@@ -23,7 +23,7 @@ Rejecting a draft is not committing its rows: the pools only ever hold accepted 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -47,23 +47,56 @@ class StepOutput:
 
 @dataclass
 class EngineStats:
+    """Global counters (the server's /metrics and `tandem profile` read them)."""
+
     rounds: int = 0
     round_seconds: float = 0.0
     engine_seconds: float = 0.0
-    engine_calls: int = 0
+    finished: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    verify_rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
 
     @property
     def host_share(self) -> float:
+        """Share of a decode step's wall time spent outside engine calls."""
         return 1.0 - self.engine_seconds / self.round_seconds if self.round_seconds else 0.0
+
+    @property
+    def accept_length(self) -> float:
+        return (self.accepted + self.verify_rounds) / self.verify_rounds if self.verify_rounds else 0.0
+
+    def acceptance_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def add_finished(self, seq: Sequence) -> None:
+        m = seq.metrics
+        self.finished += 1
+        self.generated_tokens += seq.num_generated
+        self.prompt_tokens += len(seq.prompt)
+        self.verify_rounds += m.rounds
+        self.drafted += m.drafted
+        self.accepted += m.accepted
+        for mine, theirs in ((self.drafted_per_position, m.drafted_per_position),
+                             (self.accepted_per_position, m.accepted_per_position)):
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, v in enumerate(theirs):
+                mine[i] += v
 
 
 class Engine:
     def __init__(self, runner: ModelRunner, pools: Pools, scheduler: Scheduler, eos_ids: tuple[int, ...],
-                 mtp_layers: int, chained: bool = True, synthetic_acceptance: float | None = None):
+                 mtp_layers: int, chained: bool = True, synthetic_acceptance: float | None = None,
+                 width_per_batch: dict[int, int] | None = None):
         self.runner, self.pools, self.scheduler = runner, pools, scheduler
         self.eos_ids = set(eos_ids)
         self.mtp_layers, self.chained = mtp_layers, chained
         self.synthetic_acceptance = synthetic_acceptance
+        self.width_per_batch = dict(sorted((width_per_batch or {}).items()))
         self.stats = EngineStats()
         self._emitted: dict[str, int] = {}
 
@@ -133,11 +166,22 @@ class Engine:
             group = [s for s in seqs if len(drafts[s.request_id]) + 1 == width]
             self._verify_and_commit(group, drafts, width)
 
+    def round_k(self, seq: Sequence, batch: int) -> int:
+        """Drafts this round: the request's (or global) k, else the verify width the manifest (or
+        `tandem profile`) chose for this batch size, minus one."""
+        if seq.k_fixed or not self.width_per_batch:
+            k = seq.k
+        else:
+            bucket = next((b for b in self.width_per_batch if b >= batch), max(self.width_per_batch))
+            k = min(seq.k, self.width_per_batch[bucket] - 1)
+        return min(k, self.mtp_layers) if self.chained else k
+
     def _draft(self, seqs: list[Sequence]) -> dict[str, list[int]]:
         """d_1 comes from the last re-anchor; steps s = 1..k-1 extend the chain."""
-        drafts = {s.request_id: [s.draft] if s.draft_prob >= s.params.p_min else [] for s in seqs}
+        drafts = {s.request_id: [s.draft] if s.draft_prob >= s.params.p_min and self.round_k(s, len(seqs)) else []
+                  for s in seqs}
         chains = {s.request_id: [s.chain_hidden] for s in seqs}
-        limit = {s.request_id: min(s.k, self.mtp_layers) if self.chained else s.k for s in seqs}
+        limit = {s.request_id: self.round_k(s, len(seqs)) for s in seqs}
         for step in range(1, max(limit.values())):
             active = [s for s in seqs if len(drafts[s.request_id]) == step < limit[s.request_id]]
             head = step % self.mtp_layers if self.chained else 0
@@ -238,6 +282,7 @@ class Engine:
             del seq.tokens[start + len(kept) :]
             seq.metrics.finished = time.perf_counter()
             self.scheduler.finish(seq, reason)
+            self.stats.add_finished(seq)
             self._emitted.pop(seq.request_id, None)
         return StepOutput(seq.request_id, seq.detok.take(final=reason is not None), kept, reason is not None,
                           reason, seq)

@@ -12,6 +12,7 @@ Reads manifest.json and the files it names; nothing else (no checkpoint, no torc
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from tandem.pipeline.pools import Pools, plan_pools
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import RequestMetrics, Sequence
+
+RUNTIME_SETTINGS = "runtime_settings.json"  # tuned settings `tandem profile` writes into an engine dir
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,21 @@ class LLM:
         self.pages = FreeList(sizes.num_pages, "KV page")
         self.slots = FreeList(sizes.num_slots, "state slot")
         self.scheduler = Scheduler(self.pages, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"])
+        self.width_per_batch = self._widths(rt)
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
-                             chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance)
+                             chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
+                             width_per_batch=self.width_per_batch)
         self._ids = itertools.count()
+
+    def _widths(self, runtime: dict) -> dict[int, int]:
+        """Verify width per batch size: runtime_settings.json (written by `tandem profile`)
+        wins over the manifest's defaults."""
+        widths = {int(b): int(w) for b, w in runtime.get("verify_width_per_batch", {}).items()}
+        settings = self.engine_dir / RUNTIME_SETTINGS
+        if settings.exists():
+            tuned = json.loads(settings.read_text()).get("verify_width_per_batch", {})
+            widths.update({int(b): int(w) for b, w in tuned.items()})
+        return {b: w for b, w in widths.items() if w in self.verify_widths or w == 1}
 
     # ---- requests ----------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -105,6 +120,7 @@ class LLM:
         ids = self.encode(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
+        k_fixed = params.k is not None or self.config.spec_k is not None
         k = params.k if params.k is not None else self.spec_k
         speculative = bool(self.config.speculative and params.speculative and self.mtp_layers and k)
         if speculative and k + 1 not in self.verify_widths:
@@ -120,7 +136,7 @@ class LLM:
                              f"{capacity}; raise memory_budget_bytes")
         seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params,
                        IncrementalDetokenizer(self.tokenizer, params.stop), self.page_size, speculative,
-                       k if speculative else 0)
+                       k if speculative else 0, k_fixed)
         self.scheduler.add(seq)
         return seq
 

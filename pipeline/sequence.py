@@ -46,7 +46,7 @@ class RequestMetrics:
         self.drafted += drafted
         self.accepted += accepted
         for lst, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
-            lst.extend([0] * (n - len(lst)))
+            lst.extend([0] * (drafted - len(lst)))  # both as long as the drafts: positions line up
             for i in range(n):
                 lst[i] += 1
 
@@ -64,7 +64,8 @@ class Sequence:
     detok: IncrementalDetokenizer
     page_size: int
     speculative: bool
-    k: int
+    k: int                      # most drafts per round for this sequence (pages are reserved for k+1 rows)
+    k_fixed: bool = False       # set by the request or globally; otherwise the round's batch size decides
     tokens: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     slot: int | None = None

@@ -192,3 +192,37 @@ def test_host_sampler_follows_the_filtered_distribution():
     chi2 = (((counts[support] - 20000 * p[support]) ** 2) / (20000 * p[support])).sum()
     assert chi2 < 3 * len(support) + 10
     assert sample(logits, SamplingParams(), rng) == int(np.argmax(logits))
+
+
+def test_probability_floor_stops_drafting_early_and_keeps_the_output(engine_dirs):
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    free = llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True))
+    floor = llm.generate(PROMPTS, SamplingParams(max_tokens=12, ignore_eos=True, p_min=0.5))
+    assert [r.token_ids for r in free] == [r.token_ids for r in floor]
+    drafted = lambda rs: sum(r.metrics.drafted for r in rs)  # noqa: E731
+    assert drafted(floor) < drafted(free)
+
+
+def test_verify_width_per_batch_comes_from_runtime_settings(engine_dirs, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "engines"
+    shutil.copytree(engine_dirs["qwen3_5_mtp3"], path)
+    (path / "runtime_settings.json").write_text(json.dumps({"verify_width_per_batch": {"1": 2, "8": 2}}))
+    llm = LLM(path)
+    assert llm.width_per_batch[1] == 2
+    r = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert r.metrics.drafted == r.metrics.rounds  # one draft per round
+    fixed = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=10, ignore_eos=True, k=3))[0]
+    assert fixed.metrics.drafted == 3 * fixed.metrics.rounds  # a request's own k wins
+    assert r.token_ids == fixed.token_ids
+
+
+def test_global_metrics(engine_dirs):
+    llm = LLM(engine_dirs["qwen3_next"])
+    llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
+    st = llm.engine.stats
+    assert st.finished == 3 and st.generated_tokens == 18 and st.prompt_tokens == sum(map(len, PROMPTS))
+    assert st.verify_rounds > 0 and st.accept_length >= 1.0 and 0.0 <= st.host_share < 1.0
+    assert len(st.acceptance_per_position()) >= 1 and set(llm.runner.seconds) >= {"target_step", "mtp_head_0"}
