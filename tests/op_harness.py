@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import onnxruntime as ort
 from onnx import TensorProto, helper
 
+from tandem.engines.backends.onnxruntime_backend import session
 from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN
 
 _DT = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64}
@@ -27,7 +27,4 @@ def single_op_model(function, op_type: str, inputs: list[np.ndarray], out_ranks:
 
 
 def run(model, inputs: list[np.ndarray]) -> list[np.ndarray]:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
-    return sess.run(None, {f"in{j}": a for j, a in enumerate(inputs)})
+    return session(model).run(None, {f"in{j}": a for j, a in enumerate(inputs)})

@@ -7,15 +7,14 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
+from tandem.engines.backends.onnxruntime_backend import session as backend_session
+
 from tandem import contract as c
 from tandem.checkpoint.description import LayerKind, ModelDescription
 
 
 def session(model) -> ort.InferenceSession:
-    opts = ort.SessionOptions()
-    opts.log_severity_level = 3
-    return ort.InferenceSession(model.SerializeToString() if hasattr(model, "SerializeToString") else str(model),
-                                opts, providers=["CPUExecutionProvider"])
+    return backend_session(model)
 
 
 class PagedState:

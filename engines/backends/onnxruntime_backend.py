@@ -53,26 +53,29 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, opt
     return files
 
 
-def session(path: Path, threads: int | None = None, shared_threads: bool = False) -> ort.InferenceSession:
+def session(model, threads: int | None = None) -> ort.InferenceSession:
+    """Every tandem session (a path or a ModelProto) runs on one process-wide thread pool.
+
+    The pipeline's sessions (target, heads) take turns every round. With a pool each, the idle
+    sessions' spinning threads steal the cores from the busy one (150M model, 2 cores: a 4-row
+    verify took 36 ms instead of 22 ms, a round 64 ms instead of 40 ms). Once a process has the
+    global pool, ONNX Runtime requires every session in it to use it.
+    """
+    _ensure_global_pool(threads)
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
-    if shared_threads:
-        # The pipeline's sessions (target, heads) take turns every round. With a pool each, the
-        # idle sessions' spinning threads steal the cores from the busy one (150M model, 2 cores:
-        # a 4-row verify took 36 ms instead of 22 ms, a round 64 ms instead of 40 ms). One
-        # process-wide pool has no such contention.
-        opts.use_per_session_threads = False
-    elif threads:
-        opts.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+    opts.use_per_session_threads = False
+    source = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
+    return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 
 
 _GLOBAL_POOL: int | None = None
 
 
 def _ensure_global_pool(threads: int | None) -> None:
-    """The process-wide ONNX Runtime thread pool, sized once per process."""
+    """The process-wide ONNX Runtime thread pool, sized once per process (the first caller's
+    thread count wins)."""
     global _GLOBAL_POOL
     if _GLOBAL_POOL is None:
         _GLOBAL_POOL = threads or os.cpu_count() or 1
@@ -115,8 +118,7 @@ class Runner:
     """
 
     def __init__(self, engine_dir: Path, files: list[str], threads: int | None = None):
-        _ensure_global_pool(threads)
-        self.sessions = {f: session(Path(engine_dir) / f, shared_threads=True) for f in files}
+        self.sessions = {f: session(Path(engine_dir) / f, threads) for f in files}
         self._bindings: dict[tuple, _Binding] = {}
 
     def binding(self, file: str, key: tuple, input_shapes: dict[str, tuple], output_shapes: dict[str, tuple],
