@@ -7,10 +7,9 @@ from __future__ import annotations
 import numpy as np
 import onnxruntime as ort
 
-from tandem.engines.backends.onnxruntime_backend import session as backend_session
-
 from tandem import contract as c
 from tandem.checkpoint.description import LayerKind, ModelDescription
+from tandem.engines.backends.onnxruntime_backend import session as backend_session
 
 
 def session(model) -> ort.InferenceSession:
