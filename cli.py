@@ -95,6 +95,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tandem.engines.manifest import ManifestError
+    from tandem.pipeline.llm import EngineConfig
+    from tandem.server.app import ServerSettings
+    from tandem.server.serve import serve
+
+    settings = ServerSettings(model_name=args.model_name or Path(args.engine_dir).resolve().name,
+                              api_key=args.api_key, max_queued=args.max_queued, max_body_bytes=args.max_body_bytes,
+                              default_max_tokens=args.default_max_tokens)
+    config = EngineConfig(memory_budget_bytes=int(args.memory_budget_mb * 2**20), mtp_mode=args.mtp_mode,
+                          threads=args.threads)
+    print(f"serving {settings.model_name} on http://{args.host}:{args.port}/v1 (OpenAI API)", flush=True)
+    try:
+        serve(args.engine_dir, args.host, args.port, settings, config)
+    except (ManifestError, ValueError) as e:
+        return _refused("serve", [str(e)])
+    return 0
+
+
 def _refused(what: str, problems: list[str]) -> int:
     print(f"{what}: REFUSED", file=sys.stderr)
     for p in problems:
@@ -152,6 +173,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-spec", action="store_true", help="plain decoding")
     p.add_argument("--ignore-eos", action="store_true")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server over an engine directory")
+    p.add_argument("engine_dir")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1/*")
+    p.add_argument("--max-queued", type=int, default=64, help="requests in flight before 429 (default 64)")
+    p.add_argument("--model-name", default=None, help="the model id clients send (default: the folder name)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--default-max-tokens", type=int, default=256)
+    p.add_argument("--memory-budget-mb", type=float, default=512, help="KV pages + state slots (MiB)")
+    p.add_argument("--mtp-mode", choices=["chained", "reused"], default=None)
+    p.add_argument("--threads", type=int, default=None)
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -1,0 +1,52 @@
+"""Renders the checkpoint's chat template (tokenizer_config.json) the way transformers does:
+a sandboxed jinja2 environment with trim_blocks / lstrip_blocks, `raise_exception`, and a
+`tojson` that keeps non-ASCII text."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    pass
+
+
+def _raise(message: str):
+    raise TemplateError(message)
+
+
+class ChatTemplate:
+    def __init__(self, template: str, special: dict[str, str | None]):
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise
+        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        self.template = env.from_string(template)
+        self.special = special
+
+    @classmethod
+    def from_engine_dir(cls, engine_dir: Path) -> ChatTemplate | None:
+        path = Path(engine_dir) / "tokenizer_config.json"
+        jinja = Path(engine_dir) / "chat_template.jinja"
+        config = json.loads(path.read_text()) if path.exists() else {}
+        template = jinja.read_text() if jinja.exists() else config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        if not template:
+            return None
+        special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        return cls(template, special)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        **self.special)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template refused these messages: {e}") from e
+
+
+def _token_text(token) -> str | None:
+    return token.get("content") if isinstance(token, dict) else token
