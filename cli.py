@@ -116,6 +116,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    from tandem.engines.manifest import ManifestError
+    from tandem.engines.options import OptionsError, parse_int_list
+    from tandem.profiling.report import profile, render
+
+    if args.render:
+        render(args.render, f"{args.out}/report.html")
+        print(f"rendered {args.out}/report.html from {args.render}")
+        return 0
+    if not args.engine_dir:
+        return _refused("profile", ["give an ENGINE_DIR (or --render report.json)"])
+    try:
+        batch_sizes = parse_int_list(args.batch_sizes, "--batch-sizes") if args.batch_sizes else None
+        report = profile(args.engine_dir, args.out, args.prompts, batch_sizes, args.max_tokens,
+                         args.synthetic_acceptance, tune=not args.no_tune, show_progress=not args.quiet)
+    except (ManifestError, OptionsError, ValueError) as e:
+        return _refused("profile", [str(e)])
+    print(f"wrote {args.out}/report.json, report.html, trace.json")
+    for row in report["speedup"]:
+        print(f"  batch {row['batch']}: speedup {row['measured']:.2f} (bound {row['bound']})")
+    for b, t in report.get("tuning", {}).items():
+        print(f"  batch {b}: verify width {t['width']} (expected gain {t['gain_over_plain']}x)")
+    if "tuning_written_to" in report:
+        print(f"tuned widths written to {report['tuning_written_to']}")
+    return 0
+
+
 def _refused(what: str, problems: list[str]) -> int:
     print(f"{what}: REFUSED", file=sys.stderr)
     for p in problems:
@@ -187,6 +214,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-mode", choices=["chained", "reused"], default=None)
     p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("profile", help="measure an engine directory on this device; report + tuned widths")
+    p.add_argument("engine_dir", nargs="?")
+    p.add_argument("--out", required=True, help="folder for report.json, report.html, trace.json")
+    p.add_argument("--prompts", default=None, help="JSONL of {\"category\", \"prompt\"} (default: the built-in set)")
+    p.add_argument("--batch-sizes", default=None, help="subset of the built batch sizes (default: all)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--synthetic-acceptance", type=float, default=None,
+                   help="benchmark aid for random weights: accept drafts with this probability")
+    p.add_argument("--no-tune", action="store_true", help="do not write runtime_settings.json")
+    p.add_argument("--render", default=None, help="re-render report.html from this report.json and stop")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_profile)
     return parser
 
 

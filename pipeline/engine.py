@@ -22,6 +22,7 @@ Rejecting a draft is not committing its rows: the pools only ever hold accepted 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -60,6 +61,7 @@ class EngineStats:
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+    phase_seconds: dict[str, float] = field(default_factory=dict)   # prefill/draft/verify/commit/reanchor/decode
 
     @property
     def host_share(self) -> float:
@@ -98,7 +100,19 @@ class Engine:
         self.synthetic_acceptance = synthetic_acceptance
         self.width_per_batch = dict(sorted((width_per_batch or {}).items()))
         self.stats = EngineStats()
+        self.trace: list[tuple[str, float, float]] | None = None  # (phase, start, end) when profiling
         self._emitted: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def _phase(self, name: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            end = time.perf_counter()
+            self.stats.phase_seconds[name] = self.stats.phase_seconds.get(name, 0.0) + end - start
+            if self.trace is not None:
+                self.trace.append((name, start, end))
 
     # ---- the step ----------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
@@ -108,14 +122,16 @@ class Engine:
         touched: list[Sequence] = []
         prefill = self.scheduler.prefill_batch()
         if prefill:
-            touched += self._prefill(prefill)
+            with self._phase("prefill"):
+                touched += self._prefill(prefill)
         decoding = self.scheduler.decode_batch()
         spec = [s for s in decoding if s.speculative]
         plain = [s for s in decoding if not s.speculative]
         if spec:
             self._speculative_round(spec)
         if plain:
-            self._plain_round(plain)
+            with self._phase("decode"):
+                self._plain_round(plain)
         touched += decoding
         outputs = [self._postprocess(s) for s in dict.fromkeys(touched)]
         if decoding:
@@ -161,7 +177,8 @@ class Engine:
             seq.tokens.append(sample(out[c.LOGITS][0], seq.params, seq.rng))
 
     def _speculative_round(self, seqs: list[Sequence]) -> None:
-        drafts = self._draft(seqs)
+        with self._phase("draft"):
+            drafts = self._draft(seqs)
         for width in sorted({len(d) + 1 for d in drafts.values()}):
             group = [s for s in seqs if len(drafts[s.request_id]) + 1 == width]
             self._verify_and_commit(group, drafts, width)
@@ -203,17 +220,19 @@ class Engine:
             rows.append(Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
                              slot=s.slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
                              uniforms=s.rng.random(width).astype(np.float32) if sampling else None))
-        if self.synthetic_acceptance is None:
-            outs = self.runner.verify(rows, sampling) if width > 1 else self.runner.target_step(rows)
-            accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs.rows()]
-            nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else sample(o[c.LOGITS][0], s.params, s.rng)
-                   for o, s in zip(outs.rows(), seqs)]
-        else:
-            accepted, nxt, outs = self._synthetic_verify(seqs, rows, width)
+        with self._phase("verify"):
+            if self.synthetic_acceptance is None:
+                outs = self.runner.verify(rows, sampling) if width > 1 else self.runner.target_step(rows)
+                accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs.rows()]
+                nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else sample(o[c.LOGITS][0], s.params, s.rng)
+                       for o, s in zip(outs.rows(), seqs)]
+            else:
+                accepted, nxt, outs = self._synthetic_verify(seqs, rows, width)
         n = len(seqs)
-        self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(n), np.array(accepted) + 1,
-                              np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
-        self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
+        with self._phase("commit"):
+            self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(n), np.array(accepted) + 1,
+                                  np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
+            self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
         anchor = []
         for seq, out, a, t in zip(seqs, outs.rows(), accepted, nxt):
             new = drafts[seq.request_id][:a] + [t]
@@ -222,7 +241,8 @@ class Engine:
             seq.tokens += new
             seq.pending_hidden = out[c.HIDDEN][a].copy()
             anchor.append((seq, new, out[c.HIDDEN][: a + 1]))
-        self._reanchor(anchor)
+        with self._phase("reanchor"):
+            self._reanchor(anchor)
 
     def _synthetic_verify(self, seqs, rows, width):
         """Benchmark aid (explicit option, documented): accept each draft with the configured
