@@ -2,31 +2,17 @@
 
 from __future__ import annotations
 
-import platform
-import time
-
-import numpy as np
-
 
 def timeit(fn, warmup: int = 3, runs: int = 20) -> tuple[float, float]:
     """(median ms, p90 ms) of fn() after `warmup` calls."""
-    for _ in range(warmup):
-        fn()
-    samples = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn()
-        samples.append((time.perf_counter() - t) * 1e3)
-    return float(np.median(samples)), float(np.percentile(samples, 90))
+    from tandem.profiling.measure import time_calls
+
+    t = time_calls(fn, warmup, runs)
+    return t["median_ms"], t["p90_ms"]
 
 
 def machine() -> str:
-    import os
+    from tandem.profiling.measure import device
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} cores"
+    d = device()
+    return f"{d['name']}, {d['cores']} cores"

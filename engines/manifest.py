@@ -4,10 +4,13 @@ The pipeline reads only this file and the files it names."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
+
+from tandem.export.exporter import file_sha256
+
+__all__ = ["file_sha256"]
 
 MANIFEST = "manifest.json"
 FORMAT = "tandem-engines"
@@ -19,14 +22,6 @@ CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "
 
 class ManifestError(ValueError):
     pass
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def checkpoint_fingerprint(*folders: Path | None) -> dict[str, list[int]]:

@@ -109,13 +109,13 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
         "mtp_layers": ckpt.description.mtp.num_layers if ckpt.description.mtp else 0,
         "graphs": {n: {"file": files[n], "sha256": hashes[n], "nodes": len(graphs[n].graph.node)} for n in files},
         "weights": {"file": WEIGHTS_FILE, "bytes": weights_bytes,
-                    "sha256": _file_sha256(out / WEIGHTS_FILE)},
+                    "sha256": file_sha256(out / WEIGHTS_FILE)},
     }
     (out / "export.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return ExportResult(out, files, seconds, weights_bytes)
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
@@ -123,4 +123,4 @@ def _file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["ExportResult", "build_graphs", "export_checkpoint"]
+__all__ = ["ExportResult", "build_graphs", "export_checkpoint", "file_sha256"]

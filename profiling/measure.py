@@ -45,7 +45,8 @@ def device() -> dict:
             "python": platform.python_version()}
 
 
-def _timed(fn, warmup: int, runs: int) -> dict:
+def time_calls(fn, warmup: int, runs: int) -> dict:
+    """Median and p90 of fn() in ms after `warmup` calls."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -75,7 +76,7 @@ def bucket_latencies(llm: LLM, batch_sizes: list[int], context: int, warmup: int
             cases += [("mtp_head_0", r, lambda b=b, r=r: llm.runner.head(0, rows(b, r, hidden=True)))
                       for r in range(1, max(widths, default=1) + 1)]
         for graph, w, fn in cases:
-            out.append({"graph": graph, "batch": b, "rows": w, **_timed(fn, warmup, runs)})
+            out.append({"graph": graph, "batch": b, "rows": w, **time_calls(fn, warmup, runs)})
             if progress:
                 progress.step(f"{graph} b{b} w{w}")
     return out

@@ -67,19 +67,7 @@ def make_function(emit_row_states: bool = False, chunk_size: int = 0):
         return _chunked_function(chunk_size)
     b = GraphBuilder(function=True)
     q, k, v, g, beta, s0, rows = "query", "key", "value", "decay", "beta", "initial_state", "state_rows"
-    # Repeat q/k across the r value heads of each key head: [B, W, Hk, dk] -> [B, W, Hv, dk]
-    hk = b.shape_of(q, 2, 3)
-    r = b.op("Div", b.shape_of(v, 2, 3), hk)
-    expand_to = b.concat([b.shape_of(q, 0, 3), r, b.shape_of(q, 3, 4)], 0)
-    flat = b.concat([b.const([0, 0, -1], np.int64), b.shape_of(q, 3, 4)], 0)
-    q_r = b.reshape(b.op("Expand", b.unsqueeze(q, [3]), expand_to), flat)
-    k_r = b.reshape(b.op("Expand", b.unsqueeze(k, [3]), expand_to), flat)
-    # Rows at or beyond state_rows: g = 0, beta = 0 (state unchanged)
-    w = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(q, 1, 2), [0]), b.const(1, np.int64))
-    valid = b.op("Less", b.unsqueeze(w, [0]), b.unsqueeze(rows, [1]))          # [B, W]
-    validf = b.op("Cast", valid, to=TensorProto.FLOAT)
-    g_m = b.op("Mul", g, b.unsqueeze(validf, [2]))
-    beta_m = b.op("Mul", beta, b.unsqueeze(validf, [2]))
+    q_r, k_r, g_m, beta_m = _repeat_and_mask(b, q, k, v, g, beta, rows)
     n_out = 3 if emit_row_states else 2
     scan = b.op("Scan", s0, q_r, k_r, v, g_m, beta_m, outputs=n_out, body=_scan_body(emit_row_states),
                 num_scan_inputs=5, scan_input_axes=[1] * 5, scan_output_axes=[1] * (n_out - 1))
