@@ -1,12 +1,14 @@
 # The two commands of the README:
-#   make run   - set up (runtime deps only, no torch) and run the main job on the embedded default
+#   make run   - set up (runtime deps only, no torch) and run the main job on the embedded default:
+#                build the shipped model's engines (cached), serve it on 127.0.0.1:8000, send one
+#                streamed sample request (make run ARGS=--once stops after it)
 #   make test  - set up (with test extras: CPU torch 2.13.0, transformers, ruff) and run lint + tests
 # Both create their own virtual environment in .venv on first use.
 
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-DEMO_DIR ?= .cache/tiny-qwen3.5-mtp3
+ARGS ?=
 
 .PHONY: run test lint setup setup-test clean
 
@@ -25,8 +27,8 @@ setup: $(VENV)/.runtime
 setup-test: $(VENV)/.test
 
 run: $(VENV)/.runtime
-	$(PY) -m tandem.testing.tiny_checkpoints $(DEMO_DIR) --kind qwen3_5_mtp3
-	$(VENV)/bin/tandem inspect $(DEMO_DIR)
+	$(VENV)/bin/tandem inspect models/tandem-tiny-code
+	$(PY) tools/run_main_job.py $(ARGS)
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff check .
