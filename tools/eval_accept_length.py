@@ -41,6 +41,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=64)
     args = parser.parse_args()
+    Path(args.engines).parent.mkdir(parents=True, exist_ok=True)
     build_engines(args.model, args.engines, BuildOptions(batch_sizes=(1, 8), spec_k=3, max_seq_len=1024),
                   show_progress=False)
     prompts = held_out_prompts(args.prompts)
