@@ -33,6 +33,7 @@ def profile(engine_dir: str | Path, out: str | Path, prompts_file: str | None = 
     started = time.time()
     llm = LLM(engine_dir, EngineConfig())
     spec_k = (max(rt["verify_widths"]) - 1) if rt["verify_widths"] and llm.mtp_layers else None
+    reanchored = llm.mtp_layers if llm.mtp_mode == "chained" else 1  # head calls per re-anchor
     widths = sorted(rt["verify_widths"])
     n_latency = len(batch_sizes) * (1 + len(widths) + (max(widths, default=1) if llm.mtp_layers else 0))
     with Progress("latency", n_latency, show_progress) as bar:
@@ -59,7 +60,7 @@ def profile(engine_dir: str | Path, out: str | Path, prompts_file: str | None = 
         "trace_file": "trace.json",
     }
     if spec_k:
-        report["tuning"] = _tune(report, batch_sizes, widths)
+        report["tuning"] = _tune(report, batch_sizes, widths, reanchored)
         if tune:
             settings = {"verify_width_per_batch": {str(b): t["width"] for b, t in report["tuning"].items()},
                         "tuned_by": "tandem profile", "report": str(out / "report.json"),
@@ -93,7 +94,7 @@ def _aggregate(runs: list[dict]) -> dict:
     return agg
 
 
-def _tune(report: dict, batch_sizes: list[int], widths: list[int]) -> dict:
+def _tune(report: dict, batch_sizes: list[int], widths: list[int], reanchored: int) -> dict:
     lat = {(x["graph"], x["batch"], x["rows"]): x["median_ms"] / 1e3 for x in report["latency"]}
     on_runs = [r for r in report["runs"] if r["mode"] == "on"]
     acceptance = on_runs[0]["acceptance_per_position"] if on_runs else []
@@ -101,13 +102,16 @@ def _tune(report: dict, batch_sizes: list[int], widths: list[int]) -> dict:
     for b in batch_sizes:
         off = next(r for r in report["runs"] if r["mode"] == "off" and r["batch"] == b)
         on = next((r for r in on_runs if r["batch"] == b), None)
-        host_off = (off["round_ms"] or 0) / 1e3 - sum(off["engine_ms_per_round"].values()) / 1e3
-        host_on = ((on["round_ms"] or 0) / 1e3 - sum(on["engine_ms_per_round"].values()) / 1e3) if on else host_off
-        rounds[(b, 1)] = lat[("target_step", b, 1)] + max(host_off, 0.0)
-        for w in widths:
+        rounds[(b, 1)] = off["round_ms"] / 1e3  # measured plain round
+        predicted = {}
+        for w in widths:  # engine latencies of the round's calls
             draft = sum(lat.get(("mtp_head_0", b, r), 0.0) for r in range(1, w - 1))
-            reanchor = lat.get(("mtp_head_0", b, w), 0.0)
-            rounds[(b, w)] = lat[("verify_greedy", b, w)] + draft + reanchor + max(host_on, 0.0)
+            reanchor = reanchored * lat.get(("mtp_head_0", b, w), 0.0)
+            predicted[w] = lat[("verify_greedy", b, w)] + draft + reanchor
+        # calibrate on the width the run used: its measured round includes host work and real contexts
+        scale = (on["round_ms"] / 1e3) / predicted[max(widths)] if on and on["round_ms"] else 1.0
+        for w in widths:
+            rounds[(b, w)] = predicted[w] * scale
     return {str(b): v for b, v in choose_widths(batch_sizes, widths, acceptance, rounds).items()}
 
 
