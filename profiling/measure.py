@@ -112,8 +112,13 @@ def generation_run(engine_dir: Path, prompts: list[dict], batch: int, spec: bool
         c["rate"] = round(c["accepted"] / c["drafted"], 4) if c["drafted"] else None
     result = {
         "batch": batch, "mode": "on" if spec else "off",
-        "tokens_per_s": round(sum(s.num_generated for s in seqs) / (end - start), 3),
-        "rounds": st.rounds, "round_ms": round(st.round_seconds / st.rounds * 1e3, 4) if st.rounds else None,
+        "tokens_per_s": round(sum(s.num_generated for s in seqs) / (end - start), 3),   # whole requests
+        # decode only: tokens after each request's first (which prefill makes) over decode-round time
+        "decode_tokens_per_s": round((sum(s.num_generated for s in seqs) - len(seqs))
+                                     / max(st.round_seconds - st.phase_seconds.get("prefill", 0.0), 1e-9), 3),
+        # a decode round, prefill work excluded (new requests join mid-run and prefill in the same steps)
+        "rounds": st.rounds, "round_ms": round((st.round_seconds - st.phase_seconds.get("prefill", 0.0))
+                                               / st.rounds * 1e3, 4) if st.rounds else None,
         "host_share": round(st.host_share, 4), "accept_length": round(st.accept_length, 4),
         "acceptance_per_position": [round(x, 4) for x in st.acceptance_per_position()],
         "phases_ms_per_round": {k: round(v / st.rounds * 1e3, 4) for k, v in st.phase_seconds.items()}
