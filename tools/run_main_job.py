@@ -18,7 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_MODEL = ROOT / "models" / "tandem-tiny-code"
-SAMPLE = "def fibonacci(n):\n    "
+SAMPLE = 'import os\n\n\ndef list_python_files(root):\n    """Return the .py files under root."""\n'
 
 
 def post_stream(url: str, body: dict):
