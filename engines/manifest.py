@@ -8,9 +8,7 @@ import json
 import os
 from pathlib import Path
 
-from tandem.export.exporter import file_sha256
-
-__all__ = ["file_sha256"]
+from tandem.export.exporter import file_sha256  # noqa: F401 (re-exported: the builder hashes with it)
 
 MANIFEST = "manifest.json"
 FORMAT = "tandem-engines"

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from tandem.checkpoint.description import LayerKind, LayerSpec, MLPKind, ModelDescription
+from tandem.checkpoint.description import LayerSpec, MLPKind, ModelDescription
 from tandem.export.builder import TANDEM_DOMAIN, GraphBuilder
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
@@ -217,7 +217,3 @@ def decoder_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p
     h = b.op("Add", x, mixed, name="residual_attn")
     hn = rms_norm(b, h, w.plus_one(b, p + "post_attention_layernorm.weight"), eps, "post_attention_layernorm")
     return b.op("Add", h, mlp(b, desc, w, hn, p, layer.mlp), name="residual_mlp"), extra
-
-
-__all__ = ["LayerKind", "Paging", "Weights", "attention", "decoder_layer", "gated_deltanet_layer", "rms_norm",
-           "rotary_tables"]
