@@ -90,7 +90,8 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
         records, rebuilt, reused = [], [], []
         checker = backend.Checker(tmp, export_dir)
         with Progress("verify", len(plan), show_progress) as bar:
-            for bucket in plan:
+            # grouped by engine file, so the checker holds few sessions (records keep plan order)
+            for bucket in sorted(plan, key=lambda b: (files[b.name], plan.index(b))):
                 file, profile = files[bucket.name]
                 old = reusable.get(bucket.name)
                 if old and old["file"] == file and old.get("profile", 0) == profile:
@@ -105,6 +106,8 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
                                 "rows": bucket.rows, "min_rows": bucket.min_rows or bucket.rows,
                                 "file": file, "profile": profile, "verification": verification})
                 bar.step(bucket.name)
+        order = {b.name: i for i, b in enumerate(plan)}
+        records.sort(key=lambda r: order[r["name"]])
         failed = [r["name"] for r in records if not r["verification"]["passed"]]
         if failed:
             raise BuildError(f"{len(failed)} engine(s) disagree with the un-lowered graphs beyond the tolerance: "

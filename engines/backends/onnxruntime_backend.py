@@ -91,6 +91,8 @@ class ReferenceRunner:
 
     def run(self, path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if path not in self._sessions:
+            if len(self._sessions) >= 2:  # a reference and an engine at a time: weights are large
+                self._sessions.pop(next(iter(self._sessions)))
             self._sessions[path] = session(path)
         sess = self._sessions[path]
         return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
