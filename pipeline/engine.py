@@ -155,7 +155,6 @@ class Engine:
                 if seq.num_generated == 0:  # fresh prompt: its first token comes from the last row
                     seq.tokens.append(sample(out[c.LOGITS][b - a - 1], seq.params, seq.rng))
                     seq.metrics.first_token = time.perf_counter()
-                seq.pending_hidden = out[c.HIDDEN][b - a - 1].copy()
                 seq.status = Status.DECODE
                 done.append(seq)
         spec = [(s, a, b, o) for (s, a, b), o in zip(work, outs.rows()) if s.speculative]
@@ -173,7 +172,6 @@ class Engine:
         self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
         for seq, out in zip(seqs, outs.rows()):
             seq.committed += 1
-            seq.pending_hidden = out[c.HIDDEN][0].copy()
             seq.tokens.append(sample(out[c.LOGITS][0], seq.params, seq.rng))
 
     def _speculative_round(self, seqs: list[Sequence]) -> None:
@@ -239,7 +237,6 @@ class Engine:
             seq.metrics.record_round(width - 1, a)
             seq.committed += a + 1
             seq.tokens += new
-            seq.pending_hidden = out[c.HIDDEN][a].copy()
             anchor.append((seq, new, out[c.HIDDEN][: a + 1]))
         with self._phase("reanchor"):
             self._reanchor(anchor)

@@ -73,7 +73,7 @@ class Scheduler:
         self._release(seq)
         seq.status = Status.WAITING
         seq.metrics.preemptions += 1
-        seq.draft = seq.chain_hidden = seq.pending_hidden = None
+        seq.draft = seq.chain_hidden = None
         self.waiting.appendleft(seq)
 
     def finish(self, seq: Sequence, reason: str) -> None:

@@ -3,9 +3,9 @@
 Invariants while decoding (positions are 0-based):
     tokens[-1] is the pending token: not yet run through the target
     committed == len(tokens) - 1                      target K/V and states cover tokens[:-1]
-    pending_hidden == target hidden at position committed - 1
-    head_committed == committed (speculative): head row i pairs tokens[i+1] with hidden h_i, so the
-        last committed head row pairs the pending token with pending_hidden
+    head_committed == committed (speculative): head row i pairs tokens[i+1] with the target hidden
+        h_i, so the last committed head row pairs the pending token with h_{committed-1}, the
+        pending hidden (it lives in the heads' KV; no copy is kept on the host)
     draft, chain_hidden: head 0's draft d_1 and hidden g_0 at that last row
 """
 
@@ -72,7 +72,6 @@ class Sequence:
     prefilled: int = 0
     committed: int = 0
     head_committed: int = 0
-    pending_hidden: np.ndarray | None = None
     draft: int | None = None
     draft_prob: float = 1.0
     chain_hidden: np.ndarray | None = None

@@ -21,6 +21,20 @@ def tiny_root(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def torch_references(tiny_root):
+    """kind -> (transformers text model, lm_head, torch MTPReference), loaded once per session."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from tandem.testing.mtp_reference import MTPReference, load_target
+
+    out = {}
+    for kind in TINY_KINDS:
+        text_model, lm_head, cfg = load_target(tiny_root / kind)
+        out[kind] = (text_model, lm_head, MTPReference.from_checkpoint(tiny_root / kind, text_model, lm_head, cfg))
+    return out
+
+
+@pytest.fixture(scope="session")
 def engine_dirs(tiny_root, tmp_path_factory):
     """Engine directories of two tiny kinds, built once per session (see pipeline_fixtures)."""
     from .pipeline_fixtures import build_test_engines

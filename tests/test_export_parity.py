@@ -15,7 +15,6 @@ from .paged_driver import PagedState, session
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-from tandem.testing.mtp_reference import MTPReference, load_target  # noqa: E402
 
 TOL = 1e-4
 PROMPTS = [[5, 17, 33, 200, 7, 64, 91, 12, 250, 3, 44], [9, 120, 77, 301, 15, 2]]
@@ -33,12 +32,8 @@ def exported(tiny_root):
 
 
 @pytest.fixture(scope="module")
-def references(tiny_root):
-    refs = {}
-    for kind in TINY_KINDS:
-        text_model, lm_head, cfg = load_target(tiny_root / kind)
-        refs[kind] = (text_model, lm_head, MTPReference.from_checkpoint(tiny_root / kind, text_model, lm_head, cfg))
-    return refs
+def references(torch_references):
+    return torch_references
 
 
 def hf_forward(ref, tokens):

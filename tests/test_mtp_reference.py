@@ -13,18 +13,14 @@ from tandem.testing.tiny_checkpoints import TINY_KINDS
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tandem.testing.mtp_reference import MTPReference, greedy_draft, load_target  # noqa: E402
+from tandem.testing.mtp_reference import greedy_draft  # noqa: E402
 
 PROMPT = [5, 17, 33, 200, 7, 64, 91]
 
 
 @pytest.fixture(scope="module")
-def refs(tiny_root):
-    out = {}
-    for kind in TINY_KINDS:
-        text_model, lm_head, cfg = load_target(tiny_root / kind)
-        out[kind] = (text_model, lm_head, MTPReference.from_checkpoint(tiny_root / kind, text_model, lm_head, cfg))
-    return out
+def refs(torch_references):
+    return torch_references
 
 
 def zero_centred_rms_norm(x, w, eps=1e-6):
