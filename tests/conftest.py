@@ -3,12 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
 from tandem.checkpoint.safetensors_files import TensorIndex
+
+# Triton kernels (tandem.plugins) run in Triton's interpreter unless a GPU is there; the choice
+# is made when a kernel module is imported, so it is made here, before any test imports one.
+try:
+    import torch
+    _HAS_GPU = torch.cuda.is_available()
+except ImportError:
+    _HAS_GPU = False
+if not _HAS_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from tandem.testing.tiny_checkpoints import TINY_KINDS, write_tiny_checkpoint
 
 

@@ -6,10 +6,10 @@ bucket: profiles of one engine share one copy of the weights (separately built e
 and the pipeline picks a profile per bucket, one execution context each. Shapes per profile come
 from tandem.engines.buckets.profile_shapes (backend-neutral, unit-tested without TensorRT).
 
-Custom ops: the ONNX parser imports each `ai.tandem` node's function body (the portable
-fallback). Plugin kernels do not ship yet; tandem.plugins.tensorrt_plugins holds the attribute
-mapping they will receive and the node tagging (plugin_namespace) that makes the parser prefer a
-registered plugin over the body.
+Custom ops: where Triton and `tensorrt.plugin` (TensorRT >= 10.8) are importable, each
+`ai.tandem` node becomes an AOT plugin (tandem.plugins: a Triton kernel compiled to PTX and
+stored in the plan; no Python at run time). Otherwise the parser imports each node's function
+body, the portable fallback. The manifest's versions say which one an engine dir holds.
 
 CUDA graphs: the runtime runs enqueueV3 once per (context, shapes) after a shape change, then
 captures one graph per bucket with fixed input/output addresses and replays it every round.
@@ -41,8 +41,37 @@ def _trt():
     return trt
 
 
+def plugin_mode() -> str:
+    """"triton-aot" when the plugin kernels can be built here, else "function-bodies"."""
+    try:
+        import tensorrt.plugin as trtp
+        import triton  # noqa: F401
+    except ImportError:
+        return "function-bodies"
+    return "triton-aot" if hasattr(trtp, "aot_impl") else "function-bodies"
+
+
 def versions() -> dict[str, str]:
-    return {"tensorrt": _trt().__version__}
+    out = {"tensorrt": _trt().__version__, "custom_ops": plugin_mode()}
+    if out["custom_ops"] == "triton-aot":
+        import triton
+        out["triton"] = triton.__version__
+    return out
+
+
+def _parsed_graph(export_dir: Path, graph: str, use_plugins: bool) -> Path:
+    """The ONNX file the parser reads: the export itself, or a copy whose tandem nodes name
+    their plugins (next to it, so the shared external weights resolve)."""
+    path = export_dir / f"{graph}.onnx"
+    if not use_plugins:
+        return path
+    tagged = export_dir / f"{graph}.plugins.onnx"
+    if not tagged.exists():
+        import onnx
+
+        from tandem.plugins.tensorrt_plugins import mark_for_plugins
+        onnx.save(mark_for_plugins(onnx.load(str(path), load_external_data=False)), str(tagged))
+    return tagged
 
 
 def engine_file(bucket: Bucket) -> str:
@@ -56,6 +85,14 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc, options,
     """Parse each exported graph once, add one profile per bucket, serialize the plan."""
     trt = _trt()
     logger = trt.Logger(trt.Logger.WARNING)
+    use_plugins = plugin_mode() == "triton-aot"
+    if use_plugins:
+        from tandem.plugins.ptx import current_capability
+        from tandem.plugins.tensorrt_registration import register_plugins
+        capability = current_capability()
+        if capability is None:
+            raise BackendUnavailable("building TensorRT engines needs an NVIDIA GPU, and Triton finds none here")
+        register_plugins(capability)
     groups: dict[str, list[Bucket]] = {}
     for bucket in buckets:
         groups.setdefault(engine_file(bucket), []).append(bucket)
@@ -67,7 +104,9 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc, options,
             flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
         network = builder.create_network(flags)
         parser = trt.OnnxParser(network, logger)
-        onnx_path = export_dir / f"{group[0].graph}.onnx"
+        if use_plugins and hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
+            parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
+        onnx_path = _parsed_graph(export_dir, group[0].graph, use_plugins)
         if not parser.parse_from_file(str(onnx_path)):
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
             raise RuntimeError(f"TensorRT could not parse {onnx_path.name}: {errors}")
@@ -99,6 +138,10 @@ class Checker:
         self.engine_dir, self.export_dir = engine_dir, export_dir
         self.reference = ReferenceRunner()
         self._engines = {}
+        if plugin_mode() == "triton-aot":  # plans with plugin layers deserialize with their creators registered
+            from tandem.plugins.ptx import current_capability
+            from tandem.plugins.tensorrt_registration import register_plugins
+            register_plugins(current_capability())
 
     def run(self, bucket: Bucket, engine: tuple[str, int], feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:
         from polygraphy.backend.trt import EngineFromBytes, TrtRunner
