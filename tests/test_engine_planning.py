@@ -87,6 +87,22 @@ def test_mark_for_plugins_tags_tandem_nodes_only(tiny_root):
     assert len(tagged) == sum(1 for n in model.graph.node if n.domain == TANDEM_DOMAIN)
 
 
+def test_verify_graph_gated_deltanet_nodes_get_the_row_states_plugin(tiny_root):
+    """Verify graphs keep every row's state (3 outputs): an AOT plugin has a fixed output count,
+    so those nodes name their own plugin; a node of the wrong arity is refused before TensorRT."""
+    from tandem.export.exporter import build_graphs
+
+    model = build_graphs(open_checkpoint(tiny_root / "qwen3_5_mtp1"))["verify_greedy"]
+    marked = mark_for_plugins(model)
+    names = {n.op_type for n in marked.graph.node if n.domain == TANDEM_DOMAIN}
+    assert names == {"GatedDeltaNetRowStates", "PagedSparseAttention"}
+    gdn = next(n for n in model.graph.node if n.op_type == "GatedDeltaNet")
+    del gdn.output[2]
+    del gdn.input[6]
+    with pytest.raises(PluginFieldError, match="takes 7 inputs and gives 2 outputs"):
+        mark_for_plugins(model)
+
+
 def test_tensorrt_build_runs_where_tensorrt_is_installed(tiny_root, tmp_path):
     pytest.importorskip("tensorrt", reason="TensorRT is not installed (it needs NVIDIA's package index and a GPU); "
                                            "its build is exercised on GPU machines only")
