@@ -49,13 +49,13 @@ def _cut_parameters(ptx: str, name: str, keep: int) -> str:
 
 
 def current_capability() -> int | None:
-    """Compute capability (e.g. 90) of GPU 0 through the CUDA driver, or None without one."""
+    """Compute capability (e.g. 90) of the current NVIDIA GPU, or None without one."""
     try:
         from triton.runtime import driver
-        major, minor = driver.active.get_current_target().arch // 10, driver.active.get_current_target().arch % 10
+        target = driver.active.get_current_target()
     except Exception:  # no driver, no GPU: the caller names a target
         return None
-    return major * 10 + minor
+    return int(target.arch) if target.backend == "cuda" else None
 
 
 def _driver_ptx_version() -> int | None:
