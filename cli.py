@@ -180,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seq-len", type=int, default=4096, help="longest sequence the engines serve")
     p.add_argument("--page-size", type=int, default=16, help="KV page size in tokens (power of two)")
     p.add_argument("--prefill-chunk", type=int, default=64, help="rows per prefill chunk")
-    p.add_argument("--dtype", default="float32", help="engine precision (float32)")
+    p.add_argument("--dtype", default="float32",
+                   help="engine precision: float32 or float16 (weights, activations, K/V and conv pools; "
+                        "recurrent states, attention scores and logits stay float32)")
     p.add_argument("--draft", help="folder with the MTP (mtp.*) weights, when they are not in the checkpoint")
     p.add_argument("--no-mtp", action="store_true", help="plain decoding only: no heads, no verify engines")
     p.add_argument("--quiet", action="store_true", help="no progress bars")

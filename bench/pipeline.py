@@ -1,11 +1,15 @@
 """Decode speed with speculative decoding off and on (ONNX Runtime CPU).
 
     .venv/bin/python bench/pipeline.py [--kinds qwen3_5_mtp3,qwen3_5_150m] [--acceptance 0.7] [--workdir DIR]
+                                       [--dtype float32|float16]
+    .venv/bin/python bench/pipeline.py --kinds models/tandem-tiny-code --acceptance model --dtype float16
 
 Random weights accept nothing, so speculative runs use the documented synthetic-acceptance aid
-(drafts accepted with the given probability; tokens are not the model's). Prints tokens/s off and
-on at batch 1 and 8, accept length, host overhead per round, and the measured speedup next to
-the bound accept_length x t_decode / t_round. Decode only: the first step (prefill) is excluded.
+(drafts accepted with the given probability; tokens are not the model's); `--acceptance model`
+uses the heads' own drafts (for trained checkpoints). A kind may be a checkpoint folder. Prints
+the build (seconds, engine dir size), tokens/s off and on at batch 1 and 8, accept length, host
+overhead per round, and the measured speedup next to the bound accept_length x t_decode / t_round.
+Decode only: the first step (prefill) is excluded.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 
-def measure(engine_dir: Path, batch: int, spec: bool, acceptance: float, max_tokens: int, prompt_len: int,
+def measure(engine_dir: Path, batch: int, spec: bool, acceptance: float | None, max_tokens: int, prompt_len: int,
             threads: int | None) -> dict:
+    """acceptance None: the heads' own drafts."""
     config = EngineConfig(speculative=spec, synthetic_acceptance=acceptance if spec else None, threads=threads,
                           memory_budget_bytes=1 << 30)
     llm = LLM(engine_dir, config)
@@ -61,26 +66,31 @@ def measure(engine_dir: Path, batch: int, spec: bool, acceptance: float, max_tok
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kinds", default="qwen3_5_mtp3,qwen3_5_150m")
-    parser.add_argument("--acceptance", type=float, default=0.7)
+    parser.add_argument("--acceptance", default="0.7", help="synthetic acceptance in [0, 1], or 'model'")
     parser.add_argument("--k", type=int, default=3)
+    parser.add_argument("--dtype", default="float32", help="engine dtype: float32 or float16")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    acceptance = None if args.acceptance == "model" else float(args.acceptance)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bench-"))
-    print(f"machine: {machine()}; synthetic acceptance {args.acceptance}, k = {args.k}")
+    print(f"machine: {machine()}; acceptance {args.acceptance}, k = {args.k}, dtype {args.dtype}")
     for kind in args.kinds.split(","):
-        src = work / kind
+        src = Path(kind) if Path(kind).is_dir() else work / kind
         if not (src / "config.json").exists():
             write_tiny_checkpoint(src, kind, dtype="bfloat16" if "150m" in kind else "float32")
-        engines = work / f"{kind}-engines-k{args.k}"
-        build_engines(src, engines, BuildOptions(batch_sizes=(1, 8), spec_k=args.k, prefill_chunk=64,
-                                                 max_seq_len=1024), show_progress=False)
+        kind = src.name
+        engines = work / f"{kind}-engines-k{args.k}-{args.dtype}"
+        built = build_engines(src, engines, BuildOptions(batch_sizes=(1, 8), spec_k=args.k, prefill_chunk=64,
+                                                         max_seq_len=1024, dtype=args.dtype), show_progress=False)
+        print(f"\n{kind} ({args.dtype}): build {built.status} in {built.seconds:.1f} s, engine dir "
+              f"{built.size_bytes / 2**20:.1f} MiB")
         max_tokens = 48 if "150m" in kind else 96
-        print(f"\n{kind}:  batch | off tok/s  t_decode ms host% | on tok/s  t_round ms host%  accept_len | "
+        print(f"{kind}:  batch | off tok/s  t_decode ms host% | on tok/s  t_round ms host%  accept_len | "
               f"speedup  bound  speedup/bound")
         for batch in (1, 8):
-            off = measure(engines, batch, False, args.acceptance, max_tokens, 32, args.threads)
-            on = measure(engines, batch, True, args.acceptance, max_tokens, 32, args.threads)
+            off = measure(engines, batch, False, acceptance, max_tokens, 32, args.threads)
+            on = measure(engines, batch, True, acceptance, max_tokens, 32, args.threads)
             speedup = on["tok_s"] / off["tok_s"]
             bound = on["accept_length"] * off["t_round"] / on["t_round"]
             print(f"  {batch:>19} | {off['tok_s']:9.1f}  {off['t_round'] * 1e3:10.2f} {off['host_share'] * 100:4.1f} | "

@@ -104,21 +104,22 @@ def _dim(d, bucket: Bucket, options: BuildOptions, desc: ModelDescription, which
     raise ValueError(f"unknown symbolic dim {d!r}")
 
 
-def io_specs(desc: ModelDescription, graph: str) -> list[c.TensorSpec]:
+def io_specs(desc: ModelDescription, graph: str, dtype: str = "float32") -> list[c.TensorSpec]:
+    """Inputs of a graph kind for engines of `dtype` (the build's --dtype)."""
     if graph == "target_step":
-        return c.target_step_io(desc)[0]
+        return c.target_step_io(desc, dtype)[0]
     if graph.startswith("verify_"):
-        ins = c.verify_step_io(desc)[0]
+        ins = c.verify_step_io(desc, dtype)[0]
         if graph == "verify_greedy":
             ins = [s for s in ins if s.name not in (c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS)]
         return ins
-    return c.mtp_head_io(desc, int(graph.rsplit("_", 1)[1]))[0]
+    return c.mtp_head_io(desc, int(graph.rsplit("_", 1)[1]), dtype)[0]
 
 
 def profile_shapes(desc: ModelDescription, bucket: Bucket, options: BuildOptions) -> dict[str, tuple]:
     """input name -> (min, opt, max) shapes of the bucket's optimization profile."""
     out = {}
-    for spec in io_specs(desc, bucket.graph):
+    for spec in io_specs(desc, bucket.graph, options.dtype):
         out[spec.name] = tuple(tuple(_dim(d, bucket, options, desc, which) for d in spec.shape)
                                for which in ("min", "opt", "max"))
     return out

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tandem import __version__, contract
 from tandem.checkpoint import open_checkpoint
-from tandem.checkpoint.description import description_to_dict
+from tandem.checkpoint.description import DTYPE_BYTES, description_to_dict
 from tandem.checkpoint.summary import summarize
 from tandem.engines import buckets as bucket_plan
 from tandem.engines.atomic import check_writable, staged_directory
@@ -74,7 +74,7 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
         return BuildResult(out, "up-to-date", time.perf_counter() - start, _dir_size(out))
 
     params = ckpt.parameter_count() + (ckpt.parameter_count(mtp=True) if desc.mtp else 0)
-    check_writable(out, need_bytes=int(params * 4 * 1.2) + (64 << 20))
+    check_writable(out, need_bytes=int(params * DTYPE_BYTES[options.dtype] * 1.2) + (64 << 20))
     plan = bucket_plan.plan(desc, options)
     reusable = _reusable_engines(previous, fingerprint, out)
     with staged_directory(out) as tmp:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from tandem.checkpoint.validation import MAX_SPEC_K, MIN_SPEC_K
 
 BACKENDS = ("onnxruntime", "tensorrt")
-SUPPORTED_DTYPES = ("float32",)
+SUPPORTED_DTYPES = ("float32", "float16")  # engine dtype: weights, activations, KV and conv pools
 MAX_BATCH = 256
 
 
@@ -61,8 +61,11 @@ class BuildOptions:
             raise OptionsError(f"--max-seq-len {self.max_seq_len} is smaller than one page ({self.page_size})")
         if not 1 <= self.prefill_chunk <= self.max_seq_len:
             raise OptionsError(f"--prefill-chunk {self.prefill_chunk}: use 1..--max-seq-len ({self.max_seq_len})")
+        if self.dtype == "bfloat16":
+            raise OptionsError("--dtype bfloat16: ONNX Runtime's CPU provider has no bfloat16 kernels (MatMul, Add, "
+                               "... fail with NOT_IMPLEMENTED); use --dtype float16 or float32")
         if self.dtype not in SUPPORTED_DTYPES:
-            raise OptionsError(f"--dtype {self.dtype} is not supported yet; use {', '.join(SUPPORTED_DTYPES)}")
+            raise OptionsError(f"--dtype {self.dtype} is not supported yet; use {' or '.join(SUPPORTED_DTYPES)}")
 
     def to_json(self) -> dict:
         out = asdict(self)

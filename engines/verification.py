@@ -1,12 +1,18 @@
 """The check every build ends with: each engine runs once on a fixed input and must agree with
 the un-lowered exported graph run by ONNX Runtime. Inputs are seeded per bucket, so a rebuild
-checks the same thing. Backend-neutral: a backend supplies `run(bucket, feeds) -> outputs`."""
+checks the same thing. Backend-neutral: a backend supplies `run(bucket, feeds) -> outputs`.
+
+A float output passes when max |engine - reference| <= tolerance x scale, scale = max(1, max
+|reference|): absolute for small tensors, relative to the tensor's range for large ones (keys and
+logits of real models reach tens). Integer outputs (tokens, accept counts) must be equal, except
+that a float16 build tolerates one differing entry per output: both graphs round logits through
+fp16, and an argmax whose top two logits are within an ulp can go either way."""
 
 from __future__ import annotations
 
 import hashlib
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
@@ -15,7 +21,10 @@ from tandem.checkpoint.description import ModelDescription
 from tandem.engines.buckets import Bucket, io_specs
 from tandem.engines.options import BuildOptions
 
-TOLERANCE = {"float32": 1e-4}  # max abs difference of float outputs; integer outputs must be equal
+# float outputs: max abs difference / scale. float16: ~10 ulps (eps 9.8e-4) of the tensor's range; the
+# lowering's fp32 reordering flips single fp16 roundings, measured up to 9.6e-4 (docs/engines.md)
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
+INTEGER_MISMATCHES = {"float32": 0, "float16": 1}  # differing entries allowed per integer output
 _CHECK_PAGES = 3               # committed context of up to 3 pages per sequence
 
 
@@ -23,8 +32,10 @@ _CHECK_PAGES = 3               # committed context of up to 3 pages per sequence
 class Verification:
     passed: bool
     tolerance: float
-    max_abs_diff: dict[str, float]
+    max_abs_diff: dict[str, float]      # float outputs; integer outputs: count of differing entries
     seconds: float
+    scale: dict[str, float] = field(default_factory=dict)   # float outputs: max(1, max |reference|)
+    integer_mismatches_allowed: int = 0  # per integer output
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -39,7 +50,8 @@ def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) 
     dims = {"batch": b, "rows": w, "max_pages": _CHECK_PAGES, "num_pages": n_pages, "page_size": page,
             "num_slots": n_slots}
     out = {}
-    for spec in io_specs(desc, bucket.graph):
+    specs = io_specs(desc, bucket.graph, options.dtype)
+    for spec in specs:
         shape = tuple(dims[d] if isinstance(d, str) else d for d in spec.shape)
         if spec.dtype != "int64":
             out[spec.name] = (0.5 * rng.standard_normal(shape)).astype(spec.dtype)
@@ -53,23 +65,25 @@ def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) 
     out[c.TOP_K] = rng.choice([0, 20], b).astype(np.int64)
     out[c.TOP_P] = rng.choice([1.0, 0.9], b).astype(np.float32)
     out[c.UNIFORMS] = rng.random((b, w)).astype(np.float32)
-    names = {s.name for s in io_specs(desc, bucket.graph)}
+    names = {s.name for s in specs}
     return {k: v for k, v in out.items() if k in names}
 
 
 def compare(reference: dict[str, np.ndarray], engine: dict[str, np.ndarray], dtype: str,
             seconds: float) -> Verification:
-    tol = TOLERANCE[dtype]
-    diffs, passed = {}, True
+    tol, allowed = TOLERANCE[dtype], INTEGER_MISMATCHES[dtype]
+    diffs, scales, passed = {}, {}, True
     for name, ref in reference.items():
         got = engine[name]
         if ref.dtype.kind in "iub":
             diffs[name] = float((ref != got).sum())
-            passed &= diffs[name] == 0
+            passed &= diffs[name] <= allowed
         else:
-            diffs[name] = float(np.abs(ref.astype(np.float64) - got.astype(np.float64)).max()) if ref.size else 0.0
-            passed &= diffs[name] <= tol
-    return Verification(bool(passed), tol, diffs, round(seconds, 4))
+            ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
+            diffs[name] = float(np.abs(ref64 - got64).max()) if ref.size else 0.0
+            scales[name] = max(1.0, float(np.abs(ref64).max()) if ref.size else 0.0)
+            passed &= diffs[name] <= tol * scales[name]  # NaN fails
+    return Verification(bool(passed), tol, diffs, round(seconds, 4), scales, allowed)
 
 
 def timed(fn):

@@ -72,9 +72,12 @@ class _SharedWeights:
         return self._size
 
 
+EXPORT_DTYPES = ("float32", "float16")  # weights and activations; see export/layers.py for what stays fp32
+
+
 def build_graphs(ckpt: Checkpoint, dtype: str = "float32", gdn_chunk_size: int = 0) -> dict[str, onnx.ModelProto]:
-    if dtype != "float32":
-        raise ValueError(f"export dtype {dtype!r} is not supported yet; use float32")
+    if dtype not in EXPORT_DTYPES:
+        raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     desc, w = ckpt.description, Weights(ckpt, dtype)
     graphs = {"target_step": target_step(desc, w, gdn_chunk_size),
               "verify_greedy": verify_step(desc, w, sampling=False),
@@ -123,4 +126,4 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-__all__ = ["ExportResult", "build_graphs", "export_checkpoint", "file_sha256"]
+__all__ = ["EXPORT_DTYPES", "ExportResult", "build_graphs", "export_checkpoint", "file_sha256"]

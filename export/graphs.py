@@ -6,6 +6,9 @@
                   windows selected after the accepted rows (row_states -> GatherND at `accepted`)
     MTP head j    x = fc(cat[norm_e(embed(t_{i+1})), norm_h(h_i)]) -> mtp.layers.j -> mtp.norm -> hidden
                   row last_row -> lm_head -> greedy draft, its probability, the hidden to chain
+
+Dtypes follow the contract for the export dtype: the trunk and heads run in it (float32 or
+float16); logits leave the lm_head as float32, so acceptance and drafting compare float32.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from tandem.export.layers import (
     Paging,
     Weights,
     attention,
+    cast,
     decoder_layer,
     gated_deltanet_layer,
     rms_norm,
@@ -30,11 +34,11 @@ from tandem.export.layers import (
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
 
-def _paging(b: GraphBuilder, desc: ModelDescription, ids: str) -> Paging:
+def _paging(b: GraphBuilder, desc: ModelDescription, ids: str, dtype: str) -> Paging:
     """Positions context_lens + w for the rows of `ids`, their RoPE tables, and dense selection."""
     w = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(ids, 1, 2), [0]), b.const(1, np.int64))
     positions = b.op("Add", b.unsqueeze(c.CONTEXT_LENS, [1]), b.unsqueeze(w, [0]), name="positions")
-    cos, sin = rotary_tables(b, desc, positions)
+    cos, sin = rotary_tables(b, desc, positions, dtype)
     return Paging(c.CONTEXT_LENS, c.BLOCK_TABLES, cos, sin, b.const(np.zeros((1, 1, 0), np.int64)))
 
 
@@ -47,7 +51,7 @@ def _conv_window_after(b: GraphBuilder, padded: str, rows: str, kernel: int) -> 
 
 def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
     """Embed -> layers -> final norm. Returns (hidden, attention K/V per layer, GDN pieces)."""
-    paging = _paging(b, desc, c.INPUT_IDS)
+    paging = _paging(b, desc, c.INPUT_IDS, w.dtype)
     with b.scope("model/embed_tokens"):
         x = b.op("Gather", w.plain(b, "embed_tokens.weight"), c.INPUT_IDS, axis=0)
     state_rows = c.STATE_ROWS
@@ -75,8 +79,11 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
 
 
 def _lm_head(b: GraphBuilder, w: Weights, hidden: str) -> str:
+    """hidden [.., H] -> float32 logits [.., V]: the product in the export dtype, then widened. On
+    ONNX Runtime CPU this equals an fp32 product on the same fp16 hidden (measured: bit for bit),
+    so no fp32 copy of lm_head is stored."""
     with b.scope("lm_head"):
-        return b.op("MatMul", hidden, w.matmul_t(b, "lm_head.weight"), name="MatMul")
+        return cast(b, b.op("MatMul", hidden, w.matmul_t(b, "lm_head.weight"), name="MatMul"), w.dtype, "float32")
 
 
 def _finish(b: GraphBuilder, name: str, ins, outs, produced: dict[str, str], functions) -> onnx.ModelProto:
@@ -97,7 +104,7 @@ def _finish(b: GraphBuilder, name: str, ins, outs, produced: dict[str, str], fun
 def target_step(desc: ModelDescription, w: Weights, gdn_chunk_size: int = 0) -> onnx.ModelProto:
     """gdn_chunk_size > 0 gives GatedDeltaNet the chunked body (long prefill chunks on runtimes
     without a native kernel); 0 the recurrent one."""
-    ins, outs = c.target_step_io(desc)
+    ins, outs = c.target_step_io(desc, w.dtype)
     b = GraphBuilder()
     hidden, kv, gdn = _trunk(b, desc, w, verify=False)
     produced = {c.HIDDEN: hidden, c.LOGITS: _lm_head(b, w, hidden)}
@@ -112,7 +119,7 @@ def target_step(desc: ModelDescription, w: Weights, gdn_chunk_size: int = 0) -> 
 
 
 def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.ModelProto:
-    ins, outs = c.verify_step_io(desc)
+    ins, outs = c.verify_step_io(desc, w.dtype)
     if not sampling:  # the greedy graph takes no sampling inputs
         ins = [s for s in ins if s.name not in (c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS)]
     b = GraphBuilder()
@@ -136,11 +143,11 @@ def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.Mode
 
 
 def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
-    ins, outs = c.mtp_head_io(desc, head)
+    ins, outs = c.mtp_head_io(desc, head, w.dtype)
     b = GraphBuilder()
     layer_name = c.mtp_layer_name(head)
     eps = desc.rms_norm_eps
-    paging = _paging(b, desc, c.INPUT_IDS)
+    paging = _paging(b, desc, c.INPUT_IDS, w.dtype)
     with b.scope(f"mtp/{layer_name}"):
         with b.scope("embed_tokens"):
             e = b.op("Gather", w.plain(b, "embed_tokens.weight"), c.INPUT_IDS, axis=0)

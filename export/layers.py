@@ -3,6 +3,10 @@
 Shapes: x [B, W, H]; heads split as [B, W, heads, dim]. Norms are zero-centred RMSNorm, so the
 exporter stores the scale 1 + w and uses the standard RMSNormalization op (fp32 stash).
 
+Precision: activations and weights are in the export dtype (float32 or float16). RoPE angles,
+the Gated DeltaNet recurrence (its inputs, gate math, state and gated norm) and the MoE router
+stay float32; attention scores are float32 inside PagedSparseAttention.
+
     gated attention:  x -> q_proj -> [q | gate] per head; q_norm, k_norm; partial NeoX RoPE
                       -> PagedSparseAttention(q, k, v, pools) * sigmoid(gate) -> o_proj
     Gated DeltaNet:   x -> in_proj_qkv -> causal conv (with the K-1 window) -> SiLU -> q | k | v
@@ -18,7 +22,7 @@ import numpy as np
 from onnx import TensorProto
 
 from tandem.checkpoint.description import LayerSpec, MLPKind, ModelDescription
-from tandem.export.builder import TANDEM_DOMAIN, GraphBuilder
+from tandem.export.builder import ONNX_DTYPES, TANDEM_DOMAIN, GraphBuilder
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
 
@@ -27,6 +31,7 @@ class Weights:
 
     def __init__(self, checkpoint, dtype: str = "float32"):
         self.ckpt = checkpoint
+        self.dtype = dtype              # the graphs' activation dtype (contract spelling)
         self.np_dtype = np.dtype(dtype)
         self._derived: dict[str, np.ndarray] = {}  # graphs share weights: derive each once
 
@@ -61,6 +66,11 @@ class Paging:
     selected: str       # [B|1, W|1, K] committed positions each row may see; K = 0: dense
 
 
+def cast(b: GraphBuilder, x: str, src: str, dst: str) -> str:
+    """x (of dtype `src`) as `dst`; no node when they agree, so float32 graphs are unchanged."""
+    return x if src == dst else b.op("Cast", x, to=ONNX_DTYPES[dst])
+
+
 def rms_norm(b: GraphBuilder, x: str, scale: str, eps: float, name: str) -> str:
     return b.op("RMSNormalization", x, scale, axis=-1, epsilon=eps, stash_type=1, name=name)
 
@@ -73,15 +83,18 @@ def linear(b: GraphBuilder, w: Weights, x: str, name: str, scope: str) -> str:
     return b.op("MatMul", x, w.matmul_t(b, name), name=f"{scope}/MatMul")
 
 
-def rotary_tables(b: GraphBuilder, desc: ModelDescription, positions: str) -> tuple[str, str]:
-    """cos/sin [B, W, 1, rd] for int64 positions [B, W] (NeoX layout: freqs repeated twice)."""
+def rotary_tables(b: GraphBuilder, desc: ModelDescription, positions: str, dtype: str = "float32"
+                  ) -> tuple[str, str]:
+    """cos/sin [B, W, 1, rd] in `dtype` for int64 positions [B, W] (NeoX layout: freqs repeated
+    twice); the angles are float32 (position x frequency needs the mantissa)."""
     a = desc.attention
     inv_freq = 1.0 / (a.rope_theta ** (np.arange(0, a.rotary_dim, 2, dtype=np.float64) / a.rotary_dim))
     with b.scope("rotary"):
         freqs = b.op("Mul", b.unsqueeze(b.op("Cast", positions, to=TensorProto.FLOAT), [2]),
                      b.const(inv_freq.astype(np.float32)))                   # [B, W, rd/2]
         emb = b.unsqueeze(b.concat([freqs, freqs], -1), [2])                 # [B, W, 1, rd]
-        return b.op("Cos", emb, name="cos"), b.op("Sin", emb, name="sin")
+        return (cast(b, b.op("Cos", emb, name="cos"), "float32", dtype),
+                cast(b, b.op("Sin", emb, name="sin"), "float32", dtype))
 
 
 def apply_rotary(b: GraphBuilder, x: str, paging: Paging, head_dim: int, rotary_dim: int) -> str:
@@ -135,15 +148,16 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x:
         qkv = linear(b, w, x, q + "in_proj_qkv.weight", "in_proj_qkv")        # [B, W, C]
         z = b.reshape(linear(b, w, x, q + "in_proj_z.weight", "in_proj_z"), [0, 0, g.num_value_heads,
                                                                               g.value_head_dim])
-        beta = b.op("Sigmoid", linear(b, w, x, q + "in_proj_b.weight", "in_proj_b"))
-        a_proj = linear(b, w, x, q + "in_proj_a.weight", "in_proj_a")
+        f32 = lambda t: cast(b, t, w.dtype, "float32")  # noqa: E731 (the recurrence runs in fp32)
+        beta = b.op("Sigmoid", f32(linear(b, w, x, q + "in_proj_b.weight", "in_proj_b")))
+        a_proj = f32(linear(b, w, x, q + "in_proj_a.weight", "in_proj_a"))
         neg_a = w.derived(b, q + "A_log.neg_exp", lambda: (-np.exp(w.raw(q + "A_log"))).astype(np.float32))
         decay = b.op("Mul", neg_a, b.op("Softplus", b.op("Add", a_proj, w.plain(b, q + "dt_bias", np.float32))))
         with b.scope("conv"):
             padded = b.concat([conv_state, b.op("Transpose", qkv, perm=[0, 2, 1])], 2)   # [B, C, K-1+W]
             conv = b.op("Conv", padded, w.plain(b, q + "conv1d.weight"), group=g.conv_dim,
                         kernel_shape=[g.conv_kernel])
-            mixed = b.op("Transpose", silu(b, conv), perm=[0, 2, 1])                     # [B, W, C]
+            mixed = f32(b.op("Transpose", silu(b, conv), perm=[0, 2, 1]))                # [B, W, C]
         kd = g.key_dim
         shape_k = [0, 0, g.num_key_heads, g.key_head_dim]
         qh = b.reshape(b.slice(mixed, [0], [kd], [2]), shape_k)
@@ -154,9 +168,10 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x:
         outs = b.op(gated_deltanet.OP_TYPE, qh, kh, vh, decay, beta, recurrent_state, state_rows,
                     domain=TANDEM_DOMAIN, outputs=3 if row_states else 2, scale=float(g.key_head_dim ** -0.5),
                     num_key_heads=g.num_key_heads, num_value_heads=g.num_value_heads, name="GatedDeltaNet")
-        y = outs[0]                                                                       # [B, W, Hv, dv]
-        normed = rms_norm(b, y, w.plain(b, q + "norm.weight"), eps, "norm")
-        gated = b.op("Mul", normed, silu(b, z))
+        # the gated norm reads the fp32 output (as transformers' RMSNormGated): per-head RMSNorm
+        # scales up heads with small outputs, and their fp16 rounding with them (logits error -30%)
+        normed = rms_norm(b, outs[0], w.plain(b, q + "norm.weight", np.float32), eps, "norm")  # [B, W, Hv, dv]
+        gated = b.op("Mul", cast(b, normed, "float32", w.dtype), silu(b, z))
         out = linear(b, w, b.reshape(gated, [0, 0, g.value_dim]), q + "out_proj.weight", "out_proj")
     return GDNOutputs(out, outs[2] if row_states else outs[1], padded)
 
@@ -186,11 +201,14 @@ def _moe(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str) ->
     m = desc.moe
     shape = b.shape_of(x)
     x2 = b.reshape(x, [-1, desc.hidden_size])                                   # [T, H]
-    probs = b.op("Softmax", linear(b, w, x2, p + "gate.weight", "gate"), axis=-1)  # [T, E]
+    # router in fp32 (as transformers does): top-k ties must not depend on the export dtype
+    logits = cast(b, linear(b, w, x2, p + "gate.weight", "gate"), w.dtype, "float32")
+    probs = b.op("Softmax", logits, axis=-1)                                    # [T, E]
     top_v, top_i = b.op("TopK", probs, b.const([m.top_k], np.int64), outputs=2, axis=-1)
     if m.norm_topk_prob:
         top_v = b.op("Div", top_v, b.op("ReduceSum", top_v, b.const([-1], np.int64), keepdims=1))
     route = b.op("ScatterElements", b.op("Mul", probs, b.const(0.0, np.float32)), top_i, top_v, axis=1)
+    route = cast(b, route, "float32", w.dtype)
     gate_up = w.derived(b, p + "experts.gate_up_proj.T",   # [E, H, 2I]
                         lambda: w.raw(p + "experts.gate_up_proj").transpose(0, 2, 1).astype(w.np_dtype))
     down = w.derived(b, p + "experts.down_proj.T",         # [E, I, H]

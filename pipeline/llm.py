@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 from tokenizers import Tokenizer
 
 from tandem.checkpoint.description import description_from_dict
@@ -70,6 +71,7 @@ class LLM:
         self.desc = description_from_dict(m["description"])
         rt = m["runtime"]
         self.page_size, self.max_seq_len = rt["page_size"], rt["max_seq_len"]
+        self.dtype = m["options"].get("dtype", "float32")  # the engines': K/V and conv pools, hidden rows
         self.spec_k = config.spec_k or rt["spec_k"] or 0
         self.verify_widths = set(rt["verify_widths"])
         if self.spec_k and self.spec_k + 1 > max(self.verify_widths, default=1):
@@ -81,8 +83,9 @@ class LLM:
         self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
         batch_sizes = rt["batch_sizes"]
         max_seqs = config.max_num_seqs or max(batch_sizes)
-        sizes = plan_pools(self.desc, self.page_size, config.memory_budget_bytes, max_seqs, self.mtp_layers)
-        self.pools = Pools(self.desc, sizes, self.page_size, self.mtp_layers)
+        sizes = plan_pools(self.desc, self.page_size, config.memory_budget_bytes, max_seqs, self.mtp_layers,
+                           dtype_bytes=np.dtype(self.dtype).itemsize)
+        self.pools = Pools(self.desc, sizes, self.page_size, self.mtp_layers, self.dtype)
         files = {}
         for e in m["engines"]:
             key = f"{e['graph']}.w{e['rows']}" if e["graph"].startswith("verify_") else e["graph"]
@@ -90,7 +93,8 @@ class LLM:
         backend = get_backend(m["backend"])
         runner = backend.Runner(self.engine_dir, sorted(set(files.values())), threads=config.threads)
         max_pages = -(-self.max_seq_len // self.page_size)
-        self.runner = ModelRunner(self.desc, runner, self.pools, files, batch_sizes, max_pages, self.mtp_layers)
+        self.runner = ModelRunner(self.desc, runner, self.pools, files, batch_sizes, max_pages, self.mtp_layers,
+                                  self.dtype)
         self.pages = FreeList(sizes.num_pages, "KV page")
         self.slots = FreeList(sizes.num_slots, "state slot")
         self.scheduler = Scheduler(self.pages, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"])

@@ -61,8 +61,9 @@ def _pow2(n: int) -> int:
 
 class ModelRunner:
     def __init__(self, desc: ModelDescription, backend_runner, pools: Pools, files: dict[str, str],
-                 batch_sizes: list[int], max_pages: int, mtp_layers: int):
+                 batch_sizes: list[int], max_pages: int, mtp_layers: int, dtype: str = "float32"):
         self.desc, self.runner, self.pools = desc, backend_runner, pools
+        self.dtype = dtype                      # engine dtype: which contract specs to bind
         self.files = files                      # graph kind (+ ".w{W}" for verify) -> engine file
         self.batch_sizes = sorted(batch_sizes)
         self.max_pages = max_pages
@@ -112,16 +113,16 @@ class ModelRunner:
     def _binding(self, graph, key, batch, width, pages, fixed):
         dims = {"batch": batch, "rows": width, "max_pages": pages}
         shape = lambda spec: tuple(dims.get(d, d) if isinstance(d, str) else d for d in spec.shape)  # noqa: E731
-        ins = {s.name: shape(s) for s in io_specs(self.desc, graph) if s.name not in fixed}
+        ins = {s.name: shape(s) for s in io_specs(self.desc, graph, self.dtype) if s.name not in fixed}
         outs = {s.name: shape(s) for s in self._output_specs(graph)}
         return self.runner.binding(self.files[key], (batch, width, pages), ins, outs, fixed)
 
     def _output_specs(self, graph: str):
         if graph == "target_step":
-            return c.target_step_io(self.desc)[1]
+            return c.target_step_io(self.desc, self.dtype)[1]
         if graph.startswith("verify"):
-            return c.verify_step_io(self.desc)[1]
-        return c.mtp_head_io(self.desc, int(graph.rsplit("_", 1)[1]))[1]
+            return c.verify_step_io(self.desc, self.dtype)[1]
+        return c.mtp_head_io(self.desc, int(graph.rsplit("_", 1)[1]), self.dtype)[1]
 
     def _fill(self, buf: dict[str, np.ndarray], part: list[Rows], batch: int, width: int, pages: int) -> None:
         ids = buf[c.INPUT_IDS]

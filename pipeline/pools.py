@@ -2,7 +2,8 @@
 DeltaNet state pools per slot, and the commits that write accepted rows into them.
 
 Sizes come from a byte budget: the KV of every target attention layer and every MTP head is
-counted per page, the states per slot.
+counted per page, the states per slot. K/V and conv pools are in the engines' dtype (float32 or
+float16); Gated DeltaNet recurrent states are always float32 (the contract's).
 """
 
 from __future__ import annotations
@@ -42,17 +43,18 @@ def plan_pools(desc: ModelDescription, page_size: int, budget_bytes: int, max_se
 
 
 class Pools:
-    def __init__(self, desc: ModelDescription, sizes: PoolSizes, page_size: int, mtp_layers: int):
+    def __init__(self, desc: ModelDescription, sizes: PoolSizes, page_size: int, mtp_layers: int,
+                 dtype: str = "float32"):
         a, g = desc.attention, desc.linear_attention
         self.page_size = page_size
         kv_shape = (sizes.num_pages, page_size, a.num_kv_heads, a.head_dim)
         layers = [*desc.layer_indices(LayerKind.FULL_ATTENTION), *(c.mtp_layer_name(j) for j in range(mtp_layers))]
-        self.keys = {layer: np.zeros(kv_shape, np.float32) for layer in layers}
-        self.values = {layer: np.zeros(kv_shape, np.float32) for layer in layers}
+        self.keys = {layer: np.zeros(kv_shape, dtype) for layer in layers}
+        self.values = {layer: np.zeros(kv_shape, dtype) for layer in layers}
         self.gdn_layers = desc.layer_indices(LayerKind.LINEAR_ATTENTION)
         self.recurrent = {i: np.zeros((sizes.num_slots, g.num_value_heads, g.key_head_dim, g.value_head_dim),
                                       np.float32) for i in self.gdn_layers}
-        self.conv = {i: np.zeros((sizes.num_slots, g.conv_dim, g.conv_kernel - 1), np.float32)
+        self.conv = {i: np.zeros((sizes.num_slots, g.conv_dim, g.conv_kernel - 1), dtype)
                      for i in self.gdn_layers}
 
     def feeds(self, layers) -> dict[str, np.ndarray]:

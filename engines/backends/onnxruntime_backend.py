@@ -134,15 +134,16 @@ class Runner:
         return binding.run
 
 
+_NUMPY_TYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
 class _Binding:
     def __init__(self, sess: ort.InferenceSession, input_shapes, output_shapes, fixed: dict[str, np.ndarray]):
         self.sess = sess
         types = {i.name: i.type for i in sess.get_inputs()}
-        self.inputs = {n: np.zeros(s, np.int64 if "int64" in types[n] else np.float32)
-                       for n, s in input_shapes.items() if n in types}
+        self.inputs = {n: np.zeros(s, _NUMPY_TYPES[types[n]]) for n, s in input_shapes.items() if n in types}
         out_types = {o.name: o.type for o in sess.get_outputs()}
-        self.outputs = {n: np.zeros(s, np.int64 if "int64" in out_types[n] else np.float32)
-                        for n, s in output_shapes.items() if n in out_types}
+        self.outputs = {n: np.zeros(s, _NUMPY_TYPES[out_types[n]]) for n, s in output_shapes.items() if n in out_types}
         self.io = sess.io_binding()
         for name, arr in {**self.inputs, **{k: v for k, v in fixed.items() if k in types}}.items():
             self.io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))

@@ -5,15 +5,18 @@ Inputs   query [B, W, Hq, D], key [B, W, Hkv, D], value [B, W, Hkv, Dv] (new row
          key_cache [N, S, Hkv, D], value_cache [N, S, Hkv, Dv], block_tables [B, P] int64,
          context_lens [B] int64, selected [B|1, W|1, K] int64 (committed positions each row may
          see, -1 padded; K = 0 means dense)
-Output   [B, W, Hq, Dv]
+Output   [B, W, Hq, Dv], the query's dtype
 Attrs    scale (float), sliding_window (int, 0 = none)
+Types    query, key, value and the caches share one float type (float32 or float16); scores,
+         softmax and the weighted sum are float32 (K/V cast after the gather, so only the pages
+         in use are widened, never the pool).
 
 Row w sits at position p = context_lens[b] + w. It sees committed position j < context_lens[b]
 when p - j < window (if any) and j is selected (if any), and new row w' <= w when w - w' < window.
 Committed slot j of a sequence is page block_tables[b, j // S], offset j % S.
 
-    key_cache --Gather(block_tables)--> [B, P*S, Hkv, D] --Concat(new rows)--> [B, T+W, Hkv, D]
-    q [B,Hkv,G,W,D] x K^T --> scores [B,Hkv,G,W,T+W] --mask--> Softmax --> x V --> [B, W, Hq, Dv]
+    key_cache --Gather(block_tables)--> [B, P*S, Hkv, D] --Cast fp32, Concat(new rows)--> [B, T+W, Hkv, D]
+    q [B,Hkv,G,W,D] x K^T --> scores [B,Hkv,G,W,T+W] --mask--> Softmax --> x V --> CastLike(query)
 """
 
 from __future__ import annotations
@@ -33,18 +36,19 @@ def make_function():
     q, k, v, kc, vc, tables, ctx, sel = ("query", "key", "value", "key_cache", "value_cache", "block_tables",
                                          "context_lens", "selected")
     i64 = lambda x: b.const(x, np.int64)  # noqa: E731
+    f32 = lambda x: b.op("Cast", x, to=TensorProto.FLOAT)  # noqa: E731 (identity on float32 inputs)
     # Committed K/V of each sequence, in position order: [B, T, Hkv, D], T = P * S
     def gather(cache):
         paged = b.op("Gather", cache, tables, axis=0)                               # [B, P, S, Hkv, D]
-        return b.reshape(paged, b.concat([i64([0, -1]), b.shape_of(cache, 2, 4)], 0))
-    k_all = b.concat([gather(kc), k], 1)                                            # [B, T+W, Hkv, D]
-    v_all = b.concat([gather(vc), v], 1)
+        return f32(b.reshape(paged, b.concat([i64([0, -1]), b.shape_of(cache, 2, 4)], 0)))
+    k_all = b.concat([gather(kc), f32(k)], 1)                                       # [B, T+W, Hkv, D]
+    v_all = b.concat([gather(vc), f32(v)], 1)
     t_len = b.op("Mul", b.shape_of(tables, 1, 2), b.shape_of(kc, 1, 2))             # [1] = P*S
     w_len = b.shape_of(q, 1, 2)
     # q -> [B, Hkv, G, W, D]; K -> [B, Hkv, 1, D, T+W]; V -> [B, Hkv, 1, T+W, Dv]
     hkv = b.shape_of(k, 2, 3)
     g = b.op("Div", b.shape_of(q, 2, 3), hkv)
-    q5 = b.op("Transpose", b.reshape(q, b.concat([i64([0, 0]), hkv, g, b.shape_of(q, 3, 4)], 0)),
+    q5 = b.op("Transpose", b.reshape(f32(q), b.concat([i64([0, 0]), hkv, g, b.shape_of(q, 3, 4)], 0)),
               perm=[0, 2, 3, 1, 4])
     k5 = b.unsqueeze(b.op("Transpose", k_all, perm=[0, 2, 3, 1]), [2])
     v5 = b.unsqueeze(b.op("Transpose", v_all, perm=[0, 2, 1, 3]), [2])
@@ -73,6 +77,7 @@ def make_function():
     probs = b.op("Softmax", masked, axis=-1)
     out5 = b.op("MatMul", probs, v5)                                                # [B, Hkv, G, W, Dv]
     out = b.op("Transpose", out5, perm=[0, 3, 1, 2, 4])                             # [B, W, Hkv, G, Dv]
-    b.op("Reshape", out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0), outputs=["output"])
+    out = b.reshape(out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
+    b.op("CastLike", out, q, outputs=["output"])
     return helper.make_function(TANDEM_DOMAIN, OP_TYPE, [q, k, v, kc, vc, tables, ctx, sel], ["output"], b.nodes,
                                 [helper.make_opsetid("", OPSET)], attributes=list(ATTRIBUTES))
