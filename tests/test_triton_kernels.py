@@ -35,10 +35,12 @@ def run_plugin(model, inputs: list[np.ndarray]) -> list[np.ndarray]:
     node = model.graph.node[0]
     plugin = plugin_name(node)
     shapes = [a.shape for a in inputs]
-    plan = kernel_plan(plugin, shapes, plugin_fields(node), "float32")
+    dtype = str(inputs[0].dtype)                              # activations; GatedDeltaNet states stay fp32
+    plan = kernel_plan(plugin, shapes, plugin_fields(node), dtype)
     tensors = [torch.from_numpy(np.ascontiguousarray(a)).to(DEVICE) for a in inputs]
-    outputs = [torch.full(shape, float("nan"), dtype=torch.float32, device=DEVICE)
-               for shape in output_shapes(plugin, shapes)]
+    out_dtypes = [getattr(torch, dtype)] + [torch.float32] * 2
+    outputs = [torch.full(shape, float("nan"), dtype=dt, device=DEVICE)
+               for shape, dt in zip(output_shapes(plugin, shapes), out_dtypes)]
     launch(plan, tensors, outputs)
     return [o.cpu().numpy() for o in outputs]
 
@@ -61,18 +63,24 @@ def test_gated_deltanet_kernel_matches_function_body(emit_rows, w):
 
 @pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("selection", ["dense", "per_row", "shared"])
-def test_paged_attention_kernel_matches_function_body(window, selection):
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_paged_attention_kernel_matches_function_body(window, selection, dtype):
+    """float16 engines keep fp16 K/V pools: both the kernel and the body widen what they read
+    to fp32, so they agree to the fp16 rounding of the output."""
     rng = np.random.default_rng(window + len(selection))
     q, k, v, kc, vc, tables, lens = attention_case(rng, b=3, w=4, hq=6, hkv=2, d=24, dv=20, page=4)
+    q, k, v, kc, vc = (x.astype(dtype) for x in (q, k, v, kc, vc))
     distinct = lambda shape: np.stack([rng.permutation(20)[:shape[-1]] - 2 for _ in range(int(np.prod(shape[:-1])))]  # noqa: E731
                                       ).reshape(shape).clip(-1)                   # distinct positions, -1 padding
     sel = {"dense": np.zeros((1, 1, 0)), "per_row": distinct((3, 4, 7)), "shared": distinct((1, 1, 5))}[selection]
     inputs = [q, k, v, kc, vc, tables, lens, sel.astype(np.int64)]
     model = single_op_model(paged_sparse_attention.make_function(), "PagedSparseAttention", inputs, [4],
-                            scale=0.3, sliding_window=window)
+                            out_dtype=dtype, scale=0.3, sliding_window=window)
     (expected,) = run(model, inputs)
     (got,) = run_plugin(model, inputs)
-    np.testing.assert_allclose(got, expected, atol=2e-5)
+    assert got.dtype == expected.dtype == dtype
+    np.testing.assert_allclose(got.astype(np.float32), expected.astype(np.float32),
+                               atol=2e-5 if dtype == np.float32 else 2e-3)
 
 
 _COMPILE = """
