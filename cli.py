@@ -32,13 +32,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from tandem.checkpoint import CheckpointError, open_checkpoint
-    from tandem.export.exporter import export_checkpoint
+    from tandem.export.exporter import EXPORT_DTYPES, export_checkpoint
 
+    if args.dtype not in EXPORT_DTYPES:
+        print(f"error: --dtype {args.dtype}: use one of {', '.join(EXPORT_DTYPES)}", file=sys.stderr)
+        return 2
     try:
         ckpt = open_checkpoint(args.model_dir, speculative=not args.no_mtp, draft=args.draft)
     except CheckpointError as e:
         return _refused(args.model_dir, e.problems)
-    result = export_checkpoint(ckpt, args.out)
+    result = export_checkpoint(ckpt, args.out, dtype=args.dtype)
     print(f"exported {', '.join(result.graphs.values())} + weights.bin ({result.weights_bytes:,} bytes) "
           f"to {result.folder} in {result.seconds:.2f} s")
     return 0
@@ -168,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", required=True, help="folder for the .onnx graphs and weights.bin")
     p.add_argument("--draft", help="folder with the MTP (mtp.*) weights, when they are not in the checkpoint")
     p.add_argument("--no-mtp", action="store_true", help="export the target graphs only")
+    p.add_argument("--dtype", default="float32", help="graph precision: float32 or float16 (as build-engines)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("build-engines", help="build engines per (batch size, verify width) with a manifest")

@@ -70,3 +70,8 @@ def test_export_cli(tiny_root, tmp_path, capsys):
     assert main(["export", str(tiny_root / "qwen3_5_mtp1"), "--out", str(tmp_path / "f"), "--no-mtp"]) == 0
     assert not (tmp_path / "f" / "mtp_head_0.onnx").exists()
     assert main(["export", str(tmp_path / "missing"), "--out", str(tmp_path / "g")]) == 1
+    assert main(["export", str(tiny_root / "qwen3_5_mtp1"), "--out", str(tmp_path / "h"), "--dtype", "float16"]) == 0
+    weights = onnx.load(str(tmp_path / "h" / "target_step.onnx"), load_external_data=False).graph.initializer
+    assert any(t.data_type == onnx.TensorProto.FLOAT16 for t in weights)
+    assert main(["export", str(tiny_root / "qwen3_5_mtp1"), "--out", str(tmp_path / "i"), "--dtype", "int4"]) == 2
+    assert "--dtype int4" in capsys.readouterr().err and not (tmp_path / "i").exists()
