@@ -4,12 +4,19 @@ stores in the plan; running the engine needs neither Python nor Triton, and the 
 CUDA-graph safe (no allocation, no sync). Everything but the API calls is in tensorrt_plugins.py.
 
 No `from __future__ import annotations` here: tensorrt.plugin reads the parameter annotations
-(TensorDesc, float, int) as objects to derive the plugin's inputs and attribute fields.
+as objects to derive the plugin's inputs and attribute fields. Attributes are 1-D float32 /
+int32 arrays, exactly what the ONNX parser passes (PLUGIN_FIELDS; a Python float would declare a
+float64 field).
 """
 
 from typing import Tuple  # noqa: UP035 - the form tensorrt.plugin's annotation checks document
 
+import numpy as np
+import numpy.typing as npt
+
 from tandem.plugins.tensorrt_plugins import PLUGIN_NAMESPACE, kernel_plan, output_shapes
+
+F32, I32 = npt.NDArray[np.float32], npt.NDArray[np.int32]
 
 _registered = False
 
@@ -25,7 +32,7 @@ def register_plugins(capability: int) -> None:
     from tandem.plugins.ptx import compile_ptx
 
     dtypes = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
-    Desc, Out = trtp.TensorDesc, Tuple[trtp.TensorDesc]  # noqa: UP006
+    Desc, Out = trtp.TensorDesc, Tuple[trtp.TensorDesc]  # noqa: UP006 - any number of outputs
 
     def constant(dim, what: str) -> int:
         if not dim.is_constant:
@@ -51,16 +58,15 @@ def register_plugins(capability: int) -> None:
     # --- GatedDeltaNet (2 outputs) and GatedDeltaNetRowStates (3 outputs) ---
     def register_gdn(name: str, n_out: int) -> None:
         def gdn_desc(query: Desc, key: Desc, value: Desc, decay: Desc, beta: Desc, initial_state: Desc,
-                     state_rows: Desc, scale: float, num_key_heads: int, num_value_heads: int):
+                     state_rows: Desc, scale: F32, num_key_heads: I32, num_value_heads: I32) -> Out:
             inputs = [query, key, value, decay, beta, initial_state, state_rows]
             return descs(name, inputs, [value.dtype, trt.float32, trt.float32][:n_out])
 
         def gdn_aot(query: Desc, key: Desc, value: Desc, decay: Desc, beta: Desc, initial_state: Desc,
-                    state_rows: Desc, scale: float, num_key_heads: int, num_value_heads: int, outputs: Out):
+                    state_rows: Desc, scale: F32, num_key_heads: I32, num_value_heads: I32, outputs: Out):
             fields = {"scale": scale, "num_key_heads": num_key_heads, "num_value_heads": num_value_heads}
             return aot(name, [query, key, value, decay, beta, initial_state, state_rows], fields, value.dtype)
 
-        gdn_desc.__annotations__["return"] = Tuple[(Desc,) * n_out]  # noqa: UP006
         trtp.register(f"{PLUGIN_NAMESPACE}::{name}")(gdn_desc)
         trtp.aot_impl(f"{PLUGIN_NAMESPACE}::{name}")(gdn_aot)
 
@@ -70,13 +76,13 @@ def register_plugins(capability: int) -> None:
     # --- PagedSparseAttention ---
     @trtp.register(f"{PLUGIN_NAMESPACE}::PagedSparseAttention")
     def attention_desc(query: Desc, key: Desc, value: Desc, key_cache: Desc, value_cache: Desc, block_tables: Desc,
-                       context_lens: Desc, selected: Desc, scale: float, sliding_window: int) -> Desc:
+                       context_lens: Desc, selected: Desc, scale: F32, sliding_window: I32) -> Desc:
         inputs = [query, key, value, key_cache, value_cache, block_tables, context_lens, selected]
         return descs("PagedSparseAttention", inputs, [query.dtype])[0]
 
     @trtp.aot_impl(f"{PLUGIN_NAMESPACE}::PagedSparseAttention")
     def attention_aot(query: Desc, key: Desc, value: Desc, key_cache: Desc, value_cache: Desc, block_tables: Desc,
-                      context_lens: Desc, selected: Desc, scale: float, sliding_window: int, outputs: Out):
+                      context_lens: Desc, selected: Desc, scale: F32, sliding_window: I32, outputs: Out):
         inputs = [query, key, value, key_cache, value_cache, block_tables, context_lens, selected]
         return aot("PagedSparseAttention", inputs, {"scale": scale, "sliding_window": sliding_window}, query.dtype)
 
