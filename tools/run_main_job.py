@@ -76,10 +76,12 @@ def main() -> int:
               f"tokens per verify step over {spec.get('verify_steps', 0)} steps]")
         example = json.dumps({"model": name, "messages": [{"role": "user", "content": "def add(a, b):"}],
                               "max_tokens": 64})
-        print(f"\nThe server keeps running on {url} (OpenAI API). Try:\n"
-              f"  curl {url}/v1/chat/completions -H 'content-type: application/json' -d '{example}'\n"
-              f"  curl {url}/metrics\nCtrl-C stops it.")
-        if not args.once:
+        if args.once:
+            print("\n--once: stopping the server.")
+        else:
+            print(f"\nThe server keeps running on {url} (OpenAI API). Try:\n"
+                  f"  curl {url}/v1/chat/completions -H 'content-type: application/json' -d '{example}'\n"
+                  f"  curl {url}/metrics\nCtrl-C stops it.")
             server.wait()
     except KeyboardInterrupt:
         pass
