@@ -68,6 +68,11 @@ class LLM:
         self.engine_dir = Path(engine_dir)
         self.config = config = config or EngineConfig()
         self.manifest = m = read_manifest(self.engine_dir)
+        backend = get_backend(m["backend"])
+        if not hasattr(backend, "Runner"):
+            raise ValueError(f"{self.engine_dir} holds {m['backend']} engines, which the pipeline cannot serve yet: it "
+                             "keeps K/V and state pools in host memory, read in place only by the onnxruntime "
+                             "backend. Build the engine dir with --backend onnxruntime to serve it.")
         self.desc = description_from_dict(m["description"])
         rt = m["runtime"]
         self.page_size, self.max_seq_len = rt["page_size"], rt["max_seq_len"]
@@ -90,7 +95,6 @@ class LLM:
         for e in m["engines"]:
             key = f"{e['graph']}.w{e['rows']}" if e["graph"].startswith("verify_") else e["graph"]
             files[key] = e["file"]
-        backend = get_backend(m["backend"])
         runner = backend.Runner(self.engine_dir, sorted(set(files.values())), threads=config.threads)
         max_pages = -(-self.max_seq_len // self.page_size)
         self.runner = ModelRunner(self.desc, runner, self.pools, files, batch_sizes, max_pages, self.mtp_layers,

@@ -226,3 +226,16 @@ def test_global_metrics(engine_dirs):
     assert st.finished == 3 and st.generated_tokens == 18 and st.prompt_tokens == sum(map(len, PROMPTS))
     assert st.verify_rounds > 0 and st.accept_length >= 1.0 and 0.0 <= st.host_share < 1.0
     assert len(st.acceptance_per_position()) >= 1 and set(llm.runner.seconds) >= {"target_step", "mtp_head_0"}
+
+
+def test_engines_of_a_backend_without_a_runner_are_refused_with_the_fix(engine_dirs, tmp_path):
+    import json
+    import shutil
+
+    path = tmp_path / "engines"
+    shutil.copytree(engine_dirs["qwen3_5_mtp3"], path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    (path / "manifest.json").write_text(json.dumps({**manifest, "backend": "tensorrt"}))
+    with pytest.raises(ValueError, match="holds tensorrt engines, which the pipeline cannot serve yet.*"
+                                         "--backend onnxruntime"):
+        LLM(path)
