@@ -34,17 +34,21 @@ class KernelCompileError(RuntimeError):
 MAX_SHARED_BYTES = 48 * 1024  # what every launch gets without opting in to more
 
 
-def entry_parameters(ptx: str, name: str) -> list[str]:
-    match = re.search(r"\.visible\s+\.entry\s+" + re.escape(name) + r"\s*\(([^)]*)\)", ptx, re.DOTALL)
+def _entry(ptx: str, name: str) -> re.Match:
+    """The `.entry name(` ... `)` declaration: groups (head, parameter list, closing paren)."""
+    match = re.search(r"(\.visible\s+\.entry\s+" + re.escape(name) + r"\s*\()([^)]*)(\))", ptx, re.DOTALL)
     if match is None:
         raise KernelCompileError(f"the PTX has no entry point named {name}")
-    return [p.strip() for p in match.group(1).split(",") if p.strip()]
+    return match
+
+
+def entry_parameters(ptx: str, name: str) -> list[str]:
+    return [p.strip() for p in _entry(ptx, name).group(2).split(",") if p.strip()]
 
 
 def _cut_parameters(ptx: str, name: str, keep: int) -> str:
-    match = re.search(r"(\.visible\s+\.entry\s+" + re.escape(name) + r"\s*\()([^)]*)(\))", ptx, re.DOTALL)
-    params = entry_parameters(ptx, name)
-    block = "\n\t" + ",\n\t".join(params[:keep]) + "\n"
+    match = _entry(ptx, name)
+    block = "\n\t" + ",\n\t".join(entry_parameters(ptx, name)[:keep]) + "\n"
     return ptx[:match.start()] + match.group(1) + block + match.group(3) + ptx[match.end():]
 
 

@@ -37,12 +37,16 @@ class PluginFieldError(ValueError):
     pass
 
 
+def _output_count(node: onnx.NodeProto) -> int:
+    return sum(1 for o in node.output if o)  # an empty name is an omitted optional output
+
+
 def plugin_name(node: onnx.NodeProto) -> str:
     """The plugin serving this node (refusing nodes no plugin serves)."""
     if node.domain != TANDEM_DOMAIN or node.op_type not in PLUGIN_FIELDS:
         raise PluginFieldError(f"{node.name}: {node.domain}::{node.op_type} has no tandem plugin")
     name = node.op_type
-    if name == "GatedDeltaNet" and len([o for o in node.output if o]) == 3:
+    if name == "GatedDeltaNet" and _output_count(node) == 3:
         name = "GatedDeltaNetRowStates"
     return name
 
@@ -77,7 +81,7 @@ def mark_for_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
             plugin_fields(node)  # refuse early what the plugin could not take
             name = plugin_name(node)
             n_in, n_out = PLUGIN_ARITY[name]
-            if (len(node.input), len([o for o in node.output if o])) != (n_in, n_out):
+            if (len(node.input), _output_count(node)) != (n_in, n_out):
                 raise PluginFieldError(f"{node.name}: {name} takes {n_in} inputs and gives {n_out} outputs; "
                                        f"the node has {len(node.input)} and {len(node.output)}")
             node.op_type = name

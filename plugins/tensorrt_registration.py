@@ -39,14 +39,15 @@ def register_plugins(capability: int) -> None:
             raise ValueError(f"tandem plugin: {what} must be known when the engine is built (got a dynamic dim)")
         return int(dim.constant_value())
 
+    def shapes(inputs: list) -> list[tuple]:
+        return [tuple(d.shape_expr[i] for i in range(d.ndim)) for d in inputs]
+
     def descs(plugin: str, inputs: list, like_dtype: list) -> tuple:
-        shapes = [tuple(d.shape_expr[i] for i in range(d.ndim)) for d in inputs]
         return tuple(trtp.from_shape_expr(trtp.ShapeExprs.from_tuple(shape), dtype=dtype)
-                     for shape, dtype in zip(output_shapes(plugin, shapes), like_dtype))
+                     for shape, dtype in zip(output_shapes(plugin, shapes(inputs)), like_dtype))
 
     def aot(plugin: str, inputs: list, fields: dict, dtype) -> tuple:
-        shapes = [tuple(d.shape_expr[i] for i in range(d.ndim)) for d in inputs]
-        plan = kernel_plan(plugin, shapes, fields, dtypes[dtype], constant)
+        plan = kernel_plan(plugin, shapes(inputs), fields, dtypes[dtype], constant)
         kernel = compile_ptx(plan, capability)
         launch = trtp.KernelLaunchParams()
         launch.grid_x, launch.grid_y, launch.grid_z = plan.grid

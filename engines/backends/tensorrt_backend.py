@@ -59,6 +59,19 @@ def versions() -> dict[str, str]:
     return out
 
 
+def _register_plugins() -> bool:
+    """Register the tandem plugins for this GPU when they can be built here; False otherwise."""
+    if plugin_mode() != "triton-aot":
+        return False
+    from tandem.plugins.ptx import current_capability
+    from tandem.plugins.tensorrt_registration import register_plugins
+    capability = current_capability()
+    if capability is None:
+        raise BackendUnavailable("building TensorRT engines needs an NVIDIA GPU, and Triton finds none here")
+    register_plugins(capability)
+    return True
+
+
 def _parsed_graph(export_dir: Path, graph: str, use_plugins: bool) -> Path:
     """The ONNX file the parser reads: the export itself, or a copy whose tandem nodes name
     their plugins (next to it, so the shared external weights resolve)."""
@@ -85,14 +98,7 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc, options,
     """Parse each exported graph once, add one profile per bucket, serialize the plan."""
     trt = _trt()
     logger = trt.Logger(trt.Logger.WARNING)
-    use_plugins = plugin_mode() == "triton-aot"
-    if use_plugins:
-        from tandem.plugins.ptx import current_capability
-        from tandem.plugins.tensorrt_registration import register_plugins
-        capability = current_capability()
-        if capability is None:
-            raise BackendUnavailable("building TensorRT engines needs an NVIDIA GPU, and Triton finds none here")
-        register_plugins(capability)
+    use_plugins = _register_plugins()
     groups: dict[str, list[Bucket]] = {}
     for bucket in buckets:
         groups.setdefault(engine_file(bucket), []).append(bucket)
@@ -138,10 +144,7 @@ class Checker:
         self.engine_dir, self.export_dir = engine_dir, export_dir
         self.reference = ReferenceRunner()
         self._engines = {}
-        if plugin_mode() == "triton-aot":  # plans with plugin layers deserialize with their creators registered
-            from tandem.plugins.ptx import current_capability
-            from tandem.plugins.tensorrt_registration import register_plugins
-            register_plugins(current_capability())
+        _register_plugins()  # plans with plugin layers deserialize with their creators registered
 
     def run(self, bucket: Bucket, engine: tuple[str, int], feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:
         from polygraphy.backend.trt import EngineFromBytes, TrtRunner
