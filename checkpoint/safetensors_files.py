@@ -3,11 +3,17 @@
 Why not `safetensors.safe_open`: its numpy framework cannot return bf16, and validation needs
 only the JSON headers (names, dtypes, shapes), which this module parses without touching data.
 Tensor data is memory-mapped, so reading one tensor pages in only its bytes.
+
+Headers are checked in full before anything uses them: every dtype tag known, shapes of
+non-negative ints, offsets inside the data section and spanning exactly numel x itemsize bytes,
+and no two tensors sharing bytes (a hostile or corrupt header must not build engines from the
+wrong weights). Each problem names the file and the tensor.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +39,13 @@ _DTYPES: dict[str, np.dtype | None] = {
     "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+# bits per element of every safetensors dtype tag (sub-byte tags pack; the total must be whole bytes)
+_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4, "F6_E2M3": 6,
+         "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32, "U32": 32, "F32": 32,
+         "F64": 64, "I64": 64, "U64": 64, "C64": 64}
 _HEADER_LIMIT = 100 * 1024 * 1024  # safetensors caps the JSON header at 100 MB
+_FIX = "Re-download or re-save the file."
+_MAX_PROBLEMS = 8  # a hostile header can hold millions of bad entries: report the first few
 
 
 @dataclass(frozen=True)
@@ -52,7 +64,7 @@ class TensorEntry:
 
 
 def read_header(path: Path) -> dict[str, TensorEntry]:
-    """Parse one .safetensors header into TensorEntry records; reads no tensor data."""
+    """Parse and check one .safetensors header into TensorEntry records; reads no tensor data."""
     try:
         size = path.stat().st_size
         with open(path, "rb") as f:
@@ -62,25 +74,84 @@ def read_header(path: Path) -> dict[str, TensorEntry]:
             (header_len,) = struct.unpack("<Q", raw_len)
             if header_len > min(_HEADER_LIMIT, size - 8):
                 raise ValueError(f"header length {header_len} does not fit in a {size}-byte file")
-            header = json.loads(f.read(header_len))
+            header = json.loads(f.read(header_len), object_pairs_hook=_no_duplicate_keys)
     except (OSError, ValueError) as e:
-        raise CheckpointError(
-            f"{path}: not a readable safetensors file ({e}). Re-download or re-save the file."
-        ) from e
+        raise CheckpointError(f"{path}: not a readable safetensors file ({e}). {_FIX}") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: the safetensors header is not a JSON object. {_FIX}")
     data_start = 8 + header_len
-    entries: dict[str, TensorEntry] = {}
+    entries, problems = {}, []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        begin, end = info["data_offsets"]
-        entry = TensorEntry(path, info["dtype"], tuple(info["shape"]), data_start + begin, data_start + end)
-        if entry.end > size:
-            raise CheckpointError(
-                f"{path}: tensor {name} ends at byte {entry.end} but the file has {size} bytes "
-                "(truncated download?). Re-download the file."
-            )
-        entries[name] = entry
+        entry = _entry(path, name, info, data_start, size, problems)
+        if entry is not None:
+            entries[name] = entry
+    problems += _overlaps(path, entries, data_start)
+    if problems:
+        extra = len(problems) - _MAX_PROBLEMS
+        more = [f"{path}: {extra} more header problems like these"] if extra > 0 else []
+        raise CheckpointError(problems[:_MAX_PROBLEMS] + more)
     return entries
+
+
+def _no_duplicate_keys(pairs: list[tuple]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) != len(keys):
+        dup = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"the header names {dup!r} twice")
+    return dict(pairs)
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _entry(path: Path, name: str, info, data_start: int, size: int, problems: list[str]) -> TensorEntry | None:
+    """One header entry as a TensorEntry, or None with the reason appended to `problems`."""
+    where = f"{path}: tensor {name}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        problems.append(f"{where}: its header entry needs 'dtype', 'shape' and 'data_offsets'. {_FIX}")
+        return None
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if dtype not in _BITS:
+        problems.append(f"{where}: dtype {dtype!r} is not a safetensors dtype tag (known: "
+                        f"{', '.join(sorted(_BITS))}). {_FIX}")
+        return None
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        problems.append(f"{where}: shape {shape!r} must be a list of non-negative integers. {_FIX}")
+        return None
+    if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets)
+            or offsets[0] > offsets[1]):
+        problems.append(f"{where}: data_offsets {offsets!r} must be two non-negative integers [begin, end] "
+                        f"with begin <= end. {_FIX}")
+        return None
+    begin, end = offsets
+    if data_start + end > size:
+        problems.append(f"{where} ends at byte {data_start + end} but the file has {size} bytes "
+                        f"(truncated download?). {_FIX}")
+        return None
+    bits = math.prod(shape) * _BITS[dtype]
+    if bits % 8 or bits // 8 != end - begin:
+        need = f"{bits / 8:g}"
+        problems.append(f"{where} is {dtype} {shape}, which takes {need} bytes, but its data_offsets "
+                        f"[{begin}, {end}] span {end - begin} bytes: the header disagrees with the data. {_FIX}")
+        return None
+    return TensorEntry(path, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _overlaps(path: Path, entries: dict[str, TensorEntry], data_start: int) -> list[str]:
+    """Pairs of tensors whose byte ranges intersect (empty tensors hold no bytes)."""
+    spans = sorted((e.begin, e.end, n) for n, e in entries.items() if e.end > e.begin)
+    problems, last_end, last_name = [], -1, ""
+    for begin, end, name in spans:
+        if begin < last_end:
+            problems.append(f"{path}: tensors {last_name} and {name} share bytes {begin - data_start}.."
+                            f"{min(end, last_end) - data_start} of the data section, so one of them would read "
+                            f"the other's weights. {_FIX}")
+        if end > last_end:
+            last_end, last_name = end, name
+    return problems
 
 
 class TensorIndex:
@@ -89,18 +160,24 @@ class TensorIndex:
     Built from headers only. `read(name)` memory-maps the file and returns a numpy view.
     """
 
-    def __init__(self, entries: dict[str, TensorEntry], files: list[Path]):
+    def __init__(self, entries: dict[str, TensorEntry], files: list[Path], index_file: Path | None = None):
         self.entries = entries
         self.files = files
+        self.index_file = index_file  # model.safetensors.index.json when sharded
         self._maps: dict[Path, np.memmap] = {}
 
     @classmethod
     def open(cls, folder: Path) -> TensorIndex:
         files = weight_files(folder)
+        index_file = folder / "model.safetensors.index.json"
         entries: dict[str, TensorEntry] = {}
         for file in files:
-            entries.update(read_header(file))
-        return cls(entries, files)
+            for name, entry in read_header(file).items():
+                if name in entries:
+                    raise CheckpointError(f"{folder}: tensor {name} is stored in both {entries[name].file.name} and "
+                                          f"{file.name}. Re-download the shards of one release.")
+                entries[name] = entry
+        return cls(entries, files, index_file if index_file.exists() else None)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries

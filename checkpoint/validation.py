@@ -1,12 +1,14 @@
 """Config-time checks: everything tandem can refuse before reading any weight data.
 
 Each check returns a list of problems (self-contained messages naming the file or tensor and
-saying what to do); the reader raises them together. Inputs are config.json and the
-safetensors headers only.
+saying what to do); the reader raises them together. Inputs are config.json, the safetensors
+headers and the tokenizer files (loaded as the runtime loads them, so a broken tokenizer or chat
+template is refused here, not when the server starts).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -106,7 +108,53 @@ def check_spec_k(k: int) -> list[str]:
 
 
 def check_tokenizer(folder: Path) -> list[str]:
-    if (folder / "tokenizer.json").exists():
-        return []
-    return [f"{folder}: tokenizer.json is missing; the engine directory needs it to encode prompts. "
-            "Copy the model's tokenizer.json (and tokenizer_config.json) into the folder."]
+    """tokenizer.json loads with `tokenizers`, tokenizer_config.json and special_tokens_map.json
+    (when present) are JSON objects, and the chat template (tokenizer_config.json's, or
+    chat_template.jinja) compiles."""
+    from tokenizers import Tokenizer
+
+    path = folder / "tokenizer.json"
+    if not path.exists():
+        return [f"{folder}: tokenizer.json is missing; the engine directory needs it to encode prompts. "
+                "Copy the model's tokenizer.json (and tokenizer_config.json) into the folder."]
+    problems = []
+    try:
+        Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception for every parse error
+        problems.append(f"{path} does not load as a tokenizer ({e}). Re-download the model's tokenizer.json.")
+    configs = {}
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        if (folder / name).exists():
+            try:
+                configs[name] = json.loads((folder / name).read_text())
+                if not isinstance(configs[name], dict):
+                    raise ValueError("it holds no JSON object")
+            except (OSError, ValueError) as e:
+                problems.append(f"{folder / name} is not a valid JSON object ({e}). Re-download or fix the file.")
+    jinja = folder / "chat_template.jinja"
+    if jinja.exists():
+        problems += _check_template(jinja.read_text(errors="replace"), str(jinja))
+    elif isinstance(configs.get("tokenizer_config.json"), dict):
+        template = configs["tokenizer_config.json"].get("chat_template")
+        named = template if isinstance(template, list) else [{"name": "chat_template", "template": template}]
+        where = f"{folder / 'tokenizer_config.json'}"
+        for t in named:
+            if not isinstance(t, dict) or not isinstance(t.get("template", ""), str | None):
+                problems.append(f"{where}: chat_template must be a string or a list of {{name, template}} objects. "
+                                "Re-download or fix the file.")
+            elif t.get("template"):
+                problems += _check_template(t["template"], f"{where} ({t.get('name')})")
+    return problems
+
+
+def _check_template(template: str, where: str) -> list[str]:
+    """The chat template compiles in the sandboxed environment the server renders it with."""
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+    except TemplateSyntaxError as e:
+        return [f"{where}: the chat template does not compile (line {e.lineno}: {e.message}). "
+                "Fix the template or re-download the file."]
+    return []

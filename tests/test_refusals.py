@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tandem.checkpoint import CheckpointError, open_checkpoint
+from tandem.cli import main
 from tandem.testing.tiny_checkpoints import write_safetensors, write_weights
 
 from .conftest import edit_json, read_all
@@ -198,3 +199,39 @@ def test_all_problems_are_reported_together(tiny_copy):
     (path / "tokenizer.json").unlink()
     err = pytest.raises(CheckpointError, open_checkpoint, path, spec_k=12).value
     assert len(err.problems) >= 4
+
+
+def test_tokenizer_json_without_a_model(tiny_copy, capsys):
+    path = tiny_copy("qwen3_5_mtp1")
+    tok = json.loads((path / "tokenizer.json").read_text())
+    del tok["model"]
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    msg = refusal(path)
+    assert f"{path / 'tokenizer.json'} does not load as a tokenizer" in msg and "Model missing" in msg
+    assert main(["inspect", str(path)]) == 1 and "does not load as a tokenizer" in capsys.readouterr().err
+
+
+def test_broken_tokenizer_config(tiny_copy):
+    path = tiny_copy("qwen3_5_mtp1")
+    (path / "tokenizer_config.json").write_text('{"chat_template": "x",')
+    assert f"{path / 'tokenizer_config.json'} is not a valid JSON object" in refusal(path)
+    (path / "tokenizer_config.json").write_text("[]")
+    assert "it holds no JSON object" in refusal(path)
+
+
+@pytest.mark.parametrize("template", ["{% for m in messages %}{{ m.content }}", "{{ messages | no_such_filter }}"])
+def test_chat_template_that_does_not_compile(tiny_copy, template):
+    path = tiny_copy("qwen3_5_mtp1")
+    edit_json(path / "tokenizer_config.json", chat_template=template)
+    msg = refusal(path)
+    assert f"{path / 'tokenizer_config.json'}" in msg and "the chat template does not compile" in msg
+
+
+def test_named_chat_templates_and_the_jinja_file_are_compiled(tiny_copy):
+    path = tiny_copy("qwen3_5_mtp1")
+    edit_json(path / "tokenizer_config.json", chat_template=[{"name": "default", "template": "{{ 1 }}"},
+                                                             {"name": "tool_use", "template": "{% if %}"}])
+    assert "(tool_use): the chat template does not compile" in refusal(path)
+    edit_json(path / "tokenizer_config.json", chat_template="{{ 1 }}")
+    (path / "chat_template.jinja").write_text("{% endfor %}")
+    assert f"{path / 'chat_template.jinja'}: the chat template does not compile" in refusal(path)
