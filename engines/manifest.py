@@ -18,6 +18,11 @@ CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "
                     "special_tokens_map.json", "chat_template.jinja")
 
 
+# what a load reads (engines/integrity.py, pipeline/llm.py)
+_SHAPE = {"backend": str, "description": dict, "options": dict, "runtime": dict, "engines": list, "files": dict}
+_RUNTIME_KEYS = ("page_size", "max_seq_len", "prefill_chunk", "batch_sizes", "spec_k", "verify_widths")
+
+
 class ManifestError(ValueError):
     pass
 
@@ -45,16 +50,43 @@ def read_manifest(engine_dir: Path) -> dict:
         data = json.loads(path.read_text())
     except ValueError as e:
         raise ManifestError(f"{path} is not valid JSON ({e}); rebuild the engine directory.") from e
-    if data.get("format") != FORMAT:
+    except OSError as e:
+        raise ManifestError(f"{path} cannot be read ({e.strerror})") from e
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise ManifestError(f"{path} is not a tandem engine manifest")
     if data.get("format_version") != FORMAT_VERSION:
         raise ManifestError(f"{path}: manifest format {data.get('format_version')} but this tandem reads "
                             f"{FORMAT_VERSION}; rebuild the engine directory with this version.")
+    _check_shape(path, data)
     return data
 
 
+def _check_shape(path: Path, data: dict) -> None:
+    """The keys a load reads, with their types, so a damaged manifest is refused naming it
+    rather than failing later with a KeyError."""
+    wrong = [f"{key} (expected {kind.__name__})" for key, kind in _SHAPE.items() if not isinstance(data.get(key), kind)]
+    runtime = data.get("runtime") if isinstance(data.get("runtime"), dict) else {}
+    wrong += [f"runtime.{key}" for key in _RUNTIME_KEYS if key not in runtime]
+    files = data.get("files") if isinstance(data.get("files"), dict) else {}
+    wrong += [f"files[{name!r}] (a plain file name with its sha256)" for name, digest in files.items()
+              if Path(name).name != name or name in ("", ".", "..") or not isinstance(digest, str)]
+    sizes = data.get("file_sizes", {})
+    if not isinstance(sizes, dict) or not all(type(v) is int for v in sizes.values()):
+        wrong.append("file_sizes (byte counts by file name)")
+    engines = data.get("engines") if isinstance(data.get("engines"), list) else []
+    wrong += [f"engines[{i}] (graph, rows and a file listed in files)" for i, e in enumerate(engines)
+              if not (isinstance(e, dict) and {"graph", "rows"} <= e.keys() and isinstance(e.get("file"), str)
+                      and e["file"] in files)]
+    if wrong:
+        raise ManifestError(f"{path} is damaged: missing or wrong {', '.join(wrong)}; rebuild the engine directory "
+                            "with `tandem build-engines MODEL_DIR --out DIR`.")
+
+
 def write_manifest(folder: Path, manifest: dict) -> None:
-    (Path(folder) / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    """Also records each named file's size next to its sha256: a load checks sizes with a stat."""
+    sizes = {name: (Path(folder) / name).stat().st_size for name in manifest.get("files", {})}
+    text = json.dumps({**manifest, "file_sizes": sizes}, indent=2, sort_keys=True)
+    (Path(folder) / MANIFEST).write_text(text + "\n")
 
 
 def check_files(engine_dir: Path, manifest: dict) -> list[str]:

@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 
 from tandem.checkpoint.description import description_from_dict
 from tandem.engines.backends import get_backend
-from tandem.engines.manifest import read_manifest
+from tandem.engines.integrity import verify_engine_dir
+from tandem.engines.manifest import MANIFEST, ManifestError, read_manifest
 from tandem.pipeline.allocator import FreeList
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.engine import Engine, StepOutput
@@ -73,19 +74,25 @@ class LLM:
             raise ValueError(f"{self.engine_dir} holds {m['backend']} engines, which the pipeline cannot serve yet: it "
                              "keeps K/V and state pools in host memory, read in place only by the onnxruntime "
                              "backend. Build the engine dir with --backend onnxruntime to serve it.")
-        self.desc = description_from_dict(m["description"])
+        self.verification = verify_engine_dir(self.engine_dir, m)  # before any file the manifest names is read
+        try:
+            self.desc = description_from_dict(m["description"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ManifestError(f"{self.engine_dir / MANIFEST}: its model description is damaged ({e!r}); rebuild "
+                                f"the engine directory with `tandem build-engines MODEL_DIR --out {engine_dir}`") from e
         rt = m["runtime"]
         self.page_size, self.max_seq_len = rt["page_size"], rt["max_seq_len"]
         self.dtype = m["options"].get("dtype", "float32")  # the engines': K/V and conv pools, hidden rows
         self.spec_k = config.spec_k or rt["spec_k"] or 0
         self.verify_widths = set(rt["verify_widths"])
+        self.width_per_batch = self._widths(rt)
         if self.spec_k and self.spec_k + 1 > max(self.verify_widths, default=1):
             raise ValueError(f"spec_k {self.spec_k} needs verify width {self.spec_k + 1}, but the engines were "
                              f"built for widths {sorted(self.verify_widths)}; rebuild with --spec-k {self.spec_k}")
         self.mtp_layers = max([int(e["graph"].rsplit("_", 1)[1]) + 1 for e in m["engines"]
                                if e["graph"].startswith("mtp_head_")], default=0)
         self.mtp_mode = config.mtp_mode or ("chained" if self.mtp_layers > 1 else "reused")
-        self.tokenizer = Tokenizer.from_file(str(self.engine_dir / "tokenizer.json"))
+        self.tokenizer = _load_tokenizer(self.engine_dir / "tokenizer.json")
         batch_sizes = rt["batch_sizes"]
         max_seqs = config.max_num_seqs or max(batch_sizes)
         sizes = plan_pools(self.desc, self.page_size, config.memory_budget_bytes, max_seqs, self.mtp_layers,
@@ -102,7 +109,6 @@ class LLM:
         self.pages = FreeList(sizes.num_pages, "KV page")
         self.slots = FreeList(sizes.num_slots, "state slot")
         self.scheduler = Scheduler(self.pages, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"])
-        self.width_per_batch = self._widths(rt)
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
                              chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
                              width_per_batch=self.width_per_batch)
@@ -112,11 +118,11 @@ class LLM:
         """Verify width per batch size: runtime_settings.json (written by `tandem profile`)
         wins over the manifest's defaults."""
         widths = {int(b): int(w) for b, w in runtime.get("verify_width_per_batch", {}).items()}
+        widths = {b: w for b, w in widths.items() if w in self.verify_widths or w == 1}
         settings = self.engine_dir / RUNTIME_SETTINGS
         if settings.exists():
-            tuned = json.loads(settings.read_text()).get("verify_width_per_batch", {})
-            widths.update({int(b): int(w) for b, w in tuned.items()})
-        return {b: w for b, w in widths.items() if w in self.verify_widths or w == 1}
+            widths.update(_read_runtime_settings(settings, self.verify_widths))
+        return widths
 
     # ---- requests ----------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -176,3 +182,36 @@ class LLM:
             for out in self.step():
                 if out.request_id == seq.request_id:
                     yield out
+
+
+def _load_tokenizer(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises plain Exception, without the path
+        what = "is missing" if not path.exists() else f"cannot be loaded ({e})"
+        raise ManifestError(f"{path} {what}; rebuild the engine directory with "
+                            f"`tandem build-engines MODEL_DIR --out {path.parent}`") from e
+
+
+def _read_runtime_settings(path: Path, verify_widths: set[int]) -> dict[int, int]:
+    """runtime_settings.json's verify width per batch size, every value checked (the manifest
+    does not cover this file: `tandem profile` writes it after the build)."""
+    fix = (f"run `tandem profile {path.parent} --out REPORT` again to rewrite it, or delete it to use the "
+           "manifest's widths")
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ManifestError(f"{path} cannot be read as JSON ({e}); {fix}") from e
+    tuned = data.get("verify_width_per_batch", {}) if isinstance(data, dict) else None
+    if not isinstance(tuned, dict):
+        raise ManifestError(f"{path}: expected an object with \"verify_width_per_batch\": {{batch size: width}}; {fix}")
+    allowed = sorted(verify_widths | {1})
+    out = {}
+    for batch, width in tuned.items():
+        if not (batch.isascii() and batch.isdigit() and int(batch) > 0):
+            raise ManifestError(f"{path}: batch size {batch!r} is not a positive integer; {fix}")
+        if type(width) is not int or width not in allowed:
+            raise ManifestError(f"{path}: verify width {width!r} for batch size {batch} is not one the engines were "
+                                f"built for ({', '.join(map(str, allowed))}); {fix}")
+        out[int(batch)] = width
+    return out

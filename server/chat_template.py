@@ -31,14 +31,25 @@ class ChatTemplate:
     def from_engine_dir(cls, engine_dir: Path) -> ChatTemplate | None:
         path = Path(engine_dir) / "tokenizer_config.json"
         jinja = Path(engine_dir) / "chat_template.jinja"
-        config = json.loads(path.read_text()) if path.exists() else {}
-        template = jinja.read_text() if jinja.exists() else config.get("chat_template")
+        config = _read(path, json.loads) if path.exists() else {}
+        if not isinstance(config, dict):
+            raise ChatTemplateError(f"{path}: expected a JSON object; rebuild the engine directory from a checkpoint "
+                                    "with a valid tokenizer_config.json")
+        template = _read(jinja, str) if jinja.exists() else config.get("chat_template")
         if isinstance(template, list):  # named templates: take "default"
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                            None)
         if not template:
             return None
+        if not isinstance(template, str):
+            raise ChatTemplateError(f"{path}: chat_template is {type(template).__name__}, not a string; fix it in the "
+                                    "checkpoint and rebuild the engine directory")
         special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        return cls(template, special)
+        try:
+            return cls(template, special)
+        except TemplateError as e:
+            raise ChatTemplateError(f"the chat template in {jinja if jinja.exists() else path} does not parse ({e}); "
+                                    "fix it in the checkpoint and rebuild the engine directory") from e
 
     def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         try:
@@ -50,3 +61,11 @@ class ChatTemplate:
 
 def _token_text(token) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
+
+
+def _read(path: Path, parse):
+    try:
+        return parse(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ChatTemplateError(f"{path} cannot be read ({e}); rebuild the engine directory from a checkpoint "
+                                f"whose {path.name} is valid") from e
