@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from tandem.checkpoint.description import LayerKind, ModelDescription
 
-CONTRACT_VERSION = 1
+CONTRACT_VERSION = 2   # 2: verify_sample samples each row from its position's uniform, then compares
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,7 @@ STATE_ROWS = "state_rows"
 HIDDEN_IN = "hidden_in"
 LAST_ROW = "last_row"
 TEMPERATURE, TOP_K, TOP_P, UNIFORMS = "temperature", "top_k", "top_p", "uniforms"
+MIN_TEMPERATURE = 1e-5  # below it a row is greedy (as vLLM): logits / T would overflow float32
 
 HIDDEN = "hidden"
 LOGITS = "logits"
@@ -145,10 +146,10 @@ def verify_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list
     layer_in, layer_out = _trunk_layer_specs(desc, dtype)
     ins = [TensorSpec(INPUT_IDS, "int64", ("batch", "rows"), "[pending token, draft 1..k]"),
            *_paging_inputs(),
-           TensorSpec(TEMPERATURE, "float32", ("batch",), "0 = greedy; else sampling temperature"),
+           TensorSpec(TEMPERATURE, "float32", ("batch",), "below MIN_TEMPERATURE: greedy; else sampling temperature"),
            TensorSpec(TOP_K, "int64", ("batch",), "top-k filter, 0 = off"),
            TensorSpec(TOP_P, "float32", ("batch",), "top-p filter, 1 = off"),
-           TensorSpec(UNIFORMS, "float32", ("batch", "rows"), "uniforms in [0,1): k accept tests, then 1 sample"),
+           TensorSpec(UNIFORMS, "float32", ("batch", "rows"), "uniform in [0,1) of the position row i's token fills"),
            *layer_in]
     outs = [TensorSpec(ACCEPTED, "int64", ("batch",), "drafts accepted (0..k); rows 0..accepted are committed"),
             TensorSpec(NEXT_TOKEN, "int64", ("batch",), "the token after the accepted ones (correction or bonus)"),

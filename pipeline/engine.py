@@ -31,9 +31,12 @@ import numpy as np
 from tandem import contract as c
 from tandem.pipeline.model_runner import ModelRunner, Rows
 from tandem.pipeline.pools import Pools
-from tandem.pipeline.sampler import sample
+from tandem.pipeline.sampler import sample, uniforms
+from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import Sequence, Status
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclass
@@ -88,6 +91,19 @@ class EngineStats:
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, v in enumerate(theirs):
                 mine[i] += v
+
+
+def _uniform(seq: Sequence) -> float:
+    """The uniform of the position the next appended token fills."""
+    return float(uniforms([seq.seed], np.array([len(seq.tokens)]))[0])
+
+
+def _sampling_inputs(p: SamplingParams) -> dict:
+    """The verify graph's sampling inputs: greedy rows as temperature 0, a temperature past
+    float32's range as its largest (still near-uniform, and no overflow filling the buffer)."""
+    if p.greedy:
+        return {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    return {"temperature": min(p.temperature, _F32_MAX), "top_k": p.top_k, "top_p": p.top_p}
 
 
 class Engine:
@@ -153,7 +169,7 @@ class Engine:
             seq.prefilled = seq.committed = b
             if b == seq.prefill_target:
                 if seq.num_generated == 0:  # fresh prompt: its first token comes from the last row
-                    seq.tokens.append(sample(out[c.LOGITS][b - a - 1], seq.params, seq.rng))
+                    seq.tokens.append(sample(out[c.LOGITS][b - a - 1], seq.params, _uniform(seq)))
                     seq.metrics.first_token = time.perf_counter()
                 seq.status = Status.DECODE
                 done.append(seq)
@@ -172,7 +188,7 @@ class Engine:
         self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
         for seq, out in zip(seqs, outs.rows()):
             seq.committed += 1
-            seq.tokens.append(sample(out[c.LOGITS][0], seq.params, seq.rng))
+            seq.tokens.append(sample(out[c.LOGITS][0], seq.params, _uniform(seq)))
 
     def _speculative_round(self, seqs: list[Sequence]) -> None:
         with self._phase("draft"):
@@ -212,18 +228,16 @@ class Engine:
 
     def _verify_and_commit(self, seqs: list[Sequence], drafts: dict[str, list[int]], width: int) -> None:
         sampling = any(not s.params.greedy for s in seqs)
-        rows = []
-        for s in seqs:
-            p = s.params
-            rows.append(Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
-                             slot=s.slot, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p,
-                             uniforms=s.rng.random(width).astype(np.float32) if sampling else None))
+        # row i decides the token at position len(tokens) + i: its uniform is that position's
+        u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
+        rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
+                     slot=s.slot, uniforms=u[i], **_sampling_inputs(s.params)) for i, s in enumerate(seqs)]
         with self._phase("verify"):
             if self.synthetic_acceptance is None:
                 outs = self.runner.verify(rows, sampling) if width > 1 else self.runner.target_step(rows)
                 accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs.rows()]
-                nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else sample(o[c.LOGITS][0], s.params, s.rng)
-                       for o, s in zip(outs.rows(), seqs)]
+                nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else sample(o[c.LOGITS][0], s.params, r.uniforms[0])
+                       for o, s, r in zip(outs.rows(), seqs, rows)]
             else:
                 accepted, nxt, outs = self._synthetic_verify(seqs, rows, width)
         n = len(seqs)
@@ -245,9 +259,9 @@ class Engine:
         """Benchmark aid (explicit option, documented): accept each draft with the configured
         probability, whatever the tokens; the target still runs over all rows and commits the
         states of the rows kept. Output tokens are not the model's: use only to time rounds."""
-        for r, s in zip(rows, seqs):
+        for r in rows:
             keep = 0
-            while keep < width - 1 and s.rng.random() < self.synthetic_acceptance:
+            while keep < width - 1 and r.uniforms[keep] < self.synthetic_acceptance:
                 keep += 1
             r.state_rows = keep + 1
         outs = self.runner.target_step(rows)

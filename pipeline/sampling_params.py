@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+
+from tandem.contract import MIN_TEMPERATURE
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 64
-    temperature: float = 0.0          # 0: greedy
-    top_k: int = 0                    # 0: off
+    temperature: float = 0.0          # below MIN_TEMPERATURE (1e-5): greedy
+    top_k: int = 0                    # 0 (or at least the vocabulary): off
     top_p: float = 1.0                # 1: off
-    seed: int | None = None           # same seed + same prompt -> same output
+    seed: int | None = None           # same seed + same prompt -> same output, whatever the batch (None: OS entropy)
     stop: tuple[str, ...] = ()        # stop strings (not included in the output)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -22,12 +26,14 @@ class SamplingParams:
     def __post_init__(self):
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 < self.top_p <= 1.0:  # NaN fails too
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p}")
+        if self.seed is not None and not isinstance(self.seed, numbers.Integral):
+            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
         if self.k is not None and self.k < 1:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if not 0.0 <= self.p_min < 1.0:
@@ -36,7 +42,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE

@@ -7,10 +7,13 @@ Invariants while decoding (positions are 0-based):
         h_i, so the last committed head row pairs the pending token with h_{committed-1}, the
         pending hidden (it lives in the heads' KV; no copy is kept on the host)
     draft, chain_hidden: head 0's draft d_1 and hidden g_0 at that last row
+Randomness: the token at index x of tokens is decided by U(seed, x) (pipeline/sampler.py), so a
+request's samples depend on its seed and positions only.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from enum import Enum
@@ -77,14 +80,15 @@ class Sequence:
     chain_hidden: np.ndarray | None = None
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
-    rng: np.random.Generator = field(default=None)
+    seed: int | None = None     # the request's, else drawn from OS entropy at creation
     table: BlockTable = field(default=None)
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt)
         self.table = self.table or BlockTable(self.page_size)
-        self.rng = self.rng or np.random.default_rng(self.params.seed)
+        if self.seed is None:
+            self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)
 
     @property
     def num_generated(self) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from tandem.contract import MIN_TEMPERATURE
+
 
 def _filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
     """softmax(logits / T) restricted to the top-k, then to the top-p nucleus of that."""
@@ -21,26 +23,25 @@ def _filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: f
     return p / p.sum()
 
 
+def _own_token(logits, temperature, top_k, top_p, u) -> int:
+    """The row's own token: argmax, or inverse-CDF of the filtered distribution at u."""
+    if temperature < MIN_TEMPERATURE:
+        return int(logits.argmax())
+    p = _filtered_probs(logits, temperature, top_k, top_p)
+    return min(int((np.cumsum(p) <= u).sum()), int(np.flatnonzero(p)[-1]))
+
+
 def accept(logits, ids, temperature, top_k, top_p, uniforms) -> tuple[np.ndarray, np.ndarray]:
-    """logits [B, W, V], ids [B, W] = [pending, d_1..d_k] -> (accepted [B], next_token [B])."""
-    bsz, w, vocab = logits.shape
+    """logits [B, W, V], ids [B, W] = [pending, d_1..d_k] -> (accepted [B], next_token [B]).
+    Row i's own token t_i (uniforms[b, i] when sampled); accepted = leading drafts equal to t_i;
+    next = t_accepted."""
+    bsz, w, _ = logits.shape
     accepted, nxt = np.zeros(bsz, np.int64), np.zeros(bsz, np.int64)
     for b in range(bsz):
-        if temperature[b] <= 0:
-            best = logits[b].argmax(-1)
-            a = 0
-            while a < w - 1 and ids[b, a + 1] == best[a]:
-                a += 1
-            accepted[b], nxt[b] = a, best[a]
-            continue
-        probs = [_filtered_probs(logits[b, i], temperature[b], top_k[b], top_p[b]) for i in range(w)]
         a = 0
-        while a < w - 1 and uniforms[b, a] < probs[a][ids[b, a + 1]]:
+        t = _own_token(logits[b, 0], temperature[b], top_k[b], top_p[b], uniforms[b, 0])
+        while a < w - 1 and ids[b, a + 1] == t:
             a += 1
-        residual = probs[a].copy()
-        if a < w - 1:
-            residual[ids[b, a + 1]] = 0.0
-        cdf = np.cumsum(residual)
-        accepted[b] = a
-        nxt[b] = min(int((cdf <= uniforms[b, -1] * residual.sum()).sum()), vocab - 1)
+            t = _own_token(logits[b, a], temperature[b], top_k[b], top_p[b], uniforms[b, a])
+        accepted[b], nxt[b] = a, t
     return accepted, nxt
