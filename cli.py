@@ -66,15 +66,17 @@ def cmd_build_engines(args: argparse.Namespace) -> int:
     except (OptionsError, OutputError, BuildError, BackendUnavailable) as e:
         return _refused("build-engines", [str(e)])
     if result.status == "up-to-date":
-        print(f"{result.engine_dir} is up to date (same checkpoint files and options): nothing to rebuild")
+        print(f"{result.engine_dir} is up to date (same input files by content, options and versions): "
+              "nothing to rebuild")
     else:
         print(f"built {result.engine_dir}: {len(result.rebuilt)} engine(s) built and verified, "
               f"{len(result.reused)} reused, {result.size_bytes / 2**20:.1f} MiB, {result.seconds:.1f} s")
+        print(f"  because: {'; '.join(result.reasons)}")
     return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    import time
+    from dataclasses import replace
 
     from tandem.engines.manifest import ManifestError
     from tandem.pipeline.llm import LLM, EngineConfig

@@ -25,6 +25,9 @@ from tandem.checkpoint.families import FAMILIES, MODEL_TYPES
 from tandem.checkpoint.families.qwen_hybrid import ConfigError, Source, uses_per_expert
 from tandem.checkpoint.safetensors_files import TensorIndex
 
+# small files the reader and its checks read from the checkpoint folder (besides the weights)
+READ_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+              "special_tokens_map.json", "chat_template.jinja")
 
 def read_json(path: Path, what: str) -> dict:
     try:
@@ -52,13 +55,28 @@ class Checkpoint:
     """A validated checkpoint: description + lazy weights. Build with open_checkpoint()."""
 
     def __init__(self, path: Path, config: dict, description: ModelDescription, sources: dict[str, Source],
-                 index: TensorIndex, mtp_index: TensorIndex | None):
+                 index: TensorIndex, mtp_index: TensorIndex | None, draft: Path | None = None):
         self.path = path
         self.config = config
         self.description = description
         self.sources = sources
+        self.draft = draft  # the folder the mtp.* tensors come from, when not the checkpoint
         self._index = index
         self._mtp_index = mtp_index
+
+    def input_files(self) -> dict[str, Path]:
+        """Every file this checkpoint was read from, by name relative to its folder ("draft/..."
+        for the draft folder's): configs, tokenizer files, safetensors files and index."""
+        files = {name: self.path / name for name in READ_FILES if (self.path / name).is_file()}
+        sources = [(self._index, self.path, "")]
+        if self.draft is not None:
+            sources.append((self._mtp_index, self.draft, "draft/"))
+            if (self.draft / "config.json").is_file():
+                files["draft/config.json"] = self.draft / "config.json"
+        for index, folder, prefix in sources:
+            for f in index.files + ([index.index_file] if index.index_file else []):
+                files[prefix + f.relative_to(folder).as_posix()] = f
+        return files
 
     def canonical_names(self) -> list[str]:
         return list(self.sources)
@@ -124,7 +142,8 @@ def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: 
     problems += v.check_tokenizer(path)
     if problems:
         raise CheckpointError(problems)
-    return Checkpoint(path, config, desc, sources, index, mtp_index)
+    draft_used = Path(draft) if draft is not None and mtp_index is not None else None
+    return Checkpoint(path, config, desc, sources, index, mtp_index, draft_used)
 
 
 def _mtp_source(path: Path, index: TensorIndex, text_cfg: dict, draft) -> tuple:

@@ -1,11 +1,13 @@
 """`tandem build-engines`: checkpoint -> engine directory, safely.
 
-    validate checkpoint + options (config time) -> up to date? stop -> check the output location
-    -> [temporary sibling] export once -> build engines per bucket (reusing unchanged ones)
-    -> run each engine once and compare with the un-lowered graph -> copy tokenizer/config
-    -> manifest.json (last) -> rename into place
+    validate checkpoint + options (config time) -> may --out be replaced? -> fingerprint the inputs
+    -> up to date? stop -> room to write? -> [temporary sibling] export once -> build engines per
+    bucket (reusing unchanged ones) -> run each engine once and compare with the un-lowered graph
+    -> copy tokenizer/config -> manifest.json (last) -> rename into place
 
 A failure anywhere removes the temporary directory; an existing engine directory stays as it was.
+Only an engine directory or an empty folder is ever replaced (engines/atomic.py), and a build
+says why it ran: what changed since the previous one (engines/fingerprint.py).
 """
 
 from __future__ import annotations
@@ -15,20 +17,20 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tandem import __version__, contract
+from tandem import contract
 from tandem.checkpoint import open_checkpoint
 from tandem.checkpoint.description import DTYPE_BYTES, description_to_dict
 from tandem.checkpoint.summary import summarize
 from tandem.engines import buckets as bucket_plan
-from tandem.engines.atomic import check_writable, staged_directory
+from tandem.engines.atomic import MARKER, check_replaceable, check_writable, staged_directory
 from tandem.engines.backends import get_backend
+from tandem.engines.fingerprint import changes, digests, fingerprint, hash_inputs, input_files
+from tandem.engines.integrity import verify_engine_dir
 from tandem.engines.manifest import (
     CHECKPOINT_FILES,
     FORMAT,
     FORMAT_VERSION,
     ManifestError,
-    check_files,
-    checkpoint_fingerprint,
     file_sha256,
     read_manifest,
     write_manifest,
@@ -38,7 +40,8 @@ from tandem.engines.progress import Progress
 from tandem.engines.verification import compare, fixed_inputs, timed
 from tandem.export.exporter import export_checkpoint
 
-_EXPORT_OPTIONS = ("dtype", "no_mtp", "draft")  # options that change the exported graphs
+_EXPORT_OPTIONS = ("dtype", "no_mtp", "page_size")  # options that change the exported graphs
+_SAME_TOOLS = ("tandem", "backend", "contract_version")
 
 
 class BuildError(RuntimeError):
@@ -53,6 +56,7 @@ class BuildResult:
     size_bytes: int
     rebuilt: list[str] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)  # why it was built: what changed since the last build
 
 
 def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions | None = None,
@@ -66,18 +70,21 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
         raise OptionsError(f"--max-seq-len {options.max_seq_len} exceeds the model's max_position_embeddings "
                            f"({desc.max_position_embeddings})")
     backend = get_backend(options.backend)
-    draft = Path(options.draft) if options.draft else None
-    fingerprint = {"checkpoint": checkpoint_fingerprint(Path(model_dir), draft), "options": options.to_json(),
-                   "tandem": __version__, "backend": backend.versions(), "contract_version": contract.CONTRACT_VERSION}
-    previous = _previous_manifest(out)
-    if previous and previous.get("fingerprint") == fingerprint and not check_files(out, previous):
+    sources = {"checkpoint": Path(model_dir), "draft": Path(options.draft) if options.draft else None}
+    check_replaceable(out, sources)
+    previous, no_previous = _previous_manifest(out)
+    old = previous.get("fingerprint", {}) if previous else {}
+    fp = fingerprint(hash_inputs(input_files(ckpt, CHECKPOINT_FILES), old), options.to_json(), backend.versions())
+    damaged = _damaged(out, previous)
+    reasons = [no_previous] if previous is None else changes(old, fp) + ([damaged] if damaged else [])
+    if not reasons:
         return BuildResult(out, "up-to-date", time.perf_counter() - start, _dir_size(out))
 
     params = ckpt.parameter_count() + (ckpt.parameter_count(mtp=True) if desc.mtp else 0)
     check_writable(out, need_bytes=int(params * DTYPE_BYTES[options.dtype] * 1.2) + (64 << 20))
     plan = bucket_plan.plan(desc, options)
-    reusable = _reusable_engines(previous, fingerprint, out)
-    with staged_directory(out) as tmp:
+    reusable = _reusable_engines(previous, old, fp) if not damaged else {}
+    with staged_directory(out, sources) as tmp:
         export_dir = tmp / "_export"
         with Progress("export", 1, show_progress) as bar:
             export_checkpoint(ckpt, export_dir, dtype=options.dtype)
@@ -93,9 +100,9 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
             # grouped by engine file, so the checker holds few sessions (records keep plan order)
             for bucket in sorted(plan, key=lambda b: (files[b.name], plan.index(b))):
                 file, profile = files[bucket.name]
-                old = reusable.get(bucket.name)
-                if old and old["file"] == file and old.get("profile", 0) == profile:
-                    verification = old["verification"]
+                kept = reusable.get(bucket.name)
+                if kept and kept["file"] == file and kept.get("profile", 0) == profile:
+                    verification = kept["verification"]
                     reused.append(bucket.name)
                 else:
                     feeds = fixed_inputs(desc, bucket, options)
@@ -116,48 +123,61 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
         for name in CHECKPOINT_FILES:
             if (Path(model_dir) / name).exists():
                 shutil.copyfile(Path(model_dir) / name, tmp / name)
-        manifest = _manifest(ckpt, options, backend, fingerprint, records, tmp, time.perf_counter() - start)
+        manifest = _manifest(ckpt, options, backend, fp, records, tmp, time.perf_counter() - start)
         write_manifest(tmp, manifest)
-    return BuildResult(out, "built", time.perf_counter() - start, _dir_size(out), rebuilt, reused)
+    return BuildResult(out, "built", time.perf_counter() - start, _dir_size(out), rebuilt, reused, reasons)
 
 
-def _previous_manifest(out: Path) -> dict | None:
+def _previous_manifest(out: Path) -> tuple[dict | None, str]:
+    """(the previous build's manifest, or None with why there is none to compare with)."""
+    if not out.is_dir():
+        return None, f"no previous build at {out}"
+    if not any(out.iterdir()):
+        return None, f"no previous build at {out} (an empty folder)"
     try:
-        return read_manifest(out) if out.is_dir() else None
-    except ManifestError:
+        return read_manifest(out), ""
+    except ManifestError as e:
+        return None, f"previous build has no usable manifest ({e})"
+
+
+def _damaged(out: Path, previous: dict | None) -> str | None:
+    """Why the previous build's files no longer match its manifest, if they do not."""
+    if previous is None:
         return None
+    try:
+        verify_engine_dir(out, previous)
+    except ManifestError as e:
+        return f"the previous build's files changed ({e})"
+    return None
 
 
-def _reusable_engines(previous: dict | None, fingerprint: dict, out: Path) -> dict[str, dict]:
-    """Engines of the previous build that this one can keep: same checkpoint, export options,
-    backend and versions, and files that still hash as recorded."""
+def _reusable_engines(previous: dict | None, old: dict, new: dict) -> dict[str, dict]:
+    """Engines of the previous build (its files intact) that this one can keep: same input
+    contents, export options, backend and versions."""
     if not previous:
         return {}
-    old = previous.get("fingerprint", {})
-    same = (old.get("checkpoint") == fingerprint["checkpoint"] and old.get("backend") == fingerprint["backend"]
-            and old.get("tandem") == fingerprint["tandem"]
-            and all(old.get("options", {}).get(k) == fingerprint["options"][k] for k in _EXPORT_OPTIONS)
-            and old.get("options", {}).get("page_size") == fingerprint["options"]["page_size"])
-    if not same or check_files(out, previous):
+    same = (digests(old) == digests(new) and all(old.get(k) == new[k] for k in _SAME_TOOLS)
+            and all(old.get("options", {}).get(k) == new["options"][k] for k in _EXPORT_OPTIONS))
+    if not same:
         return {}
     return {e["name"]: e for e in previous.get("engines", []) if e["verification"]["passed"]}
 
 
-def _manifest(ckpt, options: BuildOptions, backend, fingerprint: dict, records: list[dict], folder: Path,
+def _manifest(ckpt, options: BuildOptions, backend, fp: dict, records: list[dict], folder: Path,
               seconds: float) -> dict:
     desc = ckpt.description
-    files = sorted(p.name for p in folder.iterdir() if p.is_file())
+    files = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name != MARKER)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "contract_version": contract.CONTRACT_VERSION,
-        "tandem_version": __version__,
+        "tandem_version": fp["tandem"],
         "backend": backend.NAME,
         "versions": backend.versions(),
         "model": summarize(ckpt, None if options.no_mtp else options.spec_k),
         "description": description_to_dict(desc),
         "options": options.to_json(),
-        "fingerprint": fingerprint,
+        "fingerprint": fp,
         "runtime": {"page_size": options.page_size, "max_seq_len": options.max_seq_len,
                     "prefill_chunk": options.prefill_chunk, "batch_sizes": list(options.batch_sizes),
                     "spec_k": None if options.no_mtp else options.spec_k,

@@ -5,7 +5,6 @@ The pipeline reads only this file and the files it names."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from tandem.export.exporter import file_sha256  # noqa: F401 (re-exported: the builder hashes with it)
@@ -25,20 +24,6 @@ _RUNTIME_KEYS = ("page_size", "max_seq_len", "prefill_chunk", "batch_sizes", "sp
 
 class ManifestError(ValueError):
     pass
-
-
-def checkpoint_fingerprint(*folders: Path | None) -> dict[str, list[int]]:
-    """(size, mtime_ns) of every file the build reads: touching a file changes it, so the next
-    build rebuilds; hashing gigabytes on every no-op run would not be cheap."""
-    out = {}
-    for folder in folders:
-        if folder is None:
-            continue
-        for path in sorted(Path(folder).iterdir()):
-            if path.is_file() and (path.suffix in (".json", ".safetensors", ".jinja", ".model")):
-                st = os.stat(path)
-                out[str(path.resolve())] = [st.st_size, st.st_mtime_ns]
-    return out
 
 
 def read_manifest(engine_dir: Path) -> dict:
