@@ -86,18 +86,42 @@ def cmd_generate(args: argparse.Namespace) -> int:
         llm = LLM(args.engine_dir, EngineConfig(mtp_mode=args.mtp_mode, speculative=not args.no_spec))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, k=args.spec_k)
-        start = time.perf_counter()
+        # untimed warm-up: the engines' first calls (session set-up, buffer allocation) are not the model's speed
+        llm.generate(args.prompt, replace(params, max_tokens=min(params.max_tokens, _WARMUP_TOKENS)))
         seq = None
         for out in llm.stream(args.prompt, params):
             seq = out.sequence
             print(out.text, end="", flush=True)
     except (ManifestError, ValueError) as e:
         return _refused("generate", [str(e)])
-    seconds = time.perf_counter() - start
-    m = seq.metrics
-    print(f"\n[{seq.num_generated} tokens in {seconds:.2f} s, {seq.num_generated / seconds:.1f} tokens/s, "
-          f"accept length {m.accept_length:.2f}, finish reason {seq.finish_reason}]")
+    print()
+    for line in generation_figures(seq):
+        print(line)
     return 0
+
+
+_WARMUP_TOKENS = 8
+
+
+def generation_figures(seq) -> list[str]:
+    """Prefill (prompt tokens, time to first token), decode (tokens after the first, tokens/s) and,
+    when anything was drafted, the accept length; from the engine's own timestamps."""
+    m = seq.metrics
+    ttft = m.first_token - m.arrival
+    lines = [f"[prefill: {len(seq.prompt)} prompt tokens, first token after {ttft * 1000:.1f} ms]"]
+    after = seq.num_generated - 1
+    if after > 0:
+        seconds = m.finished - m.first_token
+        lines.append(f"[decode: {after} tokens after the first in {seconds:.3f} s, {after / seconds:.1f} tokens/s]")
+    else:
+        lines.append("[decode: no tokens after the first]")
+    if m.drafted:
+        lines.append(f"[speculative: accept length {m.accept_length:.2f} tokens per verify step over {m.rounds} "
+                     f"steps, {m.accepted} of {m.drafted} drafts accepted]")
+    else:
+        lines.append("[speculative: nothing drafted (plain decoding)]")
+    lines.append(f"[finish reason: {seq.finish_reason}]")
+    return lines
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -194,7 +218,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_build_engines)
 
-    p = sub.add_parser("generate", help="generate text from an engine directory (streams to stdout)")
+    p = sub.add_parser("generate", help="generate text from an engine directory (streams to stdout)",
+                       description="Streams a completion, then prints prefill (prompt tokens, time to the first "
+                                   "token) and decode (tokens after the first, tokens/s) separately, and the accept "
+                                   "length when anything was drafted. The figures leave out the engines' cold first "
+                                   f"calls: an untimed warm-up generation (up to {_WARMUP_TOKENS} tokens of the same "
+                                   "prompt) runs first.")
     p.add_argument("engine_dir")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-tokens", type=int, default=64)
