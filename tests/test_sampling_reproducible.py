@@ -47,6 +47,7 @@ def run_in_batch(llm: LLM, params, others: int, stagger: int) -> list[int]:
             rid, prompt, p = queue.pop(0)
             seqs[rid] = llm.add_request(prompt, p, request_id=rid)
         llm.step()
+    llm.test_sequences = list(seqs.values())
     return seqs["me"].output_ids()
 
 
@@ -102,6 +103,13 @@ def test_any_verify_width_per_request(llm, plain, k):
 
 def test_any_verify_width_per_engine(engine_dirs, plain):
     assert run_in_batch(LLM(engine_dirs[KIND], EngineConfig(spec_k=1)), SAMPLED, 2, stagger=0) == plain
+
+
+def test_under_preemption(engine_dirs, plain):
+    # a budget of a few pages forces sequences out and back in (recomputed from their tokens)
+    llm = LLM(engine_dirs[KIND], EngineConfig(memory_budget_bytes=230_000, max_num_seqs=8))
+    assert run_in_batch(llm, SAMPLED, 7, stagger=2) == plain
+    assert sum(s.metrics.preemptions for s in llm.test_sequences) > 0
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "prefix:1", "random"])
