@@ -12,6 +12,9 @@ says why it ran: what changed since the previous one (engines/fingerprint.py).
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -30,6 +33,7 @@ from tandem.engines.manifest import (
     CHECKPOINT_FILES,
     FORMAT,
     FORMAT_VERSION,
+    MANIFEST,
     ManifestError,
     file_sha256,
     read_manifest,
@@ -78,6 +82,8 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
     damaged = _damaged(out, previous)
     reasons = [no_previous] if previous is None else changes(old, fp) + ([damaged] if damaged else [])
     if not reasons:
+        if fp != old:  # same contents, new stats (a copied checkpoint): record them, or every rerun hashes again
+            _refresh_fingerprint(out, previous, fp)
         return BuildResult(out, "up-to-date", time.perf_counter() - start, _dir_size(out))
 
     params = ckpt.parameter_count() + (ckpt.parameter_count(mtp=True) if desc.mtp else 0)
@@ -138,6 +144,18 @@ def _previous_manifest(out: Path) -> tuple[dict | None, str]:
         return read_manifest(out), ""
     except ManifestError as e:
         return None, f"previous build has no usable manifest ({e})"
+
+
+def _refresh_fingerprint(out: Path, previous: dict, fp: dict) -> None:
+    """Rewrite manifest.json with the inputs' current stats (temporary file + rename, so a reader
+    never sees half a manifest); an engine directory that is not writable keeps the old ones."""
+    tmp = out / f".tandem-{MANIFEST}.tmp"
+    try:
+        tmp.write_text(json.dumps({**previous, "fingerprint": fp}, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, out / MANIFEST)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
 
 
 def _damaged(out: Path, previous: dict | None) -> str | None:

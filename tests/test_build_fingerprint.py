@@ -12,18 +12,27 @@ from tandem.checkpoint import open_checkpoint
 from tandem.cli import main
 from tandem.engines import fingerprint as fingerprint_module
 from tandem.engines.builder import build_engines
-from tandem.engines.manifest import CHECKPOINT_FILES
+from tandem.engines.manifest import CHECKPOINT_FILES, read_manifest
 from tandem.engines.options import BuildOptions
 
 FAST = BuildOptions(batch_sizes=(1,), prefill_chunk=8, max_seq_len=256, no_mtp=True)  # two engines
 
 
+@pytest.fixture(scope="module")
+def built_once(tiny_root, tmp_path_factory):
+    root = tmp_path_factory.mktemp("fingerprint")
+    shutil.copytree(tiny_root / "qwen3_5_mtp1", root / "model")
+    assert build_engines(root / "model", root / "engines", FAST, show_progress=False).status == "built"
+    return root
+
+
 @pytest.fixture
-def built(tiny_copy, tmp_path):
-    """(checkpoint copy, its engine dir), built once."""
-    src = tiny_copy("qwen3_5_mtp1")
-    out = tmp_path / "engines"
-    assert build_engines(src, out, FAST, show_progress=False).status == "built"
+def built(built_once, tmp_path):
+    """(a private checkpoint copy, its engine dir): copies of one build, their stats recorded."""
+    src, out = tmp_path / "model", tmp_path / "engines"
+    shutil.copytree(built_once / "model", src)
+    shutil.copytree(built_once / "engines", out)
+    assert build_engines(src, out, FAST, show_progress=False).status == "up-to-date"
     return src, out
 
 
@@ -56,15 +65,19 @@ def test_an_unrelated_file_in_the_checkpoint_changes_nothing(built, hashed):
     assert hashed == []
 
 
-def test_a_moved_checkpoint_is_up_to_date(built, tmp_path):
+def test_a_moved_or_copied_checkpoint_is_up_to_date(built, tmp_path, hashed):
     src, out = built
     moved = tmp_path / "elsewhere" / "model"
     moved.parent.mkdir()
     shutil.move(src, moved)
-    assert build_engines(moved, out, FAST, show_progress=False).status == "up-to-date"
+    assert build_engines(moved, out, FAST, show_progress=False).status == "up-to-date" and hashed == []
     copied = tmp_path / "copy"
-    shutil.copytree(moved, copied)  # new inodes and times: hashed again, same content
-    assert build_engines(copied, out, FAST, show_progress=False).status == "up-to-date"
+    shutil.copytree(moved, copied)  # new files: hashed once, same content, their stats recorded
+    assert build_engines(copied, out, FAST, show_progress=False).status == "up-to-date" and hashed
+    hashed.clear()
+    assert build_engines(copied, out, FAST, show_progress=False).status == "up-to-date" and hashed == []
+    assert read_manifest(out)["fingerprint"]["inputs"]["config.json"]["ctime_ns"] == (
+        (copied / "config.json").stat().st_ctime_ns)
 
 
 def test_a_touched_file_is_hashed_again_and_still_up_to_date(built, hashed):
