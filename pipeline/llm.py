@@ -11,6 +11,7 @@ Reads manifest.json and the files it names; nothing else (no checkpoint, no torc
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.engine import Engine, StepOutput
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.pools import Pools, plan_pools
+from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_sampling, check_text, check_token_ids
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import RequestMetrics, Sequence
@@ -126,31 +128,55 @@ class LLM:
 
     # ---- requests ----------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
-        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt).ids
+        """Token ids of a prompt (text or ids), checked: see pipeline/request_checks.py."""
+        if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+            try:
+                ids = self.tokenizer.encode(prompt).ids
+            except Exception as e:  # the tokenizers library raises TypeError/Exception without saying why
+                raise RequestError("prompt", f"prompt: the tokenizer cannot encode it ({type(e).__name__}: {e})") from e
+            if not ids:
+                raise RequestError("prompt", "prompt is empty: send some text or token ids")
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids = prompt
+        else:
+            raise RequestError("prompt", f"prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+        # the embedding table and the logits both have desc.vocab_size rows: ids of tokens a
+        # tokenizer added beyond them would be read out of bounds, so they are refused too
+        return check_token_ids(ids, self.desc.vocab_size)
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> Sequence:
-        params = params or SamplingParams()
+    def check_request(self, prompt: str | list[int], params: SamplingParams) -> CheckedRequest:
+        """Everything add_request refuses, without touching the scheduler: the server runs it
+        when a request arrives, so a bad one never reaches the engine thread."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        check_sampling(params)
         ids = self.encode(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty")
         k_fixed = params.k is not None or self.config.spec_k is not None
         k = params.k if params.k is not None else self.spec_k
         speculative = bool(self.config.speculative and params.speculative and self.mtp_layers and k)
         if speculative and k + 1 not in self.verify_widths:
-            raise ValueError(f"k={k} needs verify width {k + 1}; the engines have widths {sorted(self.verify_widths)}")
+            raise RequestError("spec_k", f"k={k} needs verify width {k + 1}; the engines have widths "
+                               f"{sorted(self.verify_widths)}")
         limit = self.max_seq_len - (k + 1 if speculative else 1)
         if len(ids) + params.max_tokens > limit:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the engines' "
-                             f"limit of {limit} tokens (max_seq_len {self.max_seq_len}); shorten the prompt or "
-                             "lower max_tokens")
+            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
+                               f"exceeds the engines' limit of {limit} tokens (max_seq_len {self.max_seq_len}); "
+                               "shorten the prompt or lower max_tokens")
         capacity = (self.pages.size - 1) * self.page_size
         if len(ids) + params.max_tokens + k + 1 > capacity:
-            raise ValueError(f"the request needs {len(ids) + params.max_tokens} positions but the KV memory holds "
-                             f"{capacity}; raise memory_budget_bytes")
-        seq = Sequence(request_id or f"req-{next(self._ids)}", ids, params,
-                       IncrementalDetokenizer(self.tokenizer, params.stop), self.page_size, speculative,
-                       k if speculative else 0, k_fixed)
+            raise RequestError("max_tokens", f"the request needs {len(ids) + params.max_tokens} positions but the KV "
+                               f"memory holds {capacity}; raise memory_budget_bytes")
+        return CheckedRequest(ids, speculative, k if speculative else 0, k_fixed)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Sequence:
+        """Queue a request (ValueError, naming the field, if check_request refuses it)."""
+        params = params or SamplingParams()
+        req = self.check_request(prompt, params)
+        seq = Sequence(request_id or f"req-{next(self._ids)}", req.ids, params,
+                       IncrementalDetokenizer(self.tokenizer, params.stop), self.page_size, req.speculative,
+                       req.k, req.k_fixed)
         self.scheduler.add(seq)
         return seq
 
@@ -163,26 +189,48 @@ class LLM:
     # ---- offline API -------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None
                  ) -> list[GenerationResult]:
-        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        """Every prompt is checked before any is queued; if a step raises, this call's requests
+        are aborted (pages and slots freed) before the error propagates, so the next call works."""
+        single = isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer)))
         prompts = [prompts] if single else list(prompts)
         params_list = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params_list)} SamplingParams: pass one per prompt")
+        for i, (p, sp) in enumerate(zip(prompts, params_list)):
+            try:
+                self.check_request(p, sp)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: {e}" if len(prompts) > 1 else str(e)) from None
         seqs = [self.add_request(p, sp) for p, sp in zip(prompts, params_list)]
         texts = {s.request_id: [] for s in seqs}
-        while any(s.finish_reason is None for s in seqs):
-            for out in self.step():
-                if out.request_id in texts:
-                    texts[out.request_id].append(out.text)
+        with self._aborting_on_error(seqs):
+            while any(s.finish_reason is None for s in seqs):
+                for out in self.step():
+                    if out.request_id in texts:
+                        texts[out.request_id].append(out.text)
         return [GenerationResult(s.request_id, s.prompt, s.output_ids(), "".join(texts[s.request_id]),
                                  s.finish_reason, s.metrics) for s in seqs]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StepOutput]:
-        """Yields this request's outputs as they come (other requests keep running alongside)."""
+        """Yields this request's outputs as they come (other requests keep running alongside).
+        Closing the iterator early, or a step that raises, aborts the request."""
         seq = self.add_request(prompt, params)
-        while seq.finish_reason is None:
-            for out in self.step():
-                if out.request_id == seq.request_id:
-                    yield out
+        with self._aborting_on_error([seq]):
+            while seq.finish_reason is None:
+                for out in self.step():
+                    if out.request_id == seq.request_id:
+                        yield out
 
+    @contextlib.contextmanager
+    def _aborting_on_error(self, seqs: list[Sequence]):
+        """If the body raises (or a stream is closed early), abort these requests' unfinished sequences."""
+        try:
+            yield
+        except BaseException:
+            for s in seqs:
+                if s.finish_reason is None:
+                    self.scheduler.abort(s.request_id)
+            raise
 
 def _load_tokenizer(path: Path) -> Tokenizer:
     try:

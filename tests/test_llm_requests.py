@@ -1,0 +1,78 @@
+"""The offline API's side of issue 12: `LLM.add_request` refuses what the engines cannot run (the
+same checks the server runs), and a failed request never stays in the scheduler."""
+
+from __future__ import annotations
+
+import pytest
+
+from tandem.pipeline.llm import LLM
+from tandem.pipeline.sampling_params import SamplingParams
+
+VOCAB = 384
+MARK = VOCAB - 1
+
+
+@pytest.fixture(scope="module")
+def llm(engine_dirs):
+    return LLM(engine_dirs["qwen3_5_mtp3"])
+
+
+def _idle(llm: LLM) -> bool:
+    return not llm.scheduler.has_work() and llm.pages.num_free == llm.pages.size - 1
+
+
+BAD = [
+    ([VOCAB], {}, "prompt[0]: token id 384 is outside the vocabulary [0, 384)"),
+    ([-5000], {}, "prompt[0]: token id -5000 is outside"),
+    ([100, -1], {}, "prompt[1]: token id -1 is outside"),
+    ([2**64], {}, "prompt[0]: token id 18446744073709551616"),
+    ([True], {}, "prompt[0] must be an integer token id, got bool"),
+    ([], {}, "prompt is empty"),
+    ("", {}, "prompt is empty"),
+    ("a\ud800b", {}, "prompt is not valid Unicode: a lone surrogate '\\ud800' at index 1; send valid Unicode"),
+    (7, {}, "prompt must be a string or a list of token ids"),
+    ("x", {"top_k": 2**70}, "top_k=1180591620717411303424 is out of range"),
+    ("x", {"seed": 2**64}, "seed=18446744073709551616 is out of range"),
+    ("x", {"max_tokens": 2**64}, "max_tokens=18446744073709551616 is out of range"),
+    ("x", {"k": 2**64}, "spec_k=18446744073709551616 is out of range"),
+    ("x", {"stop": ("\udfff",)}, "stop[0] is not valid Unicode"),
+]
+
+
+@pytest.mark.parametrize("prompt,params,message", BAD)
+def test_bad_requests_are_refused_naming_the_field(llm, prompt, params, message):
+    with pytest.raises(ValueError) as e:
+        llm.add_request(prompt, SamplingParams(**params))
+    assert message in str(e.value)
+    assert _idle(llm)
+
+
+def test_generate_checks_every_prompt_before_queueing_any(llm):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: prompt\[0\]: token id 999"):
+        llm.generate(["def add(a, b):", [999]], SamplingParams(max_tokens=4))
+    assert _idle(llm)
+
+
+def test_a_step_that_raises_leaves_nothing_behind_and_the_next_generate_works(llm, monkeypatch):
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    reference = llm.generate(["def add(a, b):"], params)[0].token_ids
+    real = llm.runner._call
+
+    def faulty(graph, key, rows, fixed):
+        if any(list(r.ids).count(MARK) >= 3 for r in rows):
+            raise RuntimeError("injected fault")
+        return real(graph, key, rows, fixed)
+
+    monkeypatch.setattr(llm.runner, "_call", faulty)
+    with pytest.raises(RuntimeError, match="injected fault"):
+        llm.generate(["def add(a, b):", [5, MARK, MARK, MARK]], params)
+    assert _idle(llm)  # both of that call's sequences aborted, their pages and slots freed
+    assert llm.generate(["def add(a, b):"], params)[0].token_ids == reference
+
+
+def test_closing_a_stream_early_aborts_its_request(llm):
+    chunks = llm.stream("def add(a, b):", SamplingParams(max_tokens=50, ignore_eos=True))
+    next(chunks)
+    assert llm.scheduler.has_work()
+    chunks.close()
+    assert _idle(llm)
