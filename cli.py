@@ -132,17 +132,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from tandem.server.app import ServerSettings
     from tandem.server.serve import serve
 
-    settings = ServerSettings(model_name=args.model_name or Path(args.engine_dir).resolve().name,
-                              api_key=args.api_key, max_queued=args.max_queued, max_body_bytes=args.max_body_bytes,
-                              default_max_tokens=args.default_max_tokens)
-    config = EngineConfig(memory_budget_bytes=int(args.memory_budget_mb * 2**20), mtp_mode=args.mtp_mode,
-                          threads=args.threads)
-    print(f"serving {settings.model_name} on http://{args.host}:{args.port}/v1 (OpenAI API)", flush=True)
     try:
-        serve(args.engine_dir, args.host, args.port, settings, config)
+        settings = ServerSettings(model_name=args.model_name or Path(args.engine_dir).resolve().name,
+                                  api_key=args.api_key, max_queued=args.max_queued,
+                                  max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
+                                  openapi=args.openapi)
+        config = EngineConfig(memory_budget_bytes=int(args.memory_budget_mb * 2**20), mtp_mode=args.mtp_mode,
+                              threads=args.threads)
+        print(f"serving {settings.model_name} on http://{args.host}:{args.port}/v1 (OpenAI API)", flush=True)
+        status = serve(args.engine_dir, args.host, args.port, settings, config)
     except (ManifestError, ValueError) as e:
         return _refused("serve", [str(e)])
-    return 0
+    if status == 1:
+        print("serve: the engine thread stopped and could not recover (see the log above); exiting with status 1 "
+              "so that a supervisor restarts the server", file=sys.stderr)
+    return status
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -250,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-mb", type=float, default=512, help="KV pages + state slots (MiB)")
     p.add_argument("--mtp-mode", choices=["chained", "reused"], default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--openapi", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("profile", help="measure an engine directory on this device; report + tuned widths")

@@ -1,12 +1,19 @@
-"""The OpenAI-compatible HTTP API. Handlers only translate: HTTP -> SamplingParams -> the engine
-loop -> OpenAI-shaped JSON or SSE chunks. Errors use the OpenAI error shape."""
+"""The OpenAI-compatible HTTP API. Handlers only translate: HTTP -> checked request -> the engine
+loop -> OpenAI-shaped JSON or SSE chunks. Errors use the OpenAI error shape, always as JSON.
+
+A request is checked completely when it arrives (pydantic's strict types, then
+LLM.check_request: token ids, integer bounds, valid Unicode, lengths), so the engine thread
+only ever sees requests it can run. A watchdog notices if the engine thread ends: /health and
+/ready turn 503 and `on_fatal` is called (`tandem serve` then exits 1).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -16,10 +23,16 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tandem.pipeline.llm import LLM
+from tandem.pipeline.request_checks import check_text
 from tandem.server import metrics as m
 from tandem.server.chat_template import ChatTemplate, ChatTemplateError
 from tandem.server.engine_loop import EngineError, EngineLoop
-from tandem.server.protocol import ChatRequest, CompletionRequest, error_body
+from tandem.server.limits import RequestGuard
+from tandem.server.protocol import ChatRequest, CompletionRequest, error_body, json_bytes
+
+log = logging.getLogger("tandem.server")
+DISCONNECT_POLL_S = 0.1    # how often a non-streamed request checks that its client is still there
+WATCHDOG_S = 0.2           # how often the engine thread is checked
 
 
 @dataclass(frozen=True)
@@ -29,6 +42,12 @@ class ServerSettings:
     max_queued: int = 64
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
+    openapi: bool = False          # serve /docs, /redoc and /openapi.json
+
+    def __post_init__(self):
+        check_text(self.model_name, "the model name")  # e.g. undecodable bytes on the command line
+        if self.max_queued < 0 or self.max_body_bytes < 0 or self.default_max_tokens < 1:
+            raise ValueError("max_queued and max_body_bytes must be >= 0 and default_max_tokens >= 1")
 
 
 class ApiError(Exception):
@@ -38,67 +57,82 @@ class ApiError(Exception):
         self.status, self.message, self.kind, self.param, self.headers = status, message, kind, param, headers
 
 
-def create_app(llm: LLM, settings: ServerSettings) -> FastAPI:
+class AsciiJSON(JSONResponse):
+    def render(self, content) -> bytes:
+        return json_bytes(content)
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None, headers: dict | None = None):
+    return AsciiJSON(error_body(message, kind, status, param), status, headers=headers)
+
+
+def create_app(llm: LLM, settings: ServerSettings,
+               on_fatal: Callable[[BaseException | None], None] | None = None) -> FastAPI:
     loop = EngineLoop(llm, settings.max_queued)
     chat_template = ChatTemplate.from_engine_dir(llm.engine_dir)
     state = {"ready": False, "draining": False}
 
+    async def watchdog():
+        while loop.alive():
+            await asyncio.sleep(WATCHDOG_S)
+        state["ready"] = False
+        log.critical("the engine thread is not running (%r): failing the requests in flight and stopping",
+                     loop.fatal)
+        loop.fail_everything(f"engine error: the engine thread stopped ({loop.fatal!r}); the server is restarting")
+        if on_fatal is not None:
+            on_fatal(loop.fatal)
+
     async def lifespan(app):
         loop.start()
         state["ready"] = True
+        watch = asyncio.create_task(watchdog())
         yield
+        watch.cancel()
         state["draining"], state["ready"] = True, False   # SIGTERM: uvicorn stops taking connections,
         for _ in range(600):                                # finishes in-flight requests; we wait for them
-            if loop.idle():
+            if loop.idle() or not loop.alive():
                 break
             await asyncio.sleep(0.05)
         loop.stop()
 
-    app = FastAPI(title="tandem", lifespan=lifespan)
+    docs = {} if settings.openapi else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="tandem", lifespan=lifespan, default_response_class=AsciiJSON, **docs)
     app.state.engine_loop = loop
+    app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
 
     # ---- errors in the OpenAI shape ----------------------------------------------------
     @app.exception_handler(ApiError)
     async def _api_error(request, exc: ApiError):
-        return JSONResponse(error_body(exc.message, exc.kind, exc.status, exc.param), exc.status, headers=exc.headers)
+        return _error(exc.status, exc.message, exc.kind, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        kind = first.get("type", "")
-        status = 400 if kind in ("json_invalid", "model_attributes_type") else 422
-        return JSONResponse(error_body(f"{where or 'body'}: {first.get('msg', 'invalid request')}",
-                                       "invalid_request_error", status, where or None), status)
+        where = _field_path(first.get("loc", ()))
+        status = 400 if first.get("type", "") in ("json_invalid", "model_attributes_type") else 422
+        return _error(status, f"{where or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error",
+                      where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail), "invalid_request_error", exc.status_code), exc.status_code)
+        return _error(exc.status_code, str(exc.detail), "invalid_request_error")
 
-    # ---- security: API key and body size -----------------------------------------------
-    @app.middleware("http")
-    async def _guard(request: Request, call_next):
-        if request.url.path.startswith("/v1/") and settings.api_key:
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), settings.api_key.encode()):
-                return JSONResponse(error_body("missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                               "authentication_error", 401), 401)
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return JSONResponse(error_body(f"request body of {length} bytes exceeds the limit of "
-                                           f"{settings.max_body_bytes} bytes", "invalid_request_error", 413), 413)
-        return await call_next(request)
+    @app.exception_handler(Exception)
+    async def _unexpected(request, exc: Exception):
+        log.exception("unexpected error in a handler")
+        return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
     # ---- health, readiness, models, metrics --------------------------------------------
     @app.get("/health")
     async def health():
+        if not loop.alive():  # the process cannot serve; it is exiting for its supervisor to restart it
+            return AsciiJSON({"status": "engine thread not running"}, 503)
         return {"status": "ok"}
 
     @app.get("/ready")
     async def ready():
-        if not state["ready"]:
-            return JSONResponse({"status": "not ready"}, 503)
+        if not state["ready"] or not loop.alive():
+            return AsciiJSON({"status": "not ready"}, 503)
         return {"status": "ready", "model": settings.model_name}
 
     @app.get("/v1/models")
@@ -112,6 +146,10 @@ def create_app(llm: LLM, settings: ServerSettings) -> FastAPI:
 
     # ---- generation --------------------------------------------------------------------
     def check(req) -> None:
+        try:
+            req.check_text_fields()
+        except ValueError as e:
+            raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
         if req.model != settings.model_name:
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{settings.model_name}'",
                            "not_found_error", "model")
@@ -120,6 +158,8 @@ def create_app(llm: LLM, settings: ServerSettings) -> FastAPI:
                            param="n")
         if state["draining"]:
             raise ApiError(503, "the server is shutting down", "server_error")
+        if not loop.alive():
+            raise ApiError(503, "the engine is not running; the server is restarting", "server_error")
         if loop.load() >= settings.max_queued:
             raise ApiError(429, f"too many requests in flight ({settings.max_queued}); retry shortly",
                            "rate_limit_error", headers={"Retry-After": "1"})
@@ -127,9 +167,12 @@ def create_app(llm: LLM, settings: ServerSettings) -> FastAPI:
     async def start(prompt, req) -> tuple[str, asyncio.Queue]:
         try:
             params = req.sampling_params(settings.default_max_tokens)
-            return await loop.submit(prompt, params)
+            checked = await asyncio.to_thread(llm.check_request, prompt, params)  # tokenizing may take a while
+            return await loop.submit(checked.ids, params)
         except ValueError as e:
-            raise ApiError(400, str(e)) from e
+            raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
+        except EngineError as e:
+            raise ApiError(500, str(e), "server_error") from e
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
@@ -153,34 +196,40 @@ def create_app(llm: LLM, settings: ServerSettings) -> FastAPI:
     async def respond(request: Request, rid: str, out: asyncio.Queue, req, chat: bool):
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(stream(request, rid, out, req, chat, created), media_type="text/event-stream")
+            return StreamingResponse(stream(rid, out, req, chat, created), media_type="text/event-stream")
         text, finish, seq = [], None, None
+        gone = asyncio.create_task(_client_gone(request))
         try:
-            while True:
-                item = await out.get()
+            while finish is None:
+                get = asyncio.ensure_future(out.get())
+                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if not get.done():  # the client hung up: stop generating for it
+                    get.cancel()
+                    loop.abort(rid)
+                    return AsciiJSON({}, 499)  # nobody reads it
+                item = get.result()
                 if isinstance(item, EngineError):
                     raise ApiError(500, str(item), "server_error")
                 text.append(item.text)
-                seq = item.sequence
-                if item.finished:
-                    finish = item.finish_reason
-                    break
+                seq, finish = item.sequence, item.finish_reason if item.finished else None
         except asyncio.CancelledError:
             loop.abort(rid)
             raise
+        finally:
+            gone.cancel()
         usage = _usage(seq)
         body = "".join(text)
         if chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": body}, "finish_reason": finish}
             return {"id": rid, "object": "chat.completion", "created": created, "model": settings.model_name,
                     "choices": [choice], "usage": usage}
-        if getattr(req, "echo", False) and isinstance(req.prompt, str):
+        if req.echo and isinstance(req.prompt, str):
             body = req.prompt + body
         choice = {"index": 0, "text": body, "logprobs": None, "finish_reason": finish}
         return {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
                 "choices": [choice], "usage": usage}
 
-    async def stream(request: Request, rid: str, out: asyncio.Queue, req, chat: bool, created: int):
+    async def stream(rid: str, out: asyncio.Queue, req, chat: bool, created: int):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
         def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
@@ -216,6 +265,27 @@ def create_app(llm: LLM, settings: ServerSettings) -> FastAPI:
                 loop.abort(rid)
 
     return app
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns once the client has disconnected."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+
+
+def _field_path(loc) -> str:
+    """pydantic's error location as a field path: ('body', 'messages', 0, 'content', 'str') ->
+    'messages[0].content' (the union member tags such as 'str' or 'list[int]' dropped)."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part != "body" and part not in _UNION_TAGS and "[" not in part and not part[:1].isupper():
+            out += f".{part}" if out else part
+    return out
+
+
+_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
 
 
 def _usage(seq) -> dict:

@@ -1,11 +1,22 @@
 """One thread owns the pipeline; HTTP handlers talk to it through a command queue.
 
     handler --submit()--> [commands] --> engine thread: add/abort between steps, llm.step()
-    handler <--asyncio.Queue-- outputs (StepOutput, or an error) <-- call_soon_threadsafe
+    handler <--asyncio.Queue-- outputs (StepOutput, or an EngineError) <-- call_soon_threadsafe
 
-A request that fails validation fails alone (its future carries the error). If a step raises,
-the requests in flight get the error (HTTP 500) and are aborted, freeing their pages; the loop
-keeps serving new requests.
+Requests arrive checked (the handler ran LLM.check_request). Whatever still raises fails one
+request, never the loop:
+- adding a request: that request's future carries the error;
+- a step: the culprit is isolated, the others go on as if nothing happened:
+
+      step raises -> preempt every running sequence (pages and slot freed; it is recomputed
+                     from its tokens, as after any preemption)
+                  -> each one alone: steps until it produces a new token (or finishes)
+                         ok     -> preempted again, back in the queue in its place
+                         raises -> aborted; its request gets the error (HTTP 500)
+  A fault that no request reproduces alone (a transient one) fails nobody.
+- the loop's own bookkeeping: every request in flight fails and the scheduler is emptied. If
+  even that raises, the thread ends: `alive()` turns false, /ready answers 503 and
+  `tandem serve` exits 1 so that its supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 import time
@@ -20,7 +32,10 @@ from dataclasses import dataclass
 
 from tandem.pipeline.llm import LLM
 from tandem.pipeline.sampling_params import SamplingParams
+from tandem.pipeline.sequence import Sequence, Status
 from tandem.server import metrics as m
+
+log = logging.getLogger("tandem.server")
 
 
 class EngineError(RuntimeError):
@@ -36,12 +51,14 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: concurrent.futures.Future
     submitted: float
+    seq: Sequence | None = None
 
 
 class EngineLoop:
     def __init__(self, llm: LLM, max_queued: int):
         self.llm = llm
         self.max_queued = max_queued
+        self.fatal: BaseException | None = None   # why the engine thread ended, if it did
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -54,6 +71,9 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def load(self) -> int:
         """Requests queued or running (for backpressure)."""
         return len(self._live) + self._commands.qsize()
@@ -64,7 +84,11 @@ class EngineLoop:
                        concurrent.futures.Future(), time.perf_counter())
         self._commands.put(("add", req))
         self._wake.set()
-        await asyncio.wrap_future(req.future)  # raises ValueError for a bad request
+        try:
+            await asyncio.wrap_future(req.future)  # raises what add_request raised
+        except asyncio.CancelledError:  # the client left while the request was queued
+            self.abort(req.id)
+            raise
         return req.id, req.out
 
     def abort(self, request_id: str) -> None:
@@ -79,30 +103,45 @@ class EngineLoop:
     def idle(self) -> bool:
         return not self._live and self._commands.empty()
 
+    def fail_everything(self, message: str) -> None:
+        """After the thread ended: every queued and live request gets the error (the thread no
+        longer touches these structures, so the event loop may)."""
+        while True:
+            try:
+                kind, item = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                _settle(item.future, error=EngineError(message))
+        for rid in list(self._live):
+            self._fail(rid, message)
+
     # ---- the engine thread -------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._take_commands()
-            if not self.llm.scheduler.has_work():
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.llm.step()
-            except Exception as e:  # noqa: BLE001 - any engine failure fails the requests in flight
-                self._fail_all(e)
-                continue
-            now = time.perf_counter()
-            for out in outputs:
-                req = self._live.get(out.request_id)
-                if req is None:
-                    continue
-                self._observe(req, out, now)
-                req.loop.call_soon_threadsafe(req.out.put_nowait, out)
-                if out.finished:
-                    self._live.pop(out.request_id, None)
-                    self._last_token.pop(out.request_id, None)
-            self._update_gauges()
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._iterate()
+                except Exception as e:  # noqa: BLE001 - the loop's own bookkeeping failed: start afresh
+                    log.exception("engine loop error; failing the requests in flight")
+                    self._reset(e)
+        except BaseException as e:  # the reset failed too: nothing is left to trust
+            self.fatal = e
+            log.critical("the engine thread ended: %s: %s", type(e).__name__, e, exc_info=e)
+
+    def _iterate(self) -> None:
+        self._take_commands()
+        if not self.llm.scheduler.has_work():
+            self._wake.wait(0.05)
+            self._wake.clear()
+            return
+        try:
+            outputs = self.llm.step()
+        except Exception as e:  # noqa: BLE001 - find the request that makes steps raise
+            self._isolate(e)
+        else:
+            self._deliver(outputs)
+        self._update_gauges()
 
     def _take_commands(self) -> None:
         while True:
@@ -112,27 +151,90 @@ class EngineLoop:
                 break
             if kind == "add":
                 try:
-                    self.llm.add_request(item.prompt, item.params, request_id=item.id)
-                except ValueError as e:
-                    item.future.set_exception(e)
+                    item.seq = self.llm.add_request(item.prompt, item.params, request_id=item.id)
+                except Exception as e:  # noqa: BLE001 - a request that cannot be added fails alone
+                    _settle(item.future, error=e if isinstance(e, ValueError) else
+                            EngineError(f"engine error while adding the request: {type(e).__name__}: {e}"))
                     continue
                 self._live[item.id] = item
-                item.future.set_result(item.id)
+                if not _settle(item.future, result=item.id):  # the client left before it was added
+                    self._drop(item.id)
             elif kind == "abort" and item in self._live:
-                self.llm.abort(item)
-                self._live.pop(item, None)
-                self._last_token.pop(item, None)
+                self._drop(item)
                 m.REQUESTS.labels(status="aborted").inc()
         self._update_gauges()
 
-    def _fail_all(self, error: Exception) -> None:
-        for rid, req in list(self._live.items()):
-            self.llm.abort(rid)
-            req.loop.call_soon_threadsafe(req.out.put_nowait, EngineError(f"engine error: {error}"))
-            m.REQUESTS.labels(status="error").inc()
-        self._live.clear()
-        self._last_token.clear()
+    def _deliver(self, outputs) -> None:
+        now = time.perf_counter()
+        for out in outputs:
+            req = self._live.get(out.request_id)
+            if req is None:
+                continue
+            self._observe(req, out, now)
+            if out.finished:
+                self._live.pop(out.request_id, None)
+                self._last_token.pop(out.request_id, None)
+            if not _send(req, out) and not out.finished:  # its event loop is gone: nobody reads it
+                self._drop(out.request_id)
 
+    # ---- failures ----------------------------------------------------------------------
+    def _isolate(self, error: Exception) -> None:
+        sched = self.llm.scheduler
+        suspects = list(sched.running)
+        log.warning("a step raised %s: %s; running %d request(s) one at a time to find the cause",
+                    type(error).__name__, error, len(suspects))
+        for seq in reversed(suspects):  # reversed: preempt() puts each at the front of the queue
+            sched.preempt(seq)
+        queued = [s for s in sched.waiting if s not in suspects]  # never ran in the failed step
+        sched.waiting.clear()
+        survivors = []
+        for seq in suspects:
+            sched.waiting.append(seq)
+            try:
+                self._run_alone(seq)
+            except Exception as e:  # noqa: BLE001 - this request makes steps raise
+                log.error("request %s fails alone (%s: %s); failing it", seq.request_id, type(e).__name__, e)
+                sched.abort(seq.request_id)
+                self._fail(seq.request_id, f"engine error: {type(e).__name__}: {e}")
+                continue
+            if seq.status != Status.FINISHED:
+                sched.preempt(seq)
+                sched.waiting.remove(seq)
+                survivors.append(seq)
+        sched.waiting.extend(survivors + queued)
+        for rid, req in list(self._live.items()):  # ended inside the failed step, before its output
+            if req.seq is not None and req.seq.status == Status.FINISHED:
+                self._fail(rid, f"engine error: {type(error).__name__}: {error}")
+
+    def _run_alone(self, seq: Sequence) -> None:
+        """Steps with `seq` the only sequence, until it commits a token past those it had (after
+        recomputing them) or finishes."""
+        had = len(seq.tokens)
+        for _ in range(seq.prefill_target // self.llm.scheduler.prefill_chunk + 3):
+            self._deliver(self.llm.step())
+            if seq.status == Status.FINISHED or (seq.status == Status.DECODE and len(seq.tokens) > had):
+                return
+
+    def _reset(self, error: Exception) -> None:
+        sched = self.llm.scheduler
+        for seq in list(sched.running) + list(sched.waiting):
+            sched.abort(seq.request_id)
+        for rid in list(self._live):
+            self._fail(rid, f"engine error: {type(error).__name__}: {error}")
+
+    def _fail(self, request_id: str, message: str) -> None:
+        req = self._live.pop(request_id, None)
+        self._last_token.pop(request_id, None)
+        if req is not None:
+            _send(req, EngineError(message))
+            m.REQUESTS.labels(status="error").inc()
+
+    def _drop(self, request_id: str) -> None:
+        self.llm.abort(request_id)
+        self._live.pop(request_id, None)
+        self._last_token.pop(request_id, None)
+
+    # ---- metrics -----------------------------------------------------------------------
     def _observe(self, req: _Request, out, now: float) -> None:
         if out.token_ids:
             last = self._last_token.get(req.id)
@@ -156,3 +258,24 @@ class EngineLoop:
         m.KV_PAGES_IN_USE.set(self.llm.pages.size - 1 - self.llm.pages.num_free)
         for i, rate in enumerate(self.llm.engine.stats.acceptance_per_position()):
             m.ACCEPTANCE.labels(position=str(i + 1)).set(rate)
+
+
+def _send(req: _Request, item) -> bool:
+    """Hand an output to the request's event loop; False if that loop is closed."""
+    try:
+        req.loop.call_soon_threadsafe(req.out.put_nowait, item)
+        return True
+    except RuntimeError:
+        return False
+
+
+def _settle(future: concurrent.futures.Future, result=None, error: BaseException | None = None) -> bool:
+    """Resolve a submit() future; False if the waiting client already gave up (cancelled it)."""
+    try:
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+        return True
+    except concurrent.futures.InvalidStateError:
+        return False

@@ -201,7 +201,9 @@ def test_api_key_body_limit_and_backpressure(engine_dirs):
         assert httpx.get(f"{server.url}/health").status_code == 200  # health needs no key
 
 
-def test_engine_error_fails_the_request_and_the_server_keeps_serving(live, monkeypatch):
+def test_a_transient_engine_error_fails_nobody(live, offline, monkeypatch):
+    """A step that raises once: the request is recomputed alone, passes, and completes as if
+    nothing happened (a fault that persists is isolated: tests/test_server_reliability.py)."""
     llm = live.app.state.engine_loop.llm
     real = llm.step
     calls = {"n": 0}
@@ -213,11 +215,12 @@ def test_engine_error_fails_the_request_and_the_server_keeps_serving(live, monke
         return real()
 
     monkeypatch.setattr(llm, "step", broken)
-    r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4})
-    assert r.status_code == 500 and "injected engine failure" in r.json()["error"]["message"]
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 4,
+                                                       "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and calls["n"] > 1
+    assert r.json()["choices"][0]["text"] == offline("x", max_tokens=4).text
     ok = client(live).completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"ignore_eos": True})
     assert ok.usage.completion_tokens == 4
-    assert llm.pages.num_free == llm.pages.size - 1 or llm.scheduler.has_work()
 
 
 def test_sigterm_drains_in_flight_requests_then_exits(engine_dirs):
