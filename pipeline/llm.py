@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
+from tandem import contract
 from tandem.checkpoint.description import description_from_dict
 from tandem.engines.backends import get_backend
 from tandem.engines.integrity import verify_engine_dir
@@ -76,6 +77,10 @@ class LLM:
             raise ValueError(f"{self.engine_dir} holds {m['backend']} engines, which the pipeline cannot serve yet: it "
                              "keeps K/V and state pools in host memory, read in place only by the onnxruntime "
                              "backend. Build the engine dir with --backend onnxruntime to serve it.")
+        if m.get("contract_version") != contract.CONTRACT_VERSION:  # graphs' inputs/outputs or their meaning changed
+            raise ManifestError(f"{self.engine_dir} was built for graph contract {m.get('contract_version')}, but this "
+                                f"tandem speaks contract {contract.CONTRACT_VERSION}; rebuild it with `tandem "
+                                f"build-engines MODEL_DIR --out {engine_dir}`")
         self.verification = verify_engine_dir(self.engine_dir, m)  # before any file the manifest names is read
         try:
             self.desc = description_from_dict(m["description"])

@@ -211,3 +211,14 @@ def test_chat_template_file_errors_name_the_file(tmp_path, name, text):
     (tmp_path / name).write_text(text)
     with pytest.raises(ChatTemplateError, match=str(tmp_path / name)):
         ChatTemplate.from_engine_dir(tmp_path)
+
+
+def test_engine_dir_of_another_graph_contract_is_refused(engines):
+    """Graphs built for an older contract would run with other semantics (e.g. contract 1's
+    sampled acceptance): refused with the rebuild command, never served."""
+    path = engines / "manifest.json"
+    m = json.loads(path.read_text())
+    m["contract_version"] -= 1
+    path.write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match=f"graph contract {m['contract_version']}.*{REBUILD}"):
+        LLM(engines)
