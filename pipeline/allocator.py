@@ -2,11 +2,16 @@
 
 Page 0 and slot 0 are reserved as scratch: padded batch rows point at them, so a padded row
 reads and writes nothing that belongs to a sequence.
+
+Freed pages and slots are handed out again before any never-used one. The pools are zeroed
+arrays that the OS maps in only when first touched, so the resident part of a pool is the set of
+pages ever handed out; reusing the last freed keeps that set at the peak number in use at once.
+A first-in-first-out queue cycled through the whole pool instead, and RSS grew with every
+request until the pool was resident (+10 to +30 KiB per request on tiny engines with the
+default 512 MiB budget; docs/pipeline.md).
 """
 
 from __future__ import annotations
-
-from collections import deque
 
 SCRATCH = 0
 
@@ -16,23 +21,38 @@ class OutOfMemory(Exception):
 
 
 class FreeList:
+    """Items 1..size-1; freed items are handed out again first (last freed, first out), and an
+    item never handed out only when none is free: the items ever used stay as few as the peak
+    number in use at once."""
+
     def __init__(self, size: int, what: str):
         if size < 2:
             raise ValueError(f"need at least 2 {what}s (one is scratch), got {size}")
         self.size, self.what = size, what
-        self._free = deque(range(1, size))
+        self._freed: list[int] = []     # a stack: the end is handed out next
+        self._fresh = 1                 # items >= this were never handed out
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._freed) + self.size - self._fresh
+
+    @property
+    def ever_used(self) -> int:
+        """Items handed out at least once (what the pools hold resident)."""
+        return self._fresh - 1
 
     def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise OutOfMemory(f"need {n} {self.what}(s), {len(self._free)} free")
-        return [self._free.popleft() for _ in range(n)]
+        if n > self.num_free:
+            raise OutOfMemory(f"need {n} {self.what}(s), {self.num_free} free")
+        reused = min(n, len(self._freed))
+        out = self._freed[len(self._freed) - reused :][::-1]
+        del self._freed[len(self._freed) - reused :]
+        out += range(self._fresh, self._fresh + n - reused)
+        self._fresh += n - reused
+        return out
 
     def free(self, items: list[int]) -> None:
-        self._free.extend(items)
+        self._freed.extend(reversed(items))   # items[0] on top: a table comes back in its order
 
 
 class BlockTable:
