@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tandem.checkpoint.description import LayerKind, ModelDescription
+from tandem.graph_kinds import GraphKind
 
 CONTRACT_VERSION = 2   # 2: verify_sample samples each row from its position's uniform, then compares
 
@@ -171,3 +172,17 @@ def mtp_head_io(desc: ModelDescription, head: int, dtype: str = "float32") -> tu
             TensorSpec(HIDDEN_OUT, dtype, ("batch", desc.hidden_size), "head hidden (after mtp.norm) at last_row"),
             *kv_out]
     return ins, outs
+
+
+def graph_io(desc: ModelDescription, kind: GraphKind, dtype: str = "float32"
+             ) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Inputs and outputs of a graph kind for engines of `dtype`; the greedy verify graph takes no
+    sampling inputs."""
+    if kind.is_target_step:
+        return target_step_io(desc, dtype)
+    if kind.is_verify:
+        ins, outs = verify_step_io(desc, dtype)
+        if not kind.sampling:
+            ins = [s for s in ins if s.name not in (TEMPERATURE, TOP_K, TOP_P, UNIFORMS)]
+        return ins, outs
+    return mtp_head_io(desc, kind.head, dtype)

@@ -20,11 +20,12 @@ from dataclasses import dataclass
 from tandem import contract as c
 from tandem.checkpoint.description import ModelDescription
 from tandem.engines.options import BuildOptions
+from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, VERIFY_SAMPLE, GraphKind
 
 
 @dataclass(frozen=True)
 class Bucket:
-    graph: str         # graph kind: target_step, verify_greedy, verify_sample, mtp_head_{j}
+    graph: GraphKind
     batch: int
     rows: int          # W (or R for heads): the largest rows count this bucket serves
     min_rows: int = 0  # smallest rows count (0: same as rows)
@@ -32,7 +33,7 @@ class Bucket:
 
     @property
     def name(self) -> str:
-        return f"{self.graph}.b{self.batch}.w{self.rows}" + (f"-{self.min_rows}" if self.min_rows else "")
+        return f"{self.graph.name}.b{self.batch}.w{self.rows}" + (f"-{self.min_rows}" if self.min_rows else "")
 
 
 def default_verify_width(batch: int, spec_k: int) -> int:
@@ -72,14 +73,14 @@ def plan(desc: ModelDescription, options: BuildOptions) -> list[Bucket]:
     widths = verify_widths(options)
     heads = 0 if options.no_mtp or desc.mtp is None else desc.mtp.num_layers
     for b in options.batch_sizes:
-        out.append(Bucket("target_step", b, 1, role="decode"))
+        out.append(Bucket(TARGET_STEP, b, 1, role="decode"))
         if options.prefill_chunk > 1:
-            out.append(Bucket("target_step", b, options.prefill_chunk, min_rows=2, role="prefill"))
+            out.append(Bucket(TARGET_STEP, b, options.prefill_chunk, min_rows=2, role="prefill"))
         for w in widths:
-            out.append(Bucket("verify_greedy", b, w, role="verify"))
-            out.append(Bucket("verify_sample", b, w, role="verify"))
+            out.append(Bucket(VERIFY_GREEDY, b, w, role="verify"))
+            out.append(Bucket(VERIFY_SAMPLE, b, w, role="verify"))
         for j in range(heads):
-            out.append(Bucket(f"mtp_head_{j}", b, max([options.prefill_chunk, *widths]), min_rows=1, role="head"))
+            out.append(Bucket(GraphKind.mtp_head(j), b, max([options.prefill_chunk, *widths]), min_rows=1, role="head"))
     return out
 
 
@@ -104,16 +105,9 @@ def _dim(d, bucket: Bucket, options: BuildOptions, desc: ModelDescription, which
     raise ValueError(f"unknown symbolic dim {d!r}")
 
 
-def io_specs(desc: ModelDescription, graph: str, dtype: str = "float32") -> list[c.TensorSpec]:
+def io_specs(desc: ModelDescription, graph: GraphKind, dtype: str = "float32") -> list[c.TensorSpec]:
     """Inputs of a graph kind for engines of `dtype` (the build's --dtype)."""
-    if graph == "target_step":
-        return c.target_step_io(desc, dtype)[0]
-    if graph.startswith("verify_"):
-        ins = c.verify_step_io(desc, dtype)[0]
-        if graph == "verify_greedy":
-            ins = [s for s in ins if s.name not in (c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS)]
-        return ins
-    return c.mtp_head_io(desc, int(graph.rsplit("_", 1)[1]), dtype)[0]
+    return c.graph_io(desc, graph, dtype)[0]
 
 
 def profile_shapes(desc: ModelDescription, bucket: Bucket, options: BuildOptions) -> dict[str, tuple]:

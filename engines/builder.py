@@ -115,8 +115,8 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
                     (ref, got), seconds = timed(lambda b=bucket, f=feeds, e=(file, profile): checker.run(b, e, f))
                     verification = compare(ref, got, options.dtype, seconds).to_json()
                     rebuilt.append(bucket.name)
-                records.append({"name": bucket.name, "graph": bucket.graph, "role": bucket.role, "batch": bucket.batch,
-                                "rows": bucket.rows, "min_rows": bucket.min_rows or bucket.rows,
+                records.append({"name": bucket.name, "graph": bucket.graph.name, "role": bucket.role,
+                                "batch": bucket.batch, "rows": bucket.rows, "min_rows": bucket.min_rows or bucket.rows,
                                 "file": file, "profile": profile, "verification": verification})
                 bar.step(bucket.name)
         order = {b.name: i for i, b in enumerate(plan)}

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 from tandem.export.exporter import file_sha256  # noqa: F401 (re-exported: the builder hashes with it)
+from tandem.graph_kinds import GraphKind
 
 MANIFEST = "manifest.json"
 FORMAT = "tandem-engines"
@@ -59,12 +60,20 @@ def _check_shape(path: Path, data: dict) -> None:
     if not isinstance(sizes, dict) or not all(type(v) is int for v in sizes.values()):
         wrong.append("file_sizes (byte counts by file name)")
     engines = data.get("engines") if isinstance(data.get("engines"), list) else []
-    wrong += [f"engines[{i}] (graph, rows and a file listed in files)" for i, e in enumerate(engines)
-              if not (isinstance(e, dict) and {"graph", "rows"} <= e.keys() and isinstance(e.get("file"), str)
-                      and e["file"] in files)]
+    wrong += [f"engines[{i}] (a graph kind, rows and a file listed in files)" for i, e in enumerate(engines)
+              if not (isinstance(e, dict) and {"graph", "rows"} <= e.keys() and _is_graph_kind(e["graph"])
+                      and type(e["rows"]) is int and isinstance(e.get("file"), str) and e["file"] in files)]
     if wrong:
         raise ManifestError(f"{path} is damaged: missing or wrong {', '.join(wrong)}; rebuild the engine directory "
                             "with `tandem build-engines MODEL_DIR --out DIR`.")
+
+
+def _is_graph_kind(name) -> bool:
+    try:
+        GraphKind.parse(name)
+    except ValueError:
+        return False
+    return True
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:

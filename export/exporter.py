@@ -25,6 +25,7 @@ from tandem import contract
 from tandem.checkpoint.reader import Checkpoint
 from tandem.export.graphs import mtp_head, target_step, verify_step
 from tandem.export.layers import Weights
+from tandem.graph_kinds import GraphKind, exported_kinds
 
 WEIGHTS_FILE = "weights.bin"
 _ALIGN = 4096
@@ -79,12 +80,16 @@ def build_graphs(ckpt: Checkpoint, dtype: str = "float32", gdn_chunk_size: int =
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     desc, w = ckpt.description, Weights(ckpt, dtype)
-    graphs = {"target_step": target_step(desc, w, gdn_chunk_size),
-              "verify_greedy": verify_step(desc, w, sampling=False),
-              "verify_sample": verify_step(desc, w, sampling=True)}
-    for j in range(desc.mtp.num_layers if desc.mtp else 0):
-        graphs[f"mtp_head_{j}"] = mtp_head(desc, w, j)
-    return graphs
+    return {kind.name: _graph(desc, w, kind, gdn_chunk_size)
+            for kind in exported_kinds(desc.mtp.num_layers if desc.mtp else 0)}
+
+
+def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int) -> onnx.ModelProto:
+    if kind.is_target_step:
+        return target_step(desc, w, gdn_chunk_size)
+    if kind.is_verify:
+        return verify_step(desc, w, sampling=kind.sampling)
+    return mtp_head(desc, w, kind.head)
 
 
 def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float32") -> ExportResult:

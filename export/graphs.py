@@ -32,6 +32,7 @@ from tandem.export.layers import (
     rotary_tables,
 )
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
+from tandem.graph_kinds import TARGET_STEP, GraphKind
 
 
 def _paging(b: GraphBuilder, desc: ModelDescription, ids: str, dtype: str) -> Paging:
@@ -115,13 +116,12 @@ def target_step(desc: ModelDescription, w: Weights, gdn_chunk_size: int = 0) -> 
             produced[c.new_recurrent_state(i)] = g.state
             produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, c.STATE_ROWS,
                                                                desc.linear_attention.conv_kernel)
-    return _finish(b, "target_step", ins, outs, produced, _functions(row_states=False, chunk=gdn_chunk_size))
+    return _finish(b, TARGET_STEP.name, ins, outs, produced, _functions(row_states=False, chunk=gdn_chunk_size))
 
 
 def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.ModelProto:
-    ins, outs = c.verify_step_io(desc, w.dtype)
-    if not sampling:  # the greedy graph takes no sampling inputs
-        ins = [s for s in ins if s.name not in (c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS)]
+    kind = GraphKind.verify(sampling)
+    ins, outs = c.graph_io(desc, kind, w.dtype)  # the greedy graph takes no sampling inputs
     b = GraphBuilder()
     hidden, kv, gdn = _trunk(b, desc, w, verify=True)
     logits = _lm_head(b, w, hidden)
@@ -138,8 +138,7 @@ def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.Mode
             produced[c.new_recurrent_state(i)] = b.op("GatherND", g.state, b.unsqueeze(accepted, [1]), batch_dims=1)
             produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, kept,
                                                                desc.linear_attention.conv_kernel)
-    name = "verify_sample" if sampling else "verify_greedy"
-    return _finish(b, name, ins, outs, produced, _functions(row_states=True))
+    return _finish(b, kind.name, ins, outs, produced, _functions(row_states=True))
 
 
 def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
@@ -171,7 +170,7 @@ def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
         prob = b.op("Reciprocal", denom)          # softmax probability of the argmax
     produced = {c.DRAFT_TOKEN: draft, c.DRAFT_PROB: prob, c.HIDDEN_OUT: g_last,
                 c.new_key(layer_name): k, c.new_value(layer_name): v}
-    return _finish(b, f"mtp_head_{head}", ins, outs, produced, _functions(row_states=False, gdn=False))
+    return _finish(b, GraphKind.mtp_head(head).name, ins, outs, produced, _functions(row_states=False, gdn=False))
 
 
 def _functions(row_states: bool, gdn: bool = True, chunk: int = 0) -> list[onnx.FunctionProto]:

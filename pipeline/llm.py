@@ -26,6 +26,7 @@ from tandem.checkpoint.description import description_from_dict
 from tandem.engines.backends import get_backend
 from tandem.engines.integrity import verify_engine_dir
 from tandem.engines.manifest import MANIFEST, ManifestError, read_manifest
+from tandem.graph_kinds import GraphKind
 from tandem.pipeline.allocator import FreeList
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.engine import Engine, StepOutput
@@ -96,8 +97,8 @@ class LLM:
         if self.spec_k and self.spec_k + 1 > max(self.verify_widths, default=1):
             raise ValueError(f"spec_k {self.spec_k} needs verify width {self.spec_k + 1}, but the engines were "
                              f"built for widths {sorted(self.verify_widths)}; rebuild with --spec-k {self.spec_k}")
-        self.mtp_layers = max([int(e["graph"].rsplit("_", 1)[1]) + 1 for e in m["engines"]
-                               if e["graph"].startswith("mtp_head_")], default=0)
+        kinds = [(GraphKind.parse(e["graph"]), e) for e in m["engines"]]  # read_manifest checked them
+        self.mtp_layers = max([kind.head + 1 for kind, _ in kinds if kind.is_head], default=0)
         self.mtp_mode = config.mtp_mode or ("chained" if self.mtp_layers > 1 else "reused")
         self.tokenizer = _load_tokenizer(self.engine_dir / "tokenizer.json")
         batch_sizes = rt["batch_sizes"]
@@ -105,10 +106,7 @@ class LLM:
         sizes = plan_pools(self.desc, self.page_size, config.memory_budget_bytes, max_seqs, self.mtp_layers,
                            dtype_bytes=np.dtype(self.dtype).itemsize)
         self.pools = Pools(self.desc, sizes, self.page_size, self.mtp_layers, self.dtype)
-        files = {}
-        for e in m["engines"]:
-            key = f"{e['graph']}.w{e['rows']}" if e["graph"].startswith("verify_") else e["graph"]
-            files[key] = e["file"]
+        files = {kind.engine_key(e["rows"]): e["file"] for kind, e in kinds}
         runner = backend.Runner(self.engine_dir, sorted(set(files.values())), threads=config.threads)
         max_pages = -(-self.max_seq_len // self.page_size)
         self.runner = ModelRunner(self.desc, runner, self.pools, files, batch_sizes, max_pages, self.mtp_layers,

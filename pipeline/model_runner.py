@@ -16,7 +16,7 @@ import numpy as np
 
 from tandem import contract as c
 from tandem.checkpoint.description import ModelDescription
-from tandem.engines.buckets import io_specs
+from tandem.graph_kinds import TARGET_STEP, GraphKind
 from tandem.pipeline.allocator import SCRATCH
 from tandem.pipeline.pools import Pools
 
@@ -64,7 +64,7 @@ class ModelRunner:
                  batch_sizes: list[int], max_pages: int, mtp_layers: int, dtype: str = "float32"):
         self.desc, self.runner, self.pools = desc, backend_runner, pools
         self.dtype = dtype                      # engine dtype: which contract specs to bind
-        self.files = files                      # graph kind (+ ".w{W}" for verify) -> engine file
+        self.files = files                      # engine key (GraphKind.engine_key) -> engine file
         self.batch_sizes = sorted(batch_sizes)
         self.max_pages = max_pages
         self.trunk_kv = [i for i in pools.keys if isinstance(i, int)]
@@ -76,18 +76,16 @@ class ModelRunner:
 
     # ---- public calls ------------------------------------------------------------------
     def target_step(self, rows: list[Rows]) -> Outputs:
-        return self._call("target_step", "target_step", rows, self.fixed)
+        return self._call(TARGET_STEP, rows, self.fixed)
 
     def verify(self, rows: list[Rows], sampling: bool) -> Outputs:
-        w = len(rows[0].ids)
-        graph = "verify_sample" if sampling else "verify_greedy"
-        return self._call(graph, f"{graph}.w{w}", rows, self.fixed)
+        return self._call(GraphKind.verify(sampling), rows, self.fixed)
 
     def head(self, j: int, rows: list[Rows]) -> Outputs:
-        return self._call(f"mtp_head_{j}", f"mtp_head_{j}", rows, self.head_fixed[j])
+        return self._call(GraphKind.mtp_head(j), rows, self.head_fixed[j])
 
     # ---- machinery ---------------------------------------------------------------------
-    def _call(self, graph: str, key: str, rows: list[Rows], fixed: dict) -> Outputs:
+    def _call(self, graph: GraphKind, rows: list[Rows], fixed: dict) -> Outputs:
         """Outputs as views of the bound buffers (valid until the same bucket runs again)."""
         parts = []
         largest = self.batch_sizes[-1]
@@ -96,33 +94,27 @@ class ModelRunner:
             batch = next(b for b in self.batch_sizes if b >= len(part))
             width = max(len(r.ids) for r in part)
             pages = min(self.max_pages, _pow2(max(1, max(len(r.pages) for r in part))))
-            binding = self._binding(graph, key, batch, width, pages, fixed)
+            binding = self._binding(graph, batch, width, pages, fixed)
             self._fill(binding.inputs, part, batch, width, pages)
             t = time.perf_counter()
             outputs = self.runner.capture(binding)()
             elapsed = time.perf_counter() - t
             self.engine_seconds += elapsed
-            self.seconds[graph] = self.seconds.get(graph, 0.0) + elapsed
-            self.calls[graph] = self.calls.get(graph, 0) + 1
+            self.seconds[graph.name] = self.seconds.get(graph.name, 0.0) + elapsed
+            self.calls[graph.name] = self.calls.get(graph.name, 0) + 1
             parts.append({name: arr[: len(part)] for name, arr in outputs.items()})
         if len(parts) == 1:
             return Outputs(parts[0])
         # more sequences than the largest batch: parts reused one binding, so join copies
         return Outputs({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
 
-    def _binding(self, graph, key, batch, width, pages, fixed):
+    def _binding(self, graph: GraphKind, batch, width, pages, fixed):
         dims = {"batch": batch, "rows": width, "max_pages": pages}
         shape = lambda spec: tuple(dims.get(d, d) if isinstance(d, str) else d for d in spec.shape)  # noqa: E731
-        ins = {s.name: shape(s) for s in io_specs(self.desc, graph, self.dtype) if s.name not in fixed}
-        outs = {s.name: shape(s) for s in self._output_specs(graph)}
-        return self.runner.binding(self.files[key], (batch, width, pages), ins, outs, fixed)
-
-    def _output_specs(self, graph: str):
-        if graph == "target_step":
-            return c.target_step_io(self.desc, self.dtype)[1]
-        if graph.startswith("verify"):
-            return c.verify_step_io(self.desc, self.dtype)[1]
-        return c.mtp_head_io(self.desc, int(graph.rsplit("_", 1)[1]), self.dtype)[1]
+        ins, outs = c.graph_io(self.desc, graph, self.dtype)
+        ins = {s.name: shape(s) for s in ins if s.name not in fixed}
+        outs = {s.name: shape(s) for s in outs}
+        return self.runner.binding(self.files[graph.engine_key(width)], (batch, width, pages), ins, outs, fixed)
 
     def _fill(self, buf: dict[str, np.ndarray], part: list[Rows], batch: int, width: int, pages: int) -> None:
         ids = buf[c.INPUT_IDS]

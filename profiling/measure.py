@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, GraphKind
 from tandem.pipeline.allocator import SCRATCH
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.model_runner import Rows
@@ -70,13 +71,13 @@ def bucket_latencies(llm: LLM, batch_sizes: list[int], context: int, warmup: int
         return [Rows(ids=[1] * w, context=context, pages=pages, hidden=h) for _ in range(b)]
 
     for b in batch_sizes:
-        cases = [("target_step", 1, lambda b=b: llm.runner.target_step(rows(b, 1)))]
-        cases += [("verify_greedy", w, lambda b=b, w=w: llm.runner.verify(rows(b, w), sampling=False)) for w in widths]
+        cases = [(TARGET_STEP, 1, lambda b=b: llm.runner.target_step(rows(b, 1)))]
+        cases += [(VERIFY_GREEDY, w, lambda b=b, w=w: llm.runner.verify(rows(b, w), sampling=False)) for w in widths]
         if llm.mtp_layers:
-            cases += [("mtp_head_0", r, lambda b=b, r=r: llm.runner.head(0, rows(b, r, hidden=True)))
+            cases += [(GraphKind.mtp_head(0), r, lambda b=b, r=r: llm.runner.head(0, rows(b, r, hidden=True)))
                       for r in range(1, max(widths, default=1) + 1)]
         for graph, w, fn in cases:
-            out.append({"graph": graph, "batch": b, "rows": w, **time_calls(fn, warmup, runs)})
+            out.append({"graph": graph.name, "batch": b, "rows": w, **time_calls(fn, warmup, runs)})
             if progress:
                 progress.step(f"{graph} b{b} w{w}")
     return out

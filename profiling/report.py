@@ -13,6 +13,7 @@ from pathlib import Path
 
 from tandem.engines.manifest import read_manifest
 from tandem.engines.progress import Progress
+from tandem.graph_kinds import VERIFY_GREEDY, GraphKind
 from tandem.pipeline.llm import LLM, RUNTIME_SETTINGS, EngineConfig
 from tandem.profiling import measure
 from tandem.profiling.tuning import choose_widths
@@ -105,9 +106,9 @@ def _tune(report: dict, batch_sizes: list[int], widths: list[int], reanchored: i
         rounds[(b, 1)] = off["round_ms"] / 1e3  # measured plain round
         predicted = {}
         for w in widths:  # engine latencies of the round's calls
-            draft = sum(lat.get(("mtp_head_0", b, r), 0.0) for r in range(1, w - 1))
-            reanchor = reanchored * lat.get(("mtp_head_0", b, w), 0.0)
-            predicted[w] = lat[("verify_greedy", b, w)] + draft + reanchor
+            draft = sum(lat.get((_HEAD_0, b, r), 0.0) for r in range(1, w - 1))
+            reanchor = reanchored * lat.get((_HEAD_0, b, w), 0.0)
+            predicted[w] = lat[(VERIFY_GREEDY.name, b, w)] + draft + reanchor
         # calibrate on the width the run used: its measured round includes host work and real contexts
         scale = (on["round_ms"] / 1e3) / predicted[max(widths)] if on and on["round_ms"] else 1.0
         for w in widths:
@@ -116,6 +117,13 @@ def _tune(report: dict, batch_sizes: list[int], widths: list[int], reanchored: i
 
 
 # ---- HTML -------------------------------------------------------------------------------
+
+_HEAD_0 = GraphKind.mtp_head(0).name  # the head the latency table times
+
+
+def _label(kind: GraphKind) -> str:
+    return "verify" if kind.is_verify else "head" if kind.is_head else kind.name
+
 
 def _png(fig) -> str:
     buf = io.BytesIO()
@@ -139,8 +147,7 @@ def render(report_json: str | Path, out_html: str | Path) -> None:
     r = json.loads(Path(report_json).read_text())
     figures = []
     fig, ax = plt.subplots(figsize=(7, 3.2))
-    labels = [f"{x['graph'].replace('verify_greedy', 'verify').replace('mtp_head_0', 'head')} b{x['batch']} "
-              f"w{x['rows']}" for x in r["latency"]]
+    labels = [f"{_label(GraphKind.parse(x['graph']))} b{x['batch']} w{x['rows']}" for x in r["latency"]]
     ax.barh(labels, [x["median_ms"] for x in r["latency"]], xerr=[[0] * len(labels),
             [max(0.0, x["p90_ms"] - x["median_ms"]) for x in r["latency"]]])
     ax.set_xlabel("ms per call (median, bar to p90)")

@@ -30,9 +30,7 @@ def versions() -> dict[str, str]:
 
 
 def engine_file(bucket: Bucket) -> str:
-    if bucket.graph.startswith("verify_"):
-        return f"{bucket.graph}.w{bucket.rows}.onnx"
-    return f"{bucket.graph}.onnx"
+    return f"{bucket.graph.engine_key(bucket.rows)}.onnx"
 
 
 def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, options=None,
@@ -44,8 +42,8 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, opt
     for bucket in buckets:
         name = engine_file(bucket)
         if not (out_dir / name).exists():
-            model = onnx.load(str(export_dir / f"{bucket.graph}.onnx"), load_external_data=False)
-            rows = bucket.rows if bucket.graph.startswith("verify_") else None
+            model = onnx.load(str(export_dir / f"{bucket.graph.name}.onnx"), load_external_data=False)
+            rows = bucket.rows if bucket.graph.per_width else None
             onnx.save(lower_for_onnxruntime(model, rows=rows), str(out_dir / name))
         files[bucket.name] = (name, 0)
         if progress:
@@ -106,7 +104,7 @@ class Checker:
         self.runner = ReferenceRunner()
 
     def run(self, bucket: Bucket, engine: tuple[str, int], feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:
-        reference = self.runner.run(self.export_dir / f"{bucket.graph}.onnx", feeds)
+        reference = self.runner.run(self.export_dir / f"{bucket.graph.name}.onnx", feeds)
         return reference, self.runner.run(self.engine_dir / engine[0], feeds)
 
 

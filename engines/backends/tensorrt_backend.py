@@ -88,9 +88,7 @@ def _parsed_graph(export_dir: Path, graph: str, use_plugins: bool) -> Path:
 
 
 def engine_file(bucket: Bucket) -> str:
-    if bucket.graph.startswith("verify_"):
-        return f"{bucket.graph}.w{bucket.rows}.plan"
-    return f"{bucket.graph}.plan"
+    return f"{bucket.graph.engine_key(bucket.rows)}.plan"
 
 
 def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc, options, progress=None
@@ -112,7 +110,7 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc, options,
         parser = trt.OnnxParser(network, logger)
         if use_plugins and hasattr(trt.OnnxParserFlag, "ENABLE_PLUGIN_OVERRIDE"):
             parser.set_flag(trt.OnnxParserFlag.ENABLE_PLUGIN_OVERRIDE)
-        onnx_path = _parsed_graph(export_dir, group[0].graph, use_plugins)
+        onnx_path = _parsed_graph(export_dir, group[0].graph.name, use_plugins)
         if not parser.parse_from_file(str(onnx_path)):
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
             raise RuntimeError(f"TensorRT could not parse {onnx_path.name}: {errors}")
@@ -152,7 +150,7 @@ class Checker:
         file, profile = engine
         if file not in self._engines:
             self._engines[file] = EngineFromBytes((self.engine_dir / file).read_bytes())()
-        reference = self.reference.run(self.export_dir / f"{bucket.graph}.onnx", feeds)
+        reference = self.reference.run(self.export_dir / f"{bucket.graph.name}.onnx", feeds)
         with TrtRunner(self._engines[file], optimization_profile=profile) as runner:
             outputs = runner.infer(feed_dict=feeds)
         return reference, {name: np.asarray(value) for name, value in outputs.items()}

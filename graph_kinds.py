@@ -1,0 +1,106 @@
+"""The kinds of graph tandem exports and runs, as a type: the target step, verify (greedy or
+sampled) and MTP head j. Every stage names graphs through it; nothing else parses the names.
+
+    kind            name            engines                     rows
+    target step     target_step     one per build               1 (decode) or a prefill chunk
+    verify          verify_greedy   one per verify width W      W = k + 1: [pending, d_1..d_k]
+                    verify_sample
+    MTP head j      mtp_head_{j}    one per build               1 .. max(prefill chunk, max W)
+
+`name` is the string in export file names, engine file names and manifests (unchanged, so
+existing engine directories stay valid). A verify engine is lowered for one width (the lowering
+unrolls its W rows), so its engine key carries the width: verify_greedy.w3.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Role(str, Enum):
+    TARGET_STEP = "target_step"
+    VERIFY = "verify"
+    MTP_HEAD = "mtp_head"
+
+
+_HEAD = re.compile(r"mtp_head_(0|[1-9][0-9]*)")
+
+
+@dataclass(frozen=True)
+class GraphKind:
+    role: Role
+    sampling: bool = False      # verify: sample-then-compare acceptance (else greedy)
+    head: int | None = None     # MTP head: which head layer
+
+    def __post_init__(self):
+        if (self.head is not None) != (self.role == Role.MTP_HEAD):
+            raise ValueError(f"an MTP head graph needs a head index and no other graph has one "
+                             f"(role {self.role.value}, head {self.head})")
+        if self.head is not None and self.head < 0:
+            raise ValueError(f"MTP head index must be >= 0, got {self.head}")
+        if self.sampling and self.role != Role.VERIFY:
+            raise ValueError(f"only a verify graph samples, not {self.role.value}")
+
+    @classmethod
+    def verify(cls, sampling: bool) -> GraphKind:
+        return cls(Role.VERIFY, sampling=sampling)
+
+    @classmethod
+    def mtp_head(cls, j: int) -> GraphKind:
+        return cls(Role.MTP_HEAD, head=j)
+
+    @classmethod
+    def parse(cls, name: str) -> GraphKind:
+        """The kind a graph name (as `name` writes it) stands for; ValueError for any other string."""
+        if name == "target_step":
+            return TARGET_STEP
+        if name in ("verify_greedy", "verify_sample"):
+            return cls.verify(sampling=name == "verify_sample")
+        if isinstance(name, str) and _HEAD.fullmatch(name):
+            return cls.mtp_head(int(name[len("mtp_head_"):]))
+        raise ValueError(f"{name!r} is not a graph kind: expected target_step, verify_greedy, verify_sample or "
+                         "mtp_head_<j>")
+
+    @property
+    def name(self) -> str:
+        if self.role == Role.VERIFY:
+            return "verify_sample" if self.sampling else "verify_greedy"
+        if self.role == Role.MTP_HEAD:
+            return f"mtp_head_{self.head}"
+        return self.role.value
+
+    @property
+    def is_target_step(self) -> bool:
+        return self.role == Role.TARGET_STEP
+
+    @property
+    def is_verify(self) -> bool:
+        return self.role == Role.VERIFY
+
+    @property
+    def is_head(self) -> bool:
+        return self.role == Role.MTP_HEAD
+
+    @property
+    def per_width(self) -> bool:
+        """Whether engines of this kind are lowered for one rows count each (verify: W)."""
+        return self.is_verify
+
+    def engine_key(self, rows: int) -> str:
+        """The engine of this kind serving `rows` rows: its file stem and the runtime's lookup key."""
+        return f"{self.name}.w{rows}" if self.per_width else self.name
+
+    def __str__(self) -> str:
+        return self.name
+
+
+TARGET_STEP = GraphKind(Role.TARGET_STEP)
+VERIFY_GREEDY = GraphKind.verify(sampling=False)
+VERIFY_SAMPLE = GraphKind.verify(sampling=True)
+
+
+def exported_kinds(num_heads: int) -> list[GraphKind]:
+    """Every graph an export writes, in file order: target step, both verify graphs, the heads."""
+    return [TARGET_STEP, VERIFY_GREEDY, VERIFY_SAMPLE, *(GraphKind.mtp_head(j) for j in range(num_heads))]
