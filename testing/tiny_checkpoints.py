@@ -7,6 +7,11 @@ layout, vision tower included), Qwen3.5 dense text with 3 MTP layers, Qwen3.5-Mo
 experts), Qwen3-Next (interleaved GDN projections, per-expert MoE, a dense layer, 2 shards).
 Stored names and shapes come from the family's own `sources()`, so the generator and the
 reader cannot drift apart silently: a test loads every kind with transformers' classes.
+
+Step-3.5 kinds (STEP3P5_KINDS) are written from `step3p5_shapes`, the Hub layout spelled out here
+(stepfun-ai/Step-3.5-Flash: MoE as `moe.*` / `share_expert.*`, three NextN MTP layers at
+`model.layers.{N..N+2}` with `transformer.shared_head.{norm,output}`), until the family module
+declares its own sources; tests/test_step3p5_reference.py loads them with transformers.
 """
 
 from __future__ import annotations
@@ -49,6 +54,25 @@ BENCH_KINDS = {
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 3,
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})),
 }
+# Step-3.5-Flash, tiny: 6 layers (full, sliding x2, full, sliding x2) + 3 MTP layers, sliding layers with
+# their own head count, window 8, per-type RoPE theta / partial rotary factor, dense layers 0-1 and MoE
+# layers 2-5, SwiGLU clamps on layers 4-5 small enough to bind on random weights. Per-layer lists are
+# padded with the MTP layers' entries as the Hub config is; the MTP layers are full attention and dense.
+_STEP3P5 = dict(
+    vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+    num_attention_groups=2, head_dim=16, num_nextn_predict_layers=3, sliding_window=8,
+    attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 8,
+                             "num_attention_groups": 2, "head_dim": 16},
+    layer_types=["full_attention", "sliding_attention", "sliding_attention"] * 2 + ["full_attention"] * 3,
+    rope_theta=[5e6, 1e4, 1e4] * 2 + [5e6] * 3, partial_rotary_factors=[0.5, 1.0, 1.0] * 2 + [0.5] * 3,
+    moe_layers_enum="2,3,4,5", moe_num_experts=4, moe_top_k=2, moe_intermediate_size=32, share_expert_dim=32,
+    moe_router_activation="sigmoid", moe_router_scaling_factor=1.5, norm_expert_weight=True,
+    use_moe_router_bias=True, use_head_wise_attn_gate=True, use_qk_norm=True,
+    swiglu_limits=[0, 0, 0, 0, 0.6, 1.0, 0, 0, 0], swiglu_limits_shared=[0, 0, 0, 0, 0.8, 0.5, 0, 0, 0],
+    rms_norm_eps=1e-5, max_position_embeddings=4096, hidden_act="silu", tie_word_embeddings=False,
+)
+# kind -> architecture (the Hub's text-only model; config at the top level, model_type "step3p5").
+STEP3P5_KINDS = {"step3p5": "Step3p5ForCausalLM"}
 _TOKENIZER_TEXT = [
     "def add(a, b):\n    return a + b\n",
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and verifies them.",
@@ -94,7 +118,7 @@ def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.nda
         return np.log(rng.uniform(1.0, 16.0, shape))
     if leaf == "dt_bias":
         return rng.uniform(0.5, 1.5, shape)
-    if leaf == "bias":
+    if leaf in ("bias", "router_bias"):
         return 0.02 * rng.standard_normal(shape)
     if "embed_tokens" in name:
         return rng.standard_normal(shape)
@@ -133,6 +157,46 @@ def stored_shapes(config: dict, per_expert: bool = False) -> dict[str, tuple[int
     if "vision_config" in config:
         shapes.update(_vision_shapes(config["vision_config"]))
     return shapes
+
+
+def step3p5_config(dtype: str = "float32") -> dict:
+    """config.json of the tiny Step-3.5 checkpoint, with the Hub's key names (num_attention_groups,
+    attention_other_setting, moe_layers_enum, per-layer rope_theta lists padded with the MTP layers)."""
+    return dict(_STEP3P5, architectures=["Step3p5ForCausalLM"], model_type="step3p5", dtype=dtype)
+
+
+def step3p5_shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor name -> shape of a Step-3.5 checkpoint (trunk layers, then the NextN MTP
+    layers at model.layers.{N..N+2}, each with its own shared head)."""
+    c = config
+    h, v, d, n = c["hidden_size"], c["vocab_size"], c["head_dim"], c["num_hidden_layers"]
+    other = c.get("attention_other_setting") or {}
+    moe = {int(i) for i in str(c.get("moe_layers_enum", "")).split(",") if i.strip()}
+    e, im, se, dense = c["moe_num_experts"], c["moe_intermediate_size"], c["share_expert_dim"], c["intermediate_size"]
+    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+    for i in range(n + c.get("num_nextn_predict_layers", 0)):
+        p = f"model.layers.{i}."
+        sliding = c["layer_types"][i] == "sliding_attention"
+        heads = other.get("num_attention_heads", c["num_attention_heads"]) if sliding else c["num_attention_heads"]
+        kv = other.get("num_attention_groups", c["num_attention_groups"]) if sliding else c["num_attention_groups"]
+        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                    p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
+                    p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
+                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                    p + "self_attn.g_proj.weight": (heads, h)})
+        if i in moe:  # experts stacked per layer: [E, I, H] / [E, H, I]
+            out.update({p + "moe.gate.weight": (e, h), p + "moe.router_bias": (e,),
+                        p + "moe.gate_proj.weight": (e, im, h), p + "moe.up_proj.weight": (e, im, h),
+                        p + "moe.down_proj.weight": (e, h, im), p + "share_expert.gate_proj.weight": (se, h),
+                        p + "share_expert.up_proj.weight": (se, h), p + "share_expert.down_proj.weight": (h, se)})
+        else:
+            out.update({p + "mlp.gate_proj.weight": (dense, h), p + "mlp.up_proj.weight": (dense, h),
+                        p + "mlp.down_proj.weight": (h, dense)})
+        if i >= n:
+            out.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
+                        p + "transformer.shared_head.norm.weight": (h,),
+                        p + "transformer.shared_head.output.weight": (v, h)})
+    return out
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
@@ -181,12 +245,17 @@ def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype
     """Write a complete tiny checkpoint folder of `kind` (see TINY_KINDS) and return its path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    _, _, per_expert, shards = TINY_KINDS[BENCH_KINDS.get(kind, (kind,))[0]]
-    config = tiny_config(kind, dtype)
+    if kind in STEP3P5_KINDS:
+        config, per_expert, shards = step3p5_config(dtype), False, 1
+        shapes = step3p5_shapes(config)
+    else:
+        _, _, per_expert, shards = TINY_KINDS[BENCH_KINDS.get(kind, (kind,))[0]]
+        config = tiny_config(kind, dtype)
+        shapes = stored_shapes(config, per_expert)
     np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
     rng = np.random.default_rng(seed)
     tensors = {name: _init(name, shape, rng).astype(np.float32).astype(np_dtype)
-               for name, shape in sorted(stored_shapes(config, per_expert).items())}
+               for name, shape in sorted(shapes.items())}
     write_weights(folder, tensors, shards)
     ids = write_tiny_tokenizer(folder)
     eos = ids["<|im_end|>"]
@@ -203,7 +272,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="Write a tiny random checkpoint (no download).")
     parser.add_argument("out", help="folder to write")
-    parser.add_argument("--kind", choices=sorted(TINY_KINDS) + sorted(BENCH_KINDS), default="qwen3_5_mtp3")
+    parser.add_argument("--kind", choices=sorted(TINY_KINDS) + sorted(STEP3P5_KINDS) + sorted(BENCH_KINDS),
+                        default="qwen3_5_mtp3")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
