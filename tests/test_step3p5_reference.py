@@ -60,7 +60,8 @@ def test_every_stored_mtp_tensor_has_a_place(step):
 
 
 def test_tiny_checkpoint_exercises_every_feature(step):
-    """Sliding layers with their own head count, per-type RoPE, MoE + dense, and clamps that bind."""
+    """Sliding layers with their own head count, per-type RoPE, MoE + dense, and clamps that bind
+    (an expert's `up` projection exceeds the layer's limit on the prompt)."""
     _, target, _, _ = step
     cfg, layers = target.config, target.model.layers
     assert cfg.layer_types.count("sliding_attention") == 4 and cfg.sliding_window < len(PROMPT)
@@ -68,9 +69,13 @@ def test_tiny_checkpoint_exercises_every_feature(step):
     assert cfg.rope_parameters["full_attention"] != cfg.rope_parameters["sliding_attention"]
     assert {type(layer.mlp).__name__ for layer in layers} == {"Step3p7MLP", "Step3p7SparseMoeBlock"}
     seen = {}
-    hooks = [layers[i].mlp.experts.register_forward_hook(
-        lambda m, args, out, i=i: seen.update({i: (args[0] @ m.gate_up_proj.flatten(0, 1).T).abs().max()}))
-        for i in (4, 5)]
+
+    def up_max(i):  # [E, T, I] up projections of the layer's experts on the tokens it sees
+        def hook(m, args, out):
+            seen[i] = (args[0] @ m.gate_up_proj.transpose(1, 2)).chunk(2, -1)[1].abs().max()
+        return hook
+
+    hooks = [layers[i].mlp.experts.register_forward_hook(up_max(i)) for i in (4, 5)]
     with torch.no_grad():
         target(input_ids=torch.tensor([PROMPT]))
     for h in hooks:
