@@ -5,16 +5,18 @@ module spells a tensor name. Bump CONTRACT_VERSION on any change.
 
 Symbolic dims: batch (B), rows (W: 1 decode, k+1 verify, a chunk for prefill; R for a head),
 max_pages (P, block-table width), num_pages (N, pool pages), page_size (S), num_slots (state
-pool slots). Committed K/V live in paged pools [N, S, Hkv, D]; row w of sequence b sits at
-position context_lens[b] + w. Engines are pure: they read pools and states and output new K/V
-rows and new states; the runtime commits what was accepted.
+pool slots). Each layer's pools come from its cache specs (checkpoint/cache_specs.py): paged
+rows live in pools [N, S, *row] (row w of sequence b at position context_lens[b] + w), states in
+[num_slots, *state]. Engines are pure: they read pools and states and output new rows and new
+states; the runtime commits what was accepted.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tandem.checkpoint.description import LayerKind, ModelDescription
+from tandem.checkpoint.cache_specs import CONV, KEY, RECURRENT, VALUE, LayerCache, PagedKVSpec, StateSpec
+from tandem.checkpoint.description import ModelDescription
 from tandem.graph_kinds import GraphKind
 
 CONTRACT_VERSION = 2   # 2: verify_sample samples each row from its position's uniform, then compares
@@ -46,41 +48,69 @@ NEXT_TOKEN = "next_token"
 DRAFT_TOKEN, DRAFT_PROB, HIDDEN_OUT = "draft_token", "draft_prob", "hidden_out"
 
 
-def key_pool(layer: int | str) -> str:
-    return f"key_pool.{layer}"
+def _pool(name: str, layer: int | str) -> str:
+    return f"{name}_pool.{layer}"
 
 
-def value_pool(layer: int | str) -> str:
-    return f"value_pool.{layer}"
+def _new_rows(name: str, layer: int | str) -> str:
+    return f"new_{name}.{layer}"
 
 
-def new_key(layer: int | str) -> str:
-    return f"new_key.{layer}"
+def _new_state(name: str, layer: int | str) -> str:
+    return f"new_{name}_state.{layer}"
 
 
-def new_value(layer: int | str) -> str:
-    return f"new_value.{layer}"
+def pool_input(spec: PagedKVSpec | StateSpec, layer: int | str) -> str:
+    """The committed pool a graph reads: key_pool.3, conv_pool.0, key_pool.mtp0."""
+    return _pool(spec.name, layer)
 
 
-def recurrent_pool(layer: int) -> str:
-    return f"recurrent_pool.{layer}"
+def pool_output(spec: PagedKVSpec | StateSpec, layer: int | str) -> str:
+    """What a graph outputs for the runtime to commit: new rows (new_key.3) or a new state (new_conv_state.0)."""
+    return (_new_rows if isinstance(spec, PagedKVSpec) else _new_state)(spec.name, layer)
 
 
-def conv_pool(layer: int) -> str:
-    return f"conv_pool.{layer}"
-
-
-def new_recurrent_state(layer: int) -> str:
-    return f"new_recurrent_state.{layer}"
-
-
-def new_conv_state(layer: int) -> str:
-    return f"new_conv_state.{layer}"
+def layer_id(cache: LayerCache) -> int | str:
+    """A layer's name in pool names: its trunk index, or mtp_layer_name(j) for MTP head j."""
+    return mtp_layer_name(cache.layer) if cache.head else cache.layer
 
 
 def mtp_layer_name(head: int) -> str:
     """Pool names of MTP head `head` use this in place of a layer index: key_pool.mtp0."""
     return f"mtp{head}"
+
+
+# the pools of attention and Gated DeltaNet layers, by name (the graphs that build those layers use them)
+def key_pool(layer: int | str) -> str:
+    return _pool(KEY, layer)
+
+
+def value_pool(layer: int | str) -> str:
+    return _pool(VALUE, layer)
+
+
+def new_key(layer: int | str) -> str:
+    return _new_rows(KEY, layer)
+
+
+def new_value(layer: int | str) -> str:
+    return _new_rows(VALUE, layer)
+
+
+def recurrent_pool(layer: int) -> str:
+    return _pool(RECURRENT, layer)
+
+
+def conv_pool(layer: int) -> str:
+    return _pool(CONV, layer)
+
+
+def new_recurrent_state(layer: int) -> str:
+    return _new_state(RECURRENT, layer)
+
+
+def new_conv_state(layer: int) -> str:
+    return _new_state(CONV, layer)
 
 
 # ---- specs ------------------------------------------------------------------------------
@@ -93,40 +123,36 @@ def _paging_inputs() -> list[TensorSpec]:
     ]
 
 
-def _kv_specs(desc: ModelDescription, layer: int | str, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    a = desc.attention
-    ins = [TensorSpec(key_pool(layer), dtype, ("num_pages", "page_size", a.num_kv_heads, a.head_dim),
-                      "committed keys (post-RoPE), paged"),
-           TensorSpec(value_pool(layer), dtype, ("num_pages", "page_size", a.num_kv_heads, a.head_dim),
-                      "committed values, paged")]
-    outs = [TensorSpec(new_key(layer), dtype, ("batch", "rows", a.num_kv_heads, a.head_dim),
-                       "keys of the new rows (post-RoPE), to commit for accepted rows"),
-            TensorSpec(new_value(layer), dtype, ("batch", "rows", a.num_kv_heads, a.head_dim),
-                       "values of the new rows")]
+def pool_shape(spec: PagedKVSpec | StateSpec) -> tuple[str | int, ...]:
+    """A committed pool: paged rows [num_pages, page_size, *row], states [num_slots, *state]."""
+    if isinstance(spec, PagedKVSpec):
+        return ("num_pages", "page_size", *spec.row_shape)
+    return ("num_slots", *spec.shape)
+
+
+def _pool_specs(caches: tuple[LayerCache, ...], dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Pool inputs and new-row / new-state outputs of `caches`: every paged pool (layer order),
+    then every state pool and, if there is one, the state slots."""
+    ins, outs = [], []
+    for cache in caches:
+        for p in cache.paged:
+            ins.append(TensorSpec(pool_input(p, layer_id(cache)), p.dtype_for(dtype), pool_shape(p),
+                                  f"committed {p.doc}, paged"))
+            outs.append(TensorSpec(pool_output(p, layer_id(cache)), p.dtype_for(dtype), ("batch", "rows", *p.row_shape),
+                                   f"{p.doc} of the new rows, to commit for accepted rows"))
+    for cache in caches:
+        for s in cache.states:
+            ins.append(TensorSpec(pool_input(s, layer_id(cache)), s.dtype_for(dtype), pool_shape(s),
+                                  f"committed {s.doc}, one slot per sequence"))
+            outs.append(TensorSpec(pool_output(s, layer_id(cache)), s.dtype_for(dtype), ("batch", *s.shape),
+                                   f"{s.doc} after the committed rows of this step"))
+    if any(cache.states for cache in caches):
+        ins.append(TensorSpec(STATE_SLOTS, "int64", ("batch",), "state-pool slot of each sequence"))
     return ins, outs
 
 
 def _trunk_layer_specs(desc: ModelDescription, dtype: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    g = desc.linear_attention
-    ins, outs = [], []
-    for i in desc.layer_indices(LayerKind.FULL_ATTENTION):
-        kv_in, kv_out = _kv_specs(desc, i, dtype)
-        ins += kv_in
-        outs += kv_out
-    for i in desc.layer_indices(LayerKind.LINEAR_ATTENTION):
-        ins += [TensorSpec(recurrent_pool(i), "float32",
-                           ("num_slots", g.num_value_heads, g.key_head_dim, g.value_head_dim),
-                           "committed Gated DeltaNet states, one slot per sequence"),
-                TensorSpec(conv_pool(i), dtype, ("num_slots", g.conv_dim, g.conv_kernel - 1),
-                           "committed conv windows: the last K-1 conv inputs")]
-        outs += [TensorSpec(new_recurrent_state(i), "float32",
-                            ("batch", g.num_value_heads, g.key_head_dim, g.value_head_dim),
-                            "state after the committed rows of this step"),
-                 TensorSpec(new_conv_state(i), dtype, ("batch", g.conv_dim, g.conv_kernel - 1),
-                            "conv window after the committed rows of this step")]
-    if ins and desc.layer_indices(LayerKind.LINEAR_ATTENTION):
-        ins.append(TensorSpec(STATE_SLOTS, "int64", ("batch",), "state-pool slot of each sequence"))
-    return ins, outs
+    return _pool_specs(desc.layer_caches(mtp_layers=0), dtype)
 
 
 def target_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -161,7 +187,7 @@ def verify_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list
 
 def mtp_head_io(desc: ModelDescription, head: int, dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
     """One MTP head layer over R rows: row r pairs token t_{i+1} with hidden h_i (target or chained)."""
-    kv_in, kv_out = _kv_specs(desc, mtp_layer_name(head), dtype)
+    kv_in, kv_out = _pool_specs((desc.head_cache(head),), dtype)
     ins = [TensorSpec(INPUT_IDS, "int64", ("batch", "rows"), "token t_{i+1} of each row"),
            TensorSpec(HIDDEN_IN, dtype, ("batch", "rows", desc.hidden_size), "hidden h_i paired with each row"),
            *_paging_inputs(),

@@ -21,25 +21,21 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, timeit  # noqa: E402
 from tandem import contract as c  # noqa: E402
 from tandem.checkpoint import open_checkpoint  # noqa: E402
-from tandem.checkpoint.description import LayerKind  # noqa: E402
 from tandem.export.exporter import export_checkpoint  # noqa: E402
 from tandem.export.lowering import lower_for_onnxruntime  # noqa: E402
+from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY  # noqa: E402
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 
 def feeds_for(desc, sess, batch, rows, ctx=256, page=16):
-    a, g = desc.attention, desc.linear_attention
     pages = ctx // page + 1
-    n_pages = batch * pages + 1
+    dims = {"num_pages": batch * pages + 1, "page_size": page, "num_slots": batch}
     f = {c.INPUT_IDS: np.ones((batch, rows), np.int64), c.CONTEXT_LENS: np.full(batch, ctx, np.int64),
          c.BLOCK_TABLES: np.arange(batch * pages, dtype=np.int64).reshape(batch, pages),
          c.STATE_ROWS: np.full(batch, rows, np.int64), c.STATE_SLOTS: np.arange(batch, dtype=np.int64)}
-    for i in desc.layer_indices(LayerKind.FULL_ATTENTION):
-        f[c.key_pool(i)] = np.zeros((n_pages, page, a.num_kv_heads, a.head_dim), np.float32)
-        f[c.value_pool(i)] = np.zeros((n_pages, page, a.num_kv_heads, a.head_dim), np.float32)
-    for i in desc.layer_indices(LayerKind.LINEAR_ATTENTION):
-        f[c.recurrent_pool(i)] = np.zeros((batch, g.num_value_heads, g.key_head_dim, g.value_head_dim), np.float32)
-        f[c.conv_pool(i)] = np.zeros((batch, g.conv_dim, g.conv_kernel - 1), np.float32)
+    for spec in c.graph_io(desc, TARGET_STEP)[0]:  # the pools, zero, in the contract's shapes
+        if spec.shape[0] in dims:
+            f[spec.name] = np.zeros(tuple(dims.get(d, d) for d in spec.shape), spec.dtype)
     names = {i.name for i in sess.get_inputs()}
     return {k: v for k, v in f.items() if k in names}
 
@@ -85,7 +81,7 @@ def main() -> None:
     print(f"{'graph':<14}{'B':>3}{'W':>3}  {'static: build+save s':>21} {'load s':>7} {'call ms (p90)':>16}"
           f"  {'dynamic: load s':>16} {'call ms (p90)':>16}")
     dynamic_cache = {}
-    for graph, rows in (("target_step", 1), ("verify_greedy", 4)):
+    for graph, rows in ((TARGET_STEP.name, 1), (VERIFY_GREEDY.name, 4)):
         base = onnx.load(str(exp / f"{graph}.onnx"), load_external_data=False)
         lowered = lower_for_onnxruntime(base, rows=rows)
         lowered_path = exp / f"{graph}.lowered{rows}.onnx"

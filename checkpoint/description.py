@@ -1,9 +1,10 @@
 """The frozen description of a model that every later stage reads.
 
 Built from config.json alone (families/*.py); shapes are then checked against the safetensors
-headers (validation.py). Nothing here reads weights. Sizes follow the runtime's layouts:
-KV rows per full-attention layer [Hkv, head_dim] for K and V; Gated DeltaNet recurrent state
-[Hv, dk, dv] in fp32 and conv state [conv_dim, K-1] in the activation dtype.
+headers (validation.py). Nothing here reads weights. Each mixer spec declares the pools its
+layers keep (cache_specs.py): full attention paged K and V rows [Hkv, head_dim]; Gated DeltaNet
+a recurrent state [Hv, dk, dv] in fp32 and a conv window [conv_dim, K-1] in the activation dtype.
+The MTP head layers declare theirs the same way; every later size and shape is derived from them.
 """
 
 from __future__ import annotations
@@ -11,7 +12,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from enum import Enum
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+from tandem.checkpoint.cache_specs import (
+    CONV,
+    DTYPE_BYTES,
+    KEY,
+    RECURRENT,
+    VALUE,
+    LayerCache,
+    PagedKVSpec,
+    StateSpec,
+    page_bytes,
+    slot_bytes,
+)
 
 
 class LayerKind(str, Enum):
@@ -45,6 +57,10 @@ class AttentionSpec:
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"rotary dim {self.rotary_dim} must be even and in 1..head_dim {self.head_dim}")
 
+    def cache_specs(self) -> tuple[PagedKVSpec, ...]:
+        row = (self.num_kv_heads, self.head_dim)
+        return PagedKVSpec(KEY, row, "keys (post-RoPE)"), PagedKVSpec(VALUE, row, "values")
+
 
 @dataclass(frozen=True)
 class LinearAttentionSpec:
@@ -72,6 +88,11 @@ class LinearAttentionSpec:
     @property
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
+
+    def cache_specs(self) -> tuple[StateSpec, ...]:
+        return (StateSpec(RECURRENT, (self.num_value_heads, self.key_head_dim, self.value_head_dim),
+                          "Gated DeltaNet states", dtype="float32"),
+                StateSpec(CONV, (self.conv_dim, self.conv_kernel - 1), "conv windows (the last K-1 conv inputs)"))
 
 
 @dataclass(frozen=True)
@@ -137,21 +158,29 @@ class ModelDescription:
     def layer_indices(self, kind: LayerKind) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.kind == kind]
 
+    def mixer(self, kind: LayerKind) -> AttentionSpec | LinearAttentionSpec:
+        return self.attention if kind == LayerKind.FULL_ATTENTION else self.linear_attention
+
+    def layer_caches(self, mtp_layers: int | None = None) -> tuple[LayerCache, ...]:
+        """The pools of every trunk layer, then of MTP heads 0..mtp_layers-1 (None: all the model has)."""
+        heads = (self.mtp.num_layers if self.mtp else 0) if mtp_layers is None else mtp_layers
+        if heads and self.mtp is None:
+            raise ValueError(f"{heads} MTP head layer(s) asked for, but the model has no MTP head")
+        trunk = tuple(LayerCache(i, self.mixer(layer.kind).cache_specs()) for i, layer in enumerate(self.layers))
+        return trunk + tuple(self.head_cache(j) for j in range(heads))
+
+    def head_cache(self, j: int) -> LayerCache:
+        return LayerCache(j, self.mixer(self.mtp.layer.kind).cache_specs(), head=True)
+
     def kv_bytes_per_token(self, dtype: str | None = None, include_mtp: bool = True) -> int:
-        """K and V bytes one token occupies across all full-attention layers (+ MTP layers)."""
-        a = self.attention
-        per_layer = 2 * a.num_kv_heads * a.head_dim * DTYPE_BYTES[dtype or self.dtype]
-        n = len(self.layer_indices(LayerKind.FULL_ATTENTION))
-        if include_mtp and self.mtp is not None:
-            n += self.mtp.num_layers
-        return n * per_layer
+        """Bytes one token's rows occupy across every paged pool of the trunk (+ MTP layers)."""
+        caches = self.layer_caches(None if include_mtp else 0)
+        return page_bytes(caches, 1, DTYPE_BYTES[dtype or self.dtype])
 
     def state_bytes_per_sequence(self, dtype: str | None = None) -> int:
-        """Gated DeltaNet state one sequence holds: fp32 recurrent + conv window (K-1 inputs)."""
-        g = self.linear_attention
-        recurrent = g.num_value_heads * g.key_head_dim * g.value_head_dim * 4
-        conv = g.conv_dim * (g.conv_kernel - 1) * DTYPE_BYTES[dtype or self.dtype]
-        return len(self.layer_indices(LayerKind.LINEAR_ATTENTION)) * (recurrent + conv)
+        """State one sequence holds across the trunk's state pools (Gated DeltaNet: fp32 recurrent +
+        conv window of K-1 inputs)."""
+        return slot_bytes(self.layer_caches(0), DTYPE_BYTES[dtype or self.dtype])
 
 
 def description_to_dict(desc: ModelDescription) -> dict:

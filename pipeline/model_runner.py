@@ -67,7 +67,7 @@ class ModelRunner:
         self.files = files                      # engine key (GraphKind.engine_key) -> engine file
         self.batch_sizes = sorted(batch_sizes)
         self.max_pages = max_pages
-        self.trunk_kv = [i for i in pools.keys if isinstance(i, int)]
+        self.trunk_kv = pools.trunk_paged
         self.fixed = {**pools.feeds(self.trunk_kv), **pools.state_feeds()}
         self.head_fixed = {j: pools.feeds([c.mtp_layer_name(j)]) for j in range(mtp_layers)}
         self.calls: dict[str, int] = {}

@@ -67,11 +67,11 @@ def run_chunks(desc, sess, prompts, chunks):
 
 
 def _commit_some(state, out, rows):
-    keep = {i: (state.rec[i][state.slots].copy(), state.conv[i][state.slots].copy()) for i in state.gdn_layers}
+    keep = {name: pool[state.slots].copy() for name, pool in state.state_pools().items()}
     state.commit(out, rows)
-    for i, (r, cv) in keep.items():
+    for name, saved in keep.items():
         for b in np.flatnonzero(rows == 0):
-            state.rec[i][state.slots[b]], state.conv[i][state.slots[b]] = r[b], cv[b]
+            state.pools[name][state.slots[b]] = saved[b]
 
 
 @pytest.mark.parametrize("kind", TINY_KINDS)

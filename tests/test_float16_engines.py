@@ -102,9 +102,10 @@ def test_graphs_match_the_float16_contract(fp16_dirs):
 def test_pools_and_buffers_take_the_engine_dtype(fp16_dirs):
     llm = LLM(fp16_dirs["qwen3_5_mtp3"])
     assert llm.dtype == "float16"
-    for pool in (*llm.pools.keys.values(), *llm.pools.values.values(), *llm.pools.conv.values()):
+    paged = [pools[name] for pools in llm.pools.paged.values() for name in ("key", "value")]
+    for pool in (*paged, *(states["conv"] for states in llm.pools.states.values())):
         assert pool.dtype == np.float16
-    assert all(pool.dtype == np.float32 for pool in llm.pools.recurrent.values())
+    assert all(states["recurrent"].dtype == np.float32 for states in llm.pools.states.values())
     half = plan_pools(llm.desc, llm.page_size, 512 << 20, 4, llm.mtp_layers, dtype_bytes=2)
     full = plan_pools(llm.desc, llm.page_size, 512 << 20, 4, llm.mtp_layers, dtype_bytes=4)
     assert llm.pages.size == half.num_pages and half.page_bytes * 2 == full.page_bytes

@@ -52,14 +52,15 @@ def test_commit_of_n_accepted_rows_equals_n_decode_steps(engine_dirs, monkeypatc
     other = base.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True, speculative=False))
     while other.committed < seq.committed:
         base.step()
-    for i in spec.pools.gdn_layers:
-        np.testing.assert_allclose(spec.pools.recurrent[i][seq.slot], base.pools.recurrent[i][other.slot], atol=1e-5)
-        np.testing.assert_allclose(spec.pools.conv[i][seq.slot], base.pools.conv[i][other.slot], atol=1e-6)
+    for i, states in spec.pools.states.items():
+        np.testing.assert_allclose(states["recurrent"][seq.slot], base.pools.states[i]["recurrent"][other.slot],
+                                   atol=1e-5)
+        np.testing.assert_allclose(states["conv"][seq.slot], base.pools.states[i]["conv"][other.slot], atol=1e-6)
     page = spec.page_size
     for layer in base.runner.trunk_kv:
         for pos in range(seq.committed):
-            a = spec.pools.keys[layer][seq.table.pages[pos // page], pos % page]
-            b = base.pools.keys[layer][other.table.pages[pos // page], pos % page]
+            a = spec.pools.paged[layer]["key"][seq.table.pages[pos // page], pos % page]
+            b = base.pools.paged[layer]["key"][other.table.pages[pos // page], pos % page]
             np.testing.assert_allclose(a, b, atol=1e-5)
 
 

@@ -67,7 +67,7 @@ def test_greedy_accepts_the_matching_prefix_and_commits_like_decode(graphs, n_ri
         if name.startswith(("new_recurrent_state", "new_conv_state")):
             assert np.abs(out[name] - snap[name]).max() < 1e-5, name
     # and the K/V rows of the accepted rows are the decode steps' rows
-    for i in state.kv:
+    for i in state.kv_layers:
         for r in range(n_right + 1):
             assert np.abs(out[c.new_key(i)][:, r] - steps[r][c.new_key(i)][:, 0]).max() < 1e-5
 
