@@ -9,7 +9,7 @@ renames (`moe.*` -> `mlp.experts`, `share_expert` -> `mlp.shared_experts`, `moe.
 
 Three pieces:
 - `greedy`: plain greedy decoding with transformers (tokens and the logits of each step).
-- `NextNReference`: the chained draft in explicit math (module docstring of docs/families/step3p5.md):
+- `NextNReference`: the chained draft in explicit math (sources and differences: docs/families/step3p5.md):
 
       x_j  = eh_proj(cat[enorm(embed(t_{p})), hnorm(g^{j-1}_{p-1})])     # [P, H], head j, row at position p
       g^j  = final_norm_j(layer_j(x_j))                                  # the head's hidden, chained to j+1
