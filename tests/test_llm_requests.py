@@ -58,10 +58,10 @@ def test_a_step_that_raises_leaves_nothing_behind_and_the_next_generate_works(ll
     reference = llm.generate(["def add(a, b):"], params)[0].token_ids
     real = llm.runner._call
 
-    def faulty(graph, key, rows, fixed):
+    def faulty(graph, rows, fixed):
         if any(list(r.ids).count(MARK) >= 3 for r in rows):
             raise RuntimeError("injected fault")
-        return real(graph, key, rows, fixed)
+        return real(graph, rows, fixed)
 
     monkeypatch.setattr(llm.runner, "_call", faulty)
     with pytest.raises(RuntimeError, match="injected fault"):
