@@ -42,13 +42,16 @@ class FreeList:
         return self._fresh - 1
 
     def allocate(self, n: int) -> list[int]:
-        if n > self.num_free:
+        freed = self._freed
+        reused = min(n, len(freed))
+        if n - reused > self.size - self._fresh:
             raise OutOfMemory(f"need {n} {self.what}(s), {self.num_free} free")
-        reused = min(n, len(self._freed))
-        out = self._freed[len(self._freed) - reused :][::-1]
-        del self._freed[len(self._freed) - reused :]
-        out += range(self._fresh, self._fresh + n - reused)
-        self._fresh += n - reused
+        out = freed[len(freed) - reused :]
+        del freed[len(freed) - reused :]
+        out.reverse()                   # the top of the stack first
+        if n > reused:
+            out += range(self._fresh, self._fresh + n - reused)
+            self._fresh += n - reused
         return out
 
     def free(self, items: list[int]) -> None:
