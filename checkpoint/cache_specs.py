@@ -30,7 +30,9 @@ class PagedKVSpec:
     row_shape: tuple[int, ...]     # one token's row, e.g. [Hkv, head_dim]
     doc: str                       # what a row holds, e.g. "keys (post-RoPE)"
     dtype: str | None = None       # None: the activation dtype
-    window: int | None = None      # sliding window: attention reads only the last `window` positions
+    # sliding window: attention reads only the last `window` positions. Declared for the families
+    # that have one; the pipeline does not release pages outside it yet (issue 13's sliding-window part)
+    window: int | None = None
 
     def __post_init__(self):
         _check(self.name, self.row_shape, self.dtype)
