@@ -117,7 +117,6 @@ class Engine:
         self.width_per_batch = dict(sorted((width_per_batch or {}).items()))
         self.stats = EngineStats()
         self.trace: list[tuple[str, float, float]] | None = None  # (phase, start, end) when profiling
-        self._emitted: dict[str, int] = {}
 
     @contextlib.contextmanager
     def _phase(self, name: str):
@@ -292,7 +291,7 @@ class Engine:
         or max_tokens (dropping whatever the round produced past the stop)."""
         if seq.status == Status.FINISHED:
             return None
-        start = self._emitted.get(seq.request_id, len(seq.prompt))
+        start = seq.emitted
         budget = seq.params.max_tokens - (start - len(seq.prompt))
         reason, kept = None, []
         for t in seq.tokens[start:]:
@@ -308,12 +307,11 @@ class Engine:
         if at >= 0:
             seq.detok.truncate(at)
             reason = "stop"
-        self._emitted[seq.request_id] = start + len(kept)
+        seq.emitted = start + len(kept)
         if reason is not None:
             del seq.tokens[start + len(kept) :]
             seq.metrics.finished = time.perf_counter()
             self.scheduler.finish(seq, reason)
             self.stats.add_finished(seq)
-            self._emitted.pop(seq.request_id, None)
         return StepOutput(seq.request_id, seq.detok.take(final=reason is not None), kept, reason is not None,
                           reason, seq)

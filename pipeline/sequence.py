@@ -78,6 +78,7 @@ class Sequence:
     draft: int | None = None
     draft_prob: float = 1.0
     chain_hidden: np.ndarray | None = None
+    emitted: int = -1           # tokens[:emitted] were handed out as outputs (-1: none yet, set to len(prompt))
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     seed: int | None = None     # the request's, else drawn from OS entropy at creation
@@ -86,6 +87,8 @@ class Sequence:
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt)
+        if self.emitted < 0:
+            self.emitted = len(self.prompt)
         self.table = self.table or BlockTable(self.page_size)
         if self.seed is None:
             self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)

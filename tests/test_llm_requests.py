@@ -76,3 +76,25 @@ def test_closing_a_stream_early_aborts_its_request(llm):
     assert llm.scheduler.has_work()
     chunks.close()
     assert _idle(llm)
+
+
+def _container_sizes(llm: LLM) -> dict[str, int]:
+    """len() of every dict/list/set the pipeline's long-lived objects hold."""
+    owners = {"llm": llm, "engine": llm.engine, "scheduler": llm.scheduler, "runner": llm.runner}
+    return {f"{o}.{k}": len(v) for o, obj in owners.items() for k, v in vars(obj).items()
+            if isinstance(v, (dict, list, set))}
+
+
+def test_ended_requests_leave_no_per_request_state(llm):
+    """Finished and aborted requests (aborted after their first output) keep nothing alive in the
+    engine, scheduler, runner or LLM: a server aborts requests all day."""
+    llm.generate(["warm"], SamplingParams(max_tokens=4))
+    before = _container_sizes(llm)
+    for i in range(20):
+        stream = llm.stream(f"request {i}", SamplingParams(max_tokens=32, ignore_eos=True))
+        next(stream)
+        stream.close()                      # aborts it mid-generation
+        llm.generate([f"done {i}"], SamplingParams(max_tokens=3))
+    assert _idle(llm)
+    grown = {k: (before.get(k, 0), n) for k, n in _container_sizes(llm).items() if n > before.get(k, 0)}
+    assert not grown, f"per-request state left behind: {grown}"
