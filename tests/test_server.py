@@ -29,6 +29,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_ready(url: str, tries: int = 300, pause: float = 0.1) -> None:
+    """Poll /ready of a server started in another thread or process until it answers 200."""
+    for _ in range(tries):
+        try:
+            if httpx.get(f"{url}/ready").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(pause)
+
+
 class Live:
     def __init__(self, engine_dir, **settings):
         self.app = build(engine_dir, ServerSettings(model_name="tiny", **settings))
@@ -235,12 +246,7 @@ def test_sigterm_drains_in_flight_requests_then_exits(engine_dirs):
                              "--model-name", "tiny"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/ready").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_ready(url)
         body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": 300, "stream": True, "ignore_eos": True}
         lines = []
         with httpx.Client(timeout=60) as h, h.stream("POST", f"{url}/v1/completions", json=body) as r:

@@ -21,7 +21,7 @@ from tandem.pipeline.request_checks import INT64_MAX, INT64_MIN
 from tandem.server.app import ServerSettings
 from tandem.server.engine_loop import EngineLoop
 
-from .test_server import PROMPTS, Live, _free_port
+from .test_server import PROMPTS, Live, _free_port, wait_ready
 
 VOCAB = 384      # the tiny checkpoints' vocabulary (the tokenizer itself has 300 tokens)
 MARK = VOCAB - 1  # three of these in one engine row make the injected fault fire
@@ -285,12 +285,7 @@ def test_serve_exits_1_when_the_engine_thread_dies(engine_dirs, monkeypatch, cap
     thread = threading.Thread(target=lambda: result.setdefault("status", main(argv)), daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            if httpx.get(f"{url}/ready").status_code == 200:
-                break
-        except httpx.TransportError:
-            time.sleep(0.05)
+    wait_ready(url, pause=0.05)
     r = httpx.post(f"{url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
     assert r.status_code == 500 and _is_openai_error(r, 500)
     thread.join(30)
