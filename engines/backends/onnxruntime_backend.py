@@ -51,8 +51,11 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, opt
     return files
 
 
-def session(model, threads: int | None = None) -> ort.InferenceSession:
+def session(model, threads: int | None = None, profile_prefix: str | None = None) -> ort.InferenceSession:
     """Every tandem session (a path or a ModelProto) runs on one process-wide thread pool.
+
+    `profile_prefix` turns on ONNX Runtime's per-node profiler (off by default: it times every
+    node of every run); `end_profiling()` on the session writes `<prefix>_<date>.json`.
 
     The pipeline's sessions (target, heads) take turns every round. With a pool each, the idle
     sessions' spinning threads steal the cores from the busy one (150M model, 2 cores: a 4-row
@@ -64,6 +67,9 @@ def session(model, threads: int | None = None) -> ort.InferenceSession:
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
     opts.use_per_session_threads = False
+    if profile_prefix:
+        opts.enable_profiling = True
+        opts.profile_file_prefix = profile_prefix
     source = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
     return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 
@@ -117,9 +123,17 @@ class Runner:
     the CPU there is nothing to capture, so it returns the plain run.
     """
 
-    def __init__(self, engine_dir: Path, files: list[str], threads: int | None = None):
-        self.sessions = {f: session(Path(engine_dir) / f, threads) for f in files}
+    def __init__(self, engine_dir: Path, files: list[str], threads: int | None = None,
+                 profile_prefix: str | None = None):
+        """profile_prefix: profile every session with ONNX Runtime's profiler, one file per engine
+        file named `<profile_prefix><engine file stem>_<date>.json` (bench/where_time_goes.py)."""
+        self.sessions = {f: session(Path(engine_dir) / f, threads,
+                                    f"{profile_prefix}{Path(f).stem}" if profile_prefix else None) for f in files}
         self._bindings: dict[tuple, _Binding] = {}
+
+    def end_profiling(self) -> dict[str, Path]:
+        """Engine file -> the profile json ONNX Runtime wrote for its session (profiling sessions only)."""
+        return {f: Path(s.end_profiling()) for f, s in self.sessions.items()}
 
     def binding(self, file: str, key: tuple, input_shapes: dict[str, tuple], output_shapes: dict[str, tuple],
                 fixed: dict[str, np.ndarray]) -> _Binding:
