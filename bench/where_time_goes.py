@@ -227,7 +227,7 @@ def run(engine_dir: Path, batches: list[int], steps: int, spec: bool, prompt_len
 # ---- printing ---------------------------------------------------------------------------------
 def show(report: dict, top: int) -> None:
     print(f"{report['engine_dir']}: {report['machine']}; speculative {report['spec']}, {report['steps']} steps, "
-          f"prompt {report['prompt_len']}, loaded in {report['load_s']:.1f} s (profiling on)")
+          f"prompt {report['prompt_len']}, loaded in {report['load_s']:.1f} s (plain sessions)")
     for b, r in report["batches"].items():
         h = r["host"]
         print(f"\n== batch {b}: {h['tok_s']:.0f} tok/s, {h['tokens_per_step']:.2f} tokens/step, "
