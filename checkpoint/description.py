@@ -1,15 +1,17 @@
 """The frozen description of a model that every later stage reads.
 
 Built from config.json alone (families/*.py); shapes are then checked against the safetensors
-headers (validation.py). Nothing here reads weights. Each mixer spec declares the pools its
-layers keep (cache_specs.py): full attention paged K and V rows [Hkv, head_dim]; Gated DeltaNet
-a recurrent state [Hv, dk, dv] in fp32 and a conv window [conv_dim, K-1] in the activation dtype.
-The MTP head layers declare theirs the same way; every later size and shape is derived from them.
+headers (validation.py). Nothing here reads weights. Every trunk layer and every MTP head layer
+carries its own mixer spec (a family with one shape for all its attention layers shares one spec
+object between them), and each mixer spec declares the pools its layer keeps (cache_specs.py):
+attention paged K and V rows [Hkv, head_dim] (with its sliding window, if any); Gated DeltaNet a
+recurrent state [Hv, dk, dv] in fp32 and a conv window [conv_dim, K-1] in the activation dtype.
+Every later size and shape is derived from these declarations.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from enum import Enum
 
 from tandem.checkpoint.cache_specs import (
@@ -38,7 +40,8 @@ class MLPKind(str, Enum):
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Gated full attention: q_proj gives [Hq, 2*head_dim] (query | gate) per head."""
+    """Gated attention: q_proj gives [Hq, 2*head_dim] (query | gate) per head. `window`: the
+    layer attends to the last `window` positions only (None: full attention)."""
 
     num_heads: int
     num_kv_heads: int
@@ -49,6 +52,7 @@ class AttentionSpec:
     qk_norm: bool = True
     bias: bool = False
     mrope_section: tuple[int, ...] | None = None  # text-only input: all three streams equal
+    window: int | None = None
 
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
@@ -56,10 +60,13 @@ class AttentionSpec:
                              f"num_key_value_heads {self.num_kv_heads}")
         if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
             raise ValueError(f"rotary dim {self.rotary_dim} must be even and in 1..head_dim {self.head_dim}")
+        if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
+            raise ValueError(f"sliding window {self.window!r} must be a positive number of positions (or None)")
 
     def cache_specs(self) -> tuple[PagedKVSpec, ...]:
         row = (self.num_kv_heads, self.head_dim)
-        return PagedKVSpec(KEY, row, "keys (post-RoPE)"), PagedKVSpec(VALUE, row, "values")
+        return (PagedKVSpec(KEY, row, "keys (post-RoPE)", window=self.window),
+                PagedKVSpec(VALUE, row, "values", window=self.window))
 
 
 @dataclass(frozen=True)
@@ -108,21 +115,42 @@ class MoESpec:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts {self.num_experts}")
 
 
+Mixer = AttentionSpec | LinearAttentionSpec
+
+
 @dataclass(frozen=True)
 class LayerSpec:
-    kind: LayerKind
+    """One decoder layer: its own mixer spec and its MLP kind."""
+
+    mixer: Mixer
     mlp: MLPKind
+
+    @property
+    def kind(self) -> LayerKind:
+        return LayerKind.FULL_ATTENTION if isinstance(self.mixer, AttentionSpec) else LayerKind.LINEAR_ATTENTION
 
 
 @dataclass(frozen=True)
 class MTPSpec:
-    """The MTP head(s): shared fc / pre-fc norms / final norm, and `num_layers` decoder layers
-    (each a full-attention layer with its own KV). Chained drafting uses layer s % num_layers
-    at step s; the reused mode uses layer 0 every step."""
+    """The MTP head(s): shared fc / pre-fc norms / final norm, and one decoder layer per head
+    (each with its own mixer spec and KV). Chained drafting uses layer s % num_layers at step s;
+    the reused mode uses layer 0 every step."""
 
-    num_layers: int
-    layer: LayerSpec
+    layers: tuple[LayerSpec, ...]
     source: str  # "checkpoint" or the draft folder's path
+
+    def __post_init__(self):
+        if not self.layers:
+            raise ValueError("an MTP spec needs at least one head layer")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def layer(self) -> LayerSpec:
+        """Head 0's layer (the one the reused mode runs every step)."""
+        return self.layers[0]
 
 
 @dataclass(frozen=True)
@@ -134,8 +162,6 @@ class ModelDescription:
     hidden_size: int
     intermediate_size: int
     layers: tuple[LayerSpec, ...]
-    attention: AttentionSpec
-    linear_attention: LinearAttentionSpec
     moe: MoESpec | None
     rms_norm_eps: float
     tie_word_embeddings: bool
@@ -158,19 +184,35 @@ class ModelDescription:
     def layer_indices(self, kind: LayerKind) -> list[int]:
         return [i for i, layer in enumerate(self.layers) if layer.kind == kind]
 
-    def mixer(self, kind: LayerKind) -> AttentionSpec | LinearAttentionSpec:
-        return self.attention if kind == LayerKind.FULL_ATTENTION else self.linear_attention
+    @property
+    def all_layers(self) -> tuple[LayerSpec, ...]:
+        """Trunk layers, then the MTP head layers."""
+        return self.layers + (self.mtp.layers if self.mtp else ())
+
+    @property
+    def attention(self) -> AttentionSpec:
+        """The first attention layer's spec (trunk, then heads): the one every attention layer
+        shares in families with a single attention shape. Per-layer readers use layers[i].mixer."""
+        for layer in self.all_layers:
+            if isinstance(layer.mixer, AttentionSpec):
+                return layer.mixer
+        raise ValueError(f"{self.architecture} has no attention layer")
+
+    @property
+    def linear_attention(self) -> LinearAttentionSpec | None:
+        """The first Gated DeltaNet layer's spec; None for a model without one."""
+        return next((layer.mixer for layer in self.all_layers if isinstance(layer.mixer, LinearAttentionSpec)), None)
 
     def layer_caches(self, mtp_layers: int | None = None) -> tuple[LayerCache, ...]:
         """The pools of every trunk layer, then of MTP heads 0..mtp_layers-1 (None: all the model has)."""
         heads = (self.mtp.num_layers if self.mtp else 0) if mtp_layers is None else mtp_layers
         if heads and self.mtp is None:
             raise ValueError(f"{heads} MTP head layer(s) asked for, but the model has no MTP head")
-        trunk = tuple(LayerCache(i, self.mixer(layer.kind).cache_specs()) for i, layer in enumerate(self.layers))
+        trunk = tuple(LayerCache(i, layer.mixer.cache_specs()) for i, layer in enumerate(self.layers))
         return trunk + tuple(self.head_cache(j) for j in range(heads))
 
     def head_cache(self, j: int) -> LayerCache:
-        return LayerCache(j, self.mixer(self.mtp.layer.kind).cache_specs(), head=True)
+        return LayerCache(j, self.mtp.layers[j].mixer.cache_specs(), head=True)
 
     def kv_bytes_per_token(self, dtype: str | None = None, include_mtp: bool = True) -> int:
         """Bytes one token's rows occupy across every paged pool of the trunk (+ MTP layers)."""
@@ -184,24 +226,53 @@ class ModelDescription:
 
 
 def description_to_dict(desc: ModelDescription) -> dict:
-    """JSON-safe form (enums as their values); the engine manifest stores it."""
-    return _plain(asdict(desc))
+    """JSON-safe form (enums as their values); the engine manifest stores it. Each layer holds its
+    mixer as {"kind": ..., "spec": {...}}."""
+    data = _plain({f.name: getattr(desc, f.name) for f in fields(desc) if f.name not in ("layers", "mtp", "moe")})
+    data["moe"] = asdict(desc.moe) if desc.moe else None
+    data["layers"] = [_layer_dict(x) for x in desc.layers]
+    data["mtp"] = {"layers": [_layer_dict(x) for x in desc.mtp.layers], "source": desc.mtp.source} if desc.mtp else None
+    return data
 
 
 def description_from_dict(data: dict) -> ModelDescription:
-    """Inverse of description_to_dict: the pipeline rebuilds the description from the manifest."""
-    layer = lambda d: LayerSpec(LayerKind(d["kind"]), MLPKind(d["mlp"]))  # noqa: E731
+    """Inverse of description_to_dict: the pipeline rebuilds the description from the manifest.
+    Also reads the form written before per-layer mixers (one global "attention" and
+    "linear_attention" spec, layers as {"kind", "mlp"}, mtp as {"num_layers", "layer"})."""
+    shared = {LayerKind.FULL_ATTENTION: data.get("attention"), LayerKind.LINEAR_ATTENTION: data.get("linear_attention")}
+    cache: dict = {}
+    layer = lambda d: _layer_from_dict(d, shared, cache)  # noqa: E731
     mtp = data.get("mtp")
+    if mtp:
+        heads = (tuple(layer(x) for x in mtp["layers"]) if "layers" in mtp
+                 else (layer(mtp["layer"]),) * mtp["num_layers"])
     return ModelDescription(
         **{k: v for k, v in data.items() if k not in ("layers", "attention", "linear_attention", "moe", "mtp",
                                                        "eos_token_ids")},
         layers=tuple(layer(x) for x in data["layers"]),
-        attention=AttentionSpec(**{**data["attention"], "mrope_section": tuple(data["attention"]["mrope_section"])
-                                   if data["attention"].get("mrope_section") else None}),
-        linear_attention=LinearAttentionSpec(**data["linear_attention"]),
         moe=MoESpec(**data["moe"]) if data.get("moe") else None,
-        mtp=MTPSpec(mtp["num_layers"], layer(mtp["layer"]), mtp["source"]) if mtp else None,
+        mtp=MTPSpec(heads, mtp["source"]) if mtp else None,
         eos_token_ids=tuple(data.get("eos_token_ids", ())))
+
+
+def _layer_dict(layer: LayerSpec) -> dict:
+    return {"kind": layer.kind.value, "mixer": _plain(asdict(layer.mixer)), "mlp": layer.mlp.value}
+
+
+def _layer_from_dict(d: dict, shared: dict, cache: dict) -> LayerSpec:
+    """Equal mixer dicts give one shared spec object, as the families build them."""
+    kind = LayerKind(d["kind"])
+    spec = d.get("mixer", shared[kind])
+    if spec is None:
+        raise ValueError(f"a {kind.value} layer has no mixer spec in the description")
+    key = (kind, repr(sorted(spec.items())))
+    if key not in cache:
+        if kind == LayerKind.FULL_ATTENTION:
+            spec = {**spec, "mrope_section": tuple(spec["mrope_section"]) if spec.get("mrope_section") else None}
+            cache[key] = AttentionSpec(**spec)
+        else:
+            cache[key] = LinearAttentionSpec(**spec)
+    return LayerSpec(cache[key], MLPKind(d["mlp"]))
 
 
 def _plain(x):

@@ -3,7 +3,7 @@ its aligned text form."""
 
 from __future__ import annotations
 
-from tandem.checkpoint.description import LayerKind, MLPKind
+from tandem.checkpoint.description import AttentionSpec, LayerKind, LinearAttentionSpec, MLPKind
 from tandem.checkpoint.reader import Checkpoint
 
 
@@ -23,14 +23,8 @@ def summarize(ckpt: Checkpoint, spec_k: int | None) -> dict:
         "layer_kinds": kinds,
         "layer_pattern": "".join("A" if layer.kind == LayerKind.FULL_ATTENTION else "L" for layer in d.layers),
         "mlp_kinds": mlps,
-        "attention": {"heads": d.attention.num_heads, "kv_heads": d.attention.num_kv_heads,
-                      "head_dim": d.attention.head_dim, "rotary_dim": d.attention.rotary_dim,
-                      "rope_theta": d.attention.rope_theta, "output_gate": d.attention.output_gate},
-        "gated_deltanet": {"key_heads": d.linear_attention.num_key_heads,
-                           "value_heads": d.linear_attention.num_value_heads,
-                           "key_head_dim": d.linear_attention.key_head_dim,
-                           "value_head_dim": d.linear_attention.value_head_dim,
-                           "conv_kernel": d.linear_attention.conv_kernel},
+        "attention": _attention(d.attention),
+        "gated_deltanet": _gdn(d.linear_attention),
         "moe": None if d.moe is None else {"experts": d.moe.num_experts, "top_k": d.moe.top_k,
                                            "expert_intermediate": d.moe.expert_intermediate_size,
                                            "shared_expert_intermediate": d.moe.shared_expert_intermediate_size},
@@ -47,6 +41,18 @@ def summarize(ckpt: Checkpoint, spec_k: int | None) -> dict:
     return out
 
 
+def _attention(a: AttentionSpec) -> dict:
+    """The first attention layer's spec (the one every Qwen attention layer shares)."""
+    return {"heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "rotary_dim": a.rotary_dim,
+            "rope_theta": a.rope_theta, "output_gate": a.output_gate, "window": a.window}
+
+
+def _gdn(g: LinearAttentionSpec | None) -> dict | None:
+    return None if g is None else {"key_heads": g.num_key_heads, "value_heads": g.num_value_heads,
+                                   "key_head_dim": g.key_head_dim, "value_head_dim": g.value_head_dim,
+                                   "conv_kernel": g.conv_kernel}
+
+
 def format_summary(s: dict) -> str:
     a, g, kv = s["attention"], s["gated_deltanet"], s["kv_bytes_per_token"]
     rows = [
@@ -57,10 +63,12 @@ def format_summary(s: dict) -> str:
                    f"{s['layer_kinds']['full_attention']} gated full attention  [{s['layer_pattern']}]"),
         ("mlp", ", ".join(f"{n} {k}" for k, n in s["mlp_kinds"].items() if n)),
         ("attention", f"{a['heads']} query / {a['kv_heads']} KV heads x {a['head_dim']}, rotary {a['rotary_dim']} "
-                      f"dims (theta {a['rope_theta']:g})" + (", output gate" if a["output_gate"] else "")),
-        ("gated deltanet", f"{g['key_heads']} key heads x {g['key_head_dim']}, {g['value_heads']} value heads x "
-                           f"{g['value_head_dim']}, conv kernel {g['conv_kernel']}"),
+                      f"dims (theta {a['rope_theta']:g})" + (", output gate" if a["output_gate"] else "")
+                      + (f", sliding window {a['window']}" if a["window"] else "")),
     ]
+    if g:
+        rows.append(("gated deltanet", f"{g['key_heads']} key heads x {g['key_head_dim']}, {g['value_heads']} value "
+                                       f"heads x {g['value_head_dim']}, conv kernel {g['conv_kernel']}"))
     if s["moe"]:
         m = s["moe"]
         rows.append(("moe", f"{m['experts']} experts, top-{m['top_k']}, expert {m['expert_intermediate']}, "

@@ -18,7 +18,7 @@ import onnx
 from onnx import helper
 
 from tandem import contract as c
-from tandem.checkpoint.description import LayerKind, ModelDescription
+from tandem.checkpoint.description import AttentionSpec, LayerKind, ModelDescription
 from tandem.export import acceptance
 from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN, GraphBuilder, value_info
 from tandem.export.layers import (
@@ -35,11 +35,34 @@ from tandem.export.ops import gated_deltanet, paged_sparse_attention
 from tandem.graph_kinds import TARGET_STEP, GraphKind
 
 
+def check_exportable(desc: ModelDescription) -> None:
+    """Refuse, naming the layer, what the descriptions can say but the graphs do not build yet:
+    sliding-window attention, and attention layers whose RoPE differs (one table per graph)."""
+    named = [(f"layer {i}", x) for i, x in enumerate(desc.layers)]
+    named += [(f"MTP head layer {j}", x) for j, x in enumerate(desc.mtp.layers if desc.mtp else ())]
+    rope = None
+    for name, layer in named:
+        a = layer.mixer
+        if not isinstance(a, AttentionSpec):
+            continue
+        if a.window is not None:
+            raise ValueError(f"{desc.architecture} {name}: sliding-window attention (window {a.window}) is not "
+                             f"implemented yet in the exporter; only full attention layers can be exported")
+        if rope is None:
+            rope = (name, a.rotary_dim, a.rope_theta)
+        elif (a.rotary_dim, a.rope_theta) != rope[1:]:
+            raise ValueError(f"{desc.architecture} {name}: RoPE (rotary dims {a.rotary_dim}, theta {a.rope_theta:g}) "
+                             f"differs from {rope[0]}'s ({rope[1]}, {rope[2]:g}); per-layer RoPE is not "
+                             f"implemented yet in the exporter")
+
+
 def _paging(b: GraphBuilder, desc: ModelDescription, ids: str, dtype: str) -> Paging:
-    """Positions context_lens + w for the rows of `ids`, their RoPE tables, and dense selection."""
+    """Positions context_lens + w for the rows of `ids`, their RoPE tables, and dense selection.
+    Every attention layer shares the tables (check_exportable)."""
+    check_exportable(desc)
     w = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(ids, 1, 2), [0]), b.const(1, np.int64))
     positions = b.op("Add", b.unsqueeze(c.CONTEXT_LENS, [1]), b.unsqueeze(w, [0]), name="positions")
-    cos, sin = rotary_tables(b, desc, positions, dtype)
+    cos, sin = rotary_tables(b, desc.attention, positions, dtype)
     return Paging(c.CONTEXT_LENS, c.BLOCK_TABLES, cos, sin, b.const(np.zeros((1, 1, 0), np.int64)))
 
 
@@ -63,14 +86,14 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
         p = f"layers.{i}."
         with b.scope(f"model/layers.{i}"):
             if layer.kind == LayerKind.FULL_ATTENTION:
-                def mixer(xn, i=i, p=p):
-                    out, k, v = attention(b, desc, w, xn, p, paging, c.key_pool(i), c.value_pool(i))
+                def mixer(xn, i=i, p=p, spec=layer.mixer):
+                    out, k, v = attention(b, desc, spec, w, xn, p, paging, c.key_pool(i), c.value_pool(i))
                     return out, (k, v)
             else:
-                def mixer(xn, i=i, p=p):
+                def mixer(xn, i=i, p=p, spec=layer.mixer):
                     rec = b.op("Gather", c.recurrent_pool(i), c.STATE_SLOTS, axis=0, name="gather_state")
                     conv = b.op("Gather", c.conv_pool(i), c.STATE_SLOTS, axis=0, name="gather_conv")
-                    out = gated_deltanet_layer(b, desc, w, xn, p, rec, conv, state_rows, row_states=verify)
+                    out = gated_deltanet_layer(b, desc, spec, w, xn, p, rec, conv, state_rows, row_states=verify)
                     return out.output, out
             x, extra = decoder_layer(b, desc, w, x, p, layer, mixer)
         (kv if layer.kind == LayerKind.FULL_ATTENTION else gdn)[i] = extra
@@ -115,7 +138,7 @@ def target_step(desc: ModelDescription, w: Weights, gdn_chunk_size: int = 0) -> 
         with b.scope(f"model/layers.{i}/commit"):
             produced[c.new_recurrent_state(i)] = g.state
             produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, c.STATE_ROWS,
-                                                               desc.linear_attention.conv_kernel)
+                                                               desc.layers[i].mixer.conv_kernel)
     return _finish(b, TARGET_STEP.name, ins, outs, produced, _functions(row_states=False, chunk=gdn_chunk_size))
 
 
@@ -137,7 +160,7 @@ def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.Mode
         with b.scope(f"model/layers.{i}/commit"):
             produced[c.new_recurrent_state(i)] = b.op("GatherND", g.state, b.unsqueeze(accepted, [1]), batch_dims=1)
             produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, kept,
-                                                               desc.linear_attention.conv_kernel)
+                                                               desc.layers[i].mixer.conv_kernel)
     return _finish(b, kind.name, ins, outs, produced, _functions(row_states=True))
 
 
@@ -155,11 +178,17 @@ def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
         x = b.op("MatMul", b.concat([e, h], -1), w.matmul_t(b, "mtp.fc.weight"), name="fc/MatMul")
         p = f"mtp.layers.{head}."
 
+        layer = desc.mtp.layers[head]
+        if layer.kind != LayerKind.FULL_ATTENTION:
+            raise ValueError(f"{desc.architecture} MTP head layer {head}: a {layer.kind.value} head layer is not "
+                             f"implemented yet in the exporter")
+
         def mixer(xn):
-            out, k, v = attention(b, desc, w, xn, p, paging, c.key_pool(layer_name), c.value_pool(layer_name))
+            out, k, v = attention(b, desc, layer.mixer, w, xn, p, paging, c.key_pool(layer_name),
+                                  c.value_pool(layer_name))
             return out, (k, v)
 
-        x, (k, v) = decoder_layer(b, desc, w, x, p, desc.mtp.layer, mixer)
+        x, (k, v) = decoder_layer(b, desc, w, x, p, layer, mixer)
         g = rms_norm(b, x, w.plus_one(b, "mtp.norm.weight"), eps, "norm")
         g_last = b.op("GatherND", g, b.unsqueeze(c.LAST_ROW, [1]), batch_dims=1, name="last_row")   # [B, H]
     logits = _lm_head(b, w, g_last)                                                                 # [B, V]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from tandem.checkpoint.description import LayerSpec, MLPKind, ModelDescription
+from tandem.checkpoint.description import AttentionSpec, LayerSpec, LinearAttentionSpec, MLPKind, ModelDescription
 from tandem.export.builder import ONNX_DTYPES, TANDEM_DOMAIN, GraphBuilder
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
@@ -83,11 +83,11 @@ def linear(b: GraphBuilder, w: Weights, x: str, name: str, scope: str) -> str:
     return b.op("MatMul", x, w.matmul_t(b, name), name=f"{scope}/MatMul")
 
 
-def rotary_tables(b: GraphBuilder, desc: ModelDescription, positions: str, dtype: str = "float32"
+def rotary_tables(b: GraphBuilder, a: AttentionSpec, positions: str, dtype: str = "float32"
                   ) -> tuple[str, str]:
     """cos/sin [B, W, 1, rd] in `dtype` for int64 positions [B, W] (NeoX layout: freqs repeated
-    twice); the angles are float32 (position x frequency needs the mantissa)."""
-    a = desc.attention
+    twice) with `a`'s theta and rotary dims; the angles are float32 (position x frequency needs
+    the mantissa)."""
     inv_freq = 1.0 / (a.rope_theta ** (np.arange(0, a.rotary_dim, 2, dtype=np.float64) / a.rotary_dim))
     with b.scope("rotary"):
         freqs = b.op("Mul", b.unsqueeze(b.op("Cast", positions, to=TensorProto.FLOAT), [2]),
@@ -109,10 +109,10 @@ def apply_rotary(b: GraphBuilder, x: str, paging: Paging, head_dim: int, rotary_
     return b.concat([x_rot, b.slice(x, [rotary_dim], [head_dim], [3])], -1)
 
 
-def attention(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str, paging: Paging,
-              key_pool: str, value_pool: str) -> tuple[str, str, str]:
-    """Gated full attention of canonical layer prefix `p` -> (output, new K rows, new V rows)."""
-    a, eps = desc.attention, desc.rms_norm_eps
+def attention(b: GraphBuilder, desc: ModelDescription, a: AttentionSpec, w: Weights, x: str, p: str,
+              paging: Paging, key_pool: str, value_pool: str) -> tuple[str, str, str]:
+    """Gated full attention `a` of canonical layer prefix `p` -> (output, new K rows, new V rows)."""
+    eps = desc.rms_norm_eps
     hd = a.head_dim
     with b.scope("attn"):
         qg = b.reshape(linear(b, w, x, p + "self_attn.q_proj.weight", "q_proj"), [0, 0, a.num_heads, 2 * hd])
@@ -139,10 +139,11 @@ class GDNOutputs:
     conv_padded: str    # [B, C, K-1+W]: the conv window followed by this step's conv inputs
 
 
-def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str,
-                         recurrent_state: str, conv_state: str, state_rows: str, row_states: bool) -> GDNOutputs:
-    """Gated DeltaNet mixer of canonical prefix `p`; states are the gathered per-sequence ones."""
-    g, eps = desc.linear_attention, desc.rms_norm_eps
+def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, g: LinearAttentionSpec, w: Weights, x: str,
+                         p: str, recurrent_state: str, conv_state: str, state_rows: str,
+                         row_states: bool) -> GDNOutputs:
+    """Gated DeltaNet mixer `g` of canonical prefix `p`; states are the gathered per-sequence ones."""
+    eps = desc.rms_norm_eps
     q = p + "linear_attn."
     with b.scope("linear_attn"):
         qkv = linear(b, w, x, q + "in_proj_qkv.weight", "in_proj_qkv")        # [B, W, C]

@@ -33,7 +33,19 @@ def describe(config: dict, architecture: str, *, mtp_layers: int, mtp_source: st
 
 
 def sources(desc, per_expert: bool = False) -> dict[str, Source]:
-    g = desc.linear_attention
+    def linear_attention(canonical: str, shape, stored_prefix: str) -> Source:
+        head, leaf = canonical.rsplit(".linear_attn.", 1)
+        stored_leaf, stored_shape, fn = _fused_picks(desc, head)[leaf.removesuffix(".weight")]
+        return Source((f"{stored_prefix}{head}.linear_attn.{stored_leaf}.weight",), (stored_shape,), fn)
+
+    return qwen_hybrid.sources(desc, trunk_prefix="model.", per_expert=per_expert,
+                               linear_attention=linear_attention)
+
+
+def _fused_picks(desc, head: str) -> dict:
+    """How layer `head`'s (e.g. "layers.3") GDN projections are cut out of its fused, per-key-head
+    interleaved in_proj_qkvz / in_proj_ba: {canonical leaf: (stored leaf, stored shape, take)}."""
+    g = desc.layers[int(head.rsplit(".", 1)[1])].mixer
     hk, r, dk, dv, h = g.num_key_heads, g.num_value_heads // g.num_key_heads, g.key_head_dim, g.value_head_dim, \
         desc.hidden_size
     qkvz_shape, ba_shape = (hk * (2 * dk + 2 * r * dv), h), (hk * 2 * r, h)
@@ -52,13 +64,5 @@ def sources(desc, per_expert: bool = False) -> dict[str, Source]:
     def take_a(parts):
         return parts[0].reshape(hk, 2 * r, h)[:, r:].reshape(-1, h)
 
-    picks = {"in_proj_qkv": ("in_proj_qkvz", qkvz_shape, take_qkv), "in_proj_z": ("in_proj_qkvz", qkvz_shape, take_z),
-             "in_proj_b": ("in_proj_ba", ba_shape, take_b), "in_proj_a": ("in_proj_ba", ba_shape, take_a)}
-
-    def linear_attention(canonical: str, shape, stored_prefix: str) -> Source:
-        head, leaf = canonical.rsplit(".linear_attn.", 1)
-        stored_leaf, stored_shape, fn = picks[leaf.removesuffix(".weight")]
-        return Source((f"{stored_prefix}{head}.linear_attn.{stored_leaf}.weight",), (stored_shape,), fn)
-
-    return qwen_hybrid.sources(desc, trunk_prefix="model.", per_expert=per_expert,
-                               linear_attention=linear_attention)
+    return {"in_proj_qkv": ("in_proj_qkvz", qkvz_shape, take_qkv), "in_proj_z": ("in_proj_qkvz", qkvz_shape, take_z),
+            "in_proj_b": ("in_proj_ba", ba_shape, take_b), "in_proj_a": ("in_proj_ba", ba_shape, take_a)}

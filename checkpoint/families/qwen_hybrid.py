@@ -115,12 +115,14 @@ def describe(cfg: dict, *, family: str, architecture: str, model_type: str,
             shared_expert_intermediate_size=int(_get(cfg, "shared_expert_intermediate_size")),
             norm_topk_prob=bool(cfg.get("norm_topk_prob", True)))
     kinds = layer_kinds(cfg, n_layers)
-    layers = tuple(LayerSpec(k, MLPKind.MOE if moe_layer and moe_layer(i) else MLPKind.DENSE)
+    # every attention layer (trunk and heads) shares `attention`, every GDN layer `gdn`
+    mixers = {LayerKind.FULL_ATTENTION: attention, LayerKind.LINEAR_ATTENTION: gdn}
+    layers = tuple(LayerSpec(mixers[k], MLPKind.MOE if moe_layer and moe_layer(i) else MLPKind.DENSE)
                    for i, k in enumerate(kinds))
     mtp = None
     if mtp_layers > 0:
-        mtp_mlp = MLPKind.MOE if moe is not None else MLPKind.DENSE
-        mtp = MTPSpec(mtp_layers, LayerSpec(LayerKind.FULL_ATTENTION, mtp_mlp), mtp_source)
+        head = LayerSpec(attention, MLPKind.MOE if moe is not None else MLPKind.DENSE)
+        mtp = MTPSpec((head,) * mtp_layers, mtp_source)
     eos = top.get("eos_token_id", cfg.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     dtype_name = str(top.get("dtype") or top.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype")
@@ -131,7 +133,7 @@ def describe(cfg: dict, *, family: str, architecture: str, model_type: str,
         family=family, architecture=architecture, model_type=model_type,
         vocab_size=int(_get(cfg, "vocab_size")), hidden_size=hidden,
         intermediate_size=int(cfg.get("intermediate_size") or 0), layers=layers,
-        attention=attention, linear_attention=gdn, moe=moe,
+        moe=moe,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(top.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
@@ -141,8 +143,8 @@ def describe(cfg: dict, *, family: str, architecture: str, model_type: str,
 
 # ---- canonical tensors -------------------------------------------------------------------
 
-def attention_shapes(d: ModelDescription, p: str) -> dict[str, Shape]:
-    a, h = d.attention, d.hidden_size
+def attention_shapes(d: ModelDescription, p: str, a: AttentionSpec) -> dict[str, Shape]:
+    h = d.hidden_size
     q_rows = a.num_heads * a.head_dim * (2 if a.output_gate else 1)
     kv_rows = a.num_kv_heads * a.head_dim
     out = {p + "self_attn.q_proj.weight": (q_rows, h), p + "self_attn.k_proj.weight": (kv_rows, h),
@@ -154,8 +156,8 @@ def attention_shapes(d: ModelDescription, p: str) -> dict[str, Shape]:
     return out
 
 
-def linear_attention_shapes(d: ModelDescription, p: str) -> dict[str, Shape]:
-    g, h, q = d.linear_attention, d.hidden_size, p + "linear_attn."
+def linear_attention_shapes(d: ModelDescription, p: str, g: LinearAttentionSpec) -> dict[str, Shape]:
+    h, q = d.hidden_size, p + "linear_attn."
     return {q + "in_proj_qkv.weight": (g.conv_dim, h), q + "in_proj_z.weight": (g.value_dim, h),
             q + "in_proj_b.weight": (g.num_value_heads, h), q + "in_proj_a.weight": (g.num_value_heads, h),
             q + "conv1d.weight": (g.conv_dim, 1, g.conv_kernel), q + "A_log": (g.num_value_heads,),
@@ -178,7 +180,8 @@ def mlp_shapes(d: ModelDescription, p: str, kind: MLPKind) -> dict[str, Shape]:
 def layer_shapes(d: ModelDescription, p: str, layer: LayerSpec) -> dict[str, Shape]:
     h = d.hidden_size
     out = {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,)}
-    out.update(attention_shapes(d, p) if layer.kind == LayerKind.FULL_ATTENTION else linear_attention_shapes(d, p))
+    m = layer.mixer
+    out.update(attention_shapes(d, p, m) if isinstance(m, AttentionSpec) else linear_attention_shapes(d, p, m))
     out.update(mlp_shapes(d, p, layer.mlp))
     return out
 
@@ -199,8 +202,8 @@ def mtp_shapes(d: ModelDescription) -> dict[str, Shape]:
     h = d.hidden_size
     out = {"mtp.fc.weight": (h, 2 * h), "mtp.pre_fc_norm_embedding.weight": (h,),
            "mtp.pre_fc_norm_hidden.weight": (h,), "mtp.norm.weight": (h,)}
-    for j in range(d.mtp.num_layers):
-        out.update(layer_shapes(d, f"mtp.layers.{j}.", d.mtp.layer))
+    for j, layer in enumerate(d.mtp.layers):
+        out.update(layer_shapes(d, f"mtp.layers.{j}.", layer))
     return out
 
 
