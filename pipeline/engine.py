@@ -93,9 +93,12 @@ class EngineStats:
                 mine[i] += v
 
 
-def _uniform(seq: Sequence) -> float:
-    """The uniform of the position the next appended token fills."""
-    return float(uniforms([seq.seed], np.array([len(seq.tokens)]))[0])
+def _next_token(seq: Sequence, logits: np.ndarray) -> int:
+    """The token appended next, from one row of logits; a sampled one takes the uniform of the
+    position it fills (greedy rows skip computing it: it is on every plain decode step)."""
+    if seq.params.greedy:
+        return int(np.argmax(logits))
+    return sample(logits, seq.params, float(uniforms([seq.seed], np.array([len(seq.tokens)]))[0]))
 
 
 def _sampling_inputs(p: SamplingParams) -> dict:
@@ -168,7 +171,7 @@ class Engine:
             seq.prefilled = seq.committed = b
             if b == seq.prefill_target:
                 if seq.num_generated == 0:  # fresh prompt: its first token comes from the last row
-                    seq.tokens.append(sample(out[c.LOGITS][b - a - 1], seq.params, _uniform(seq)))
+                    seq.tokens.append(_next_token(seq, out[c.LOGITS][b - a - 1]))
                     seq.metrics.first_token = time.perf_counter()
                 seq.status = Status.DECODE
                 done.append(seq)
@@ -187,7 +190,7 @@ class Engine:
         self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
         for seq, out in zip(seqs, outs.rows()):
             seq.committed += 1
-            seq.tokens.append(sample(out[c.LOGITS][0], seq.params, _uniform(seq)))
+            seq.tokens.append(_next_token(seq, out[c.LOGITS][0]))
 
     def _speculative_round(self, seqs: list[Sequence]) -> None:
         with self._phase("draft"):

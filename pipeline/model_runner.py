@@ -73,6 +73,7 @@ class ModelRunner:
         self.calls: dict[str, int] = {}
         self.seconds: dict[str, float] = {}     # engine time per graph kind
         self.engine_seconds = 0.0
+        self._bindings: dict[tuple, object] = {}   # (graph kind, batch, width, pages) -> backend binding
 
     # ---- public calls ------------------------------------------------------------------
     def target_step(self, rows: list[Rows]) -> Outputs:
@@ -109,6 +110,14 @@ class ModelRunner:
         return Outputs({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
 
     def _binding(self, graph: GraphKind, batch, width, pages, fixed):
+        """The bucket's binding; its shapes are worked out from the contract once, on its first call."""
+        key = (graph, batch, width, pages)
+        binding = self._bindings.get(key)
+        if binding is None:
+            binding = self._bindings[key] = self._new_binding(graph, batch, width, pages, fixed)
+        return binding
+
+    def _new_binding(self, graph: GraphKind, batch, width, pages, fixed):
         dims = {"batch": batch, "rows": width, "max_pages": pages}
         shape = lambda spec: tuple(dims.get(d, d) if isinstance(d, str) else d for d in spec.shape)  # noqa: E731
         ins, outs = c.graph_io(self.desc, graph, self.dtype)
