@@ -106,11 +106,7 @@ class EngineLoop:
     def fail_everything(self, message: str) -> None:
         """After the thread ended: every queued and live request gets the error (the thread no
         longer touches these structures, so the event loop may)."""
-        while True:
-            try:
-                kind, item = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for kind, item in self._pending_commands():
             if kind == "add":
                 _settle(item.future, error=EngineError(message))
         for rid in list(self._live):
@@ -143,12 +139,16 @@ class EngineLoop:
             self._deliver(outputs)
         self._update_gauges()
 
-    def _take_commands(self) -> None:
+    def _pending_commands(self):
+        """(kind, item) for every command queued now, taking each off the queue."""
         while True:
             try:
-                kind, item = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
-                break
+                return
+
+    def _take_commands(self) -> None:
+        for kind, item in self._pending_commands():
             if kind == "add":
                 try:
                     item.seq = self.llm.add_request(item.prompt, item.params, request_id=item.id)
