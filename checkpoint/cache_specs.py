@@ -24,8 +24,21 @@ RECURRENT, CONV = "recurrent", "conv"  # Gated DeltaNet recurrent state and conv
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+class _PoolSpec:
+    """What both kinds of pool share: a dtype that may follow the activations, and bytes per
+    element block (one page row, or one sequence's state)."""
+
+    dtype: str | None
+
+    def dtype_for(self, activation: str) -> str:
+        return self.dtype or activation
+
+    def _bytes(self, shape: tuple[int, ...], activation_bytes: int) -> int:
+        return math.prod(shape) * (DTYPE_BYTES[self.dtype] if self.dtype else activation_bytes)
+
+
 @dataclass(frozen=True)
-class PagedKVSpec:
+class PagedKVSpec(_PoolSpec):
     name: str                      # pool family: key_pool.{layer} in, new_key.{layer} out
     row_shape: tuple[int, ...]     # one token's row, e.g. [Hkv, head_dim]
     doc: str                       # what a row holds, e.g. "keys (post-RoPE)"
@@ -39,15 +52,12 @@ class PagedKVSpec:
         if self.window is not None and self.window < 1:
             raise ValueError(f"pool {self.name}: sliding window must be >= 1, got {self.window}")
 
-    def dtype_for(self, activation: str) -> str:
-        return self.dtype or activation
-
     def row_bytes(self, activation_bytes: int) -> int:
-        return math.prod(self.row_shape) * (DTYPE_BYTES[self.dtype] if self.dtype else activation_bytes)
+        return self._bytes(self.row_shape, activation_bytes)
 
 
 @dataclass(frozen=True)
-class StateSpec:
+class StateSpec(_PoolSpec):
     name: str                      # pool family: conv_pool.{layer} in, new_conv_state.{layer} out
     shape: tuple[int, ...]         # one sequence's state
     doc: str
@@ -56,11 +66,8 @@ class StateSpec:
     def __post_init__(self):
         _check(self.name, self.shape, self.dtype)
 
-    def dtype_for(self, activation: str) -> str:
-        return self.dtype or activation
-
     def slot_bytes(self, activation_bytes: int) -> int:
-        return math.prod(self.shape) * (DTYPE_BYTES[self.dtype] if self.dtype else activation_bytes)
+        return self._bytes(self.shape, activation_bytes)
 
 
 @dataclass(frozen=True)
