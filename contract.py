@@ -5,7 +5,10 @@ module spells a tensor name. Bump CONTRACT_VERSION on any change.
 
 Symbolic dims: batch (B), rows (W: 1 decode, k+1 verify, a chunk for prefill; R for a head),
 max_pages (P, block-table width), num_pages (N, pool pages), page_size (S), num_slots (state
-pool slots). Each layer's pools come from its cache specs (checkpoint/cache_specs.py): paged
+pool slots). Paged pools come in page groups, one per sliding window (None: full attention), each
+with its own pages and block table (`block_tables` for full attention, `block_tables.window{w}`
+for window w): a window group's pages that fall out of the window are released while the
+sequence runs, their table entries pointing at the scratch page (never read: masked). Each layer's pools come from its cache specs (checkpoint/cache_specs.py): paged
 rows live in pools [N, S, *row] (row w of sequence b at position context_lens[b] + w), states in
 [num_slots, *state]. Engines are pure: they read pools and states and output new rows and new
 states; the runtime commits what was accepted.
@@ -46,6 +49,18 @@ LOGITS = "logits"
 ACCEPTED = "accepted"
 NEXT_TOKEN = "next_token"
 DRAFT_TOKEN, DRAFT_PROB, HIDDEN_OUT = "draft_token", "draft_prob", "hidden_out"
+HIDDEN_ROWS = "hidden_rows"   # heads anchored on the previous head: every row's hidden
+
+
+def block_tables(window: int | None) -> str:
+    """The block-table input of a page group: `block_tables` (full attention), `block_tables.window8`."""
+    return BLOCK_TABLES if window is None else f"{BLOCK_TABLES}.window{window}"
+
+
+def page_groups(caches) -> list[int | None]:
+    """The page groups (sliding windows; None = full attention) of `caches`' paged pools, full first."""
+    windows = {p.window for cache in caches for p in cache.paged}
+    return sorted(windows, key=lambda w: -1 if w is None else w)
 
 
 def _pool(name: str, layer: int | str) -> str:
@@ -115,12 +130,14 @@ def new_conv_state(layer: int) -> str:
 
 # ---- specs ------------------------------------------------------------------------------
 
-def _paging_inputs() -> list[TensorSpec]:
-    return [
-        TensorSpec(CONTEXT_LENS, "int64", ("batch",), "committed tokens per sequence; row w is at position "
-                                                      "context_lens + w"),
-        TensorSpec(BLOCK_TABLES, "int64", ("batch", "max_pages"), "pool page of each committed page of a sequence"),
-    ]
+def _paging_inputs(caches) -> list[TensorSpec]:
+    """Context lengths and one block table per page group of `caches` (full attention if none)."""
+    tables = [TensorSpec(block_tables(w), "int64", ("batch", "max_pages"),
+                         "pool page of each page of a sequence" + (f" (window {w} pools; pages out of the window: "
+                                                                   "the scratch page)" if w else ""))
+              for w in page_groups(caches) or [None]]
+    return [TensorSpec(CONTEXT_LENS, "int64", ("batch",), "committed tokens per sequence; row w is at position "
+                                                          "context_lens + w"), *tables]
 
 
 def pool_shape(spec: PagedKVSpec | StateSpec) -> tuple[str | int, ...]:
@@ -159,7 +176,7 @@ def target_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list
     """Prefill chunk / decode: W rows per sequence -> hidden rows, logits, new K/V and states."""
     layer_in, layer_out = _trunk_layer_specs(desc, dtype)
     ins = [TensorSpec(INPUT_IDS, "int64", ("batch", "rows"), "token ids of the new rows"),
-           *_paging_inputs(),
+           *_paging_inputs(desc.layer_caches(mtp_layers=0)),
            TensorSpec(STATE_ROWS, "int64", ("batch",), "rows whose state to keep (1..W): later rows are padding"),
            *layer_in]
     outs = [TensorSpec(HIDDEN, dtype, ("batch", "rows", desc.hidden_size), "post-final-norm hidden of each row"),
@@ -172,7 +189,7 @@ def verify_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list
     """Target over [pending, d_1..d_k] fused with acceptance; states kept after the accepted rows."""
     layer_in, layer_out = _trunk_layer_specs(desc, dtype)
     ins = [TensorSpec(INPUT_IDS, "int64", ("batch", "rows"), "[pending token, draft 1..k]"),
-           *_paging_inputs(),
+           *_paging_inputs(desc.layer_caches(mtp_layers=0)),
            TensorSpec(TEMPERATURE, "float32", ("batch",), "below MIN_TEMPERATURE: greedy; else sampling temperature"),
            TensorSpec(TOP_K, "int64", ("batch",), "top-k filter, 0 = off"),
            TensorSpec(TOP_P, "float32", ("batch",), "top-p filter, 1 = off"),
@@ -190,13 +207,16 @@ def mtp_head_io(desc: ModelDescription, head: int, dtype: str = "float32") -> tu
     kv_in, kv_out = _pool_specs((desc.head_cache(head),), dtype)
     ins = [TensorSpec(INPUT_IDS, "int64", ("batch", "rows"), "token t_{i+1} of each row"),
            TensorSpec(HIDDEN_IN, dtype, ("batch", "rows", desc.hidden_size), "hidden h_i paired with each row"),
-           *_paging_inputs(),
+           *_paging_inputs((desc.head_cache(head),)),
            TensorSpec(LAST_ROW, "int64", ("batch",), "the row whose draft and hidden to return"),
            *kv_in]
     outs = [TensorSpec(DRAFT_TOKEN, "int64", ("batch",), "greedy draft at last_row"),
             TensorSpec(DRAFT_PROB, "float32", ("batch",), "the head's probability of that draft"),
-            TensorSpec(HIDDEN_OUT, dtype, ("batch", desc.hidden_size), "head hidden (after mtp.norm) at last_row"),
+            TensorSpec(HIDDEN_OUT, dtype, ("batch", desc.hidden_size), "head hidden (after its final norm) at last_row"),
             *kv_out]
+    if desc.mtp.anchor == "previous_head":  # the next head's rows pair with this head's hidden of every row
+        outs.insert(3, TensorSpec(HIDDEN_ROWS, dtype, ("batch", "rows", desc.hidden_size),
+                                  "head hidden (after its final norm) of every row"))
     return ins, outs
 
 

@@ -40,8 +40,10 @@ class MLPKind(str, Enum):
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Gated attention: q_proj gives [Hq, 2*head_dim] (query | gate) per head. `window`: the
-    layer attends to the last `window` positions only (None: full attention)."""
+    """GQA with optional gates. `output_gate`: q_proj gives [Hq, 2*head_dim] (query | gate) per
+    head and the output is multiplied elementwise by sigmoid(gate) (Qwen). `head_gate`: g_proj
+    [Hq, H] gives one sigmoid gate per head (Step-3.5). `window`: the layer attends to the last
+    `window` positions only (None: full attention). `softmax_scale` None: head_dim^-0.5."""
 
     num_heads: int
     num_kv_heads: int
@@ -53,8 +55,13 @@ class AttentionSpec:
     bias: bool = False
     mrope_section: tuple[int, ...] | None = None  # text-only input: all three streams equal
     window: int | None = None
+    head_gate: bool = False
+    softmax_scale: float | None = None
 
     def __post_init__(self):
+        if self.output_gate and self.head_gate:
+            raise ValueError("an attention layer has either the packed output gate or the head-wise g_proj gate, "
+                             "not both")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads {self.num_heads} is not a multiple of "
                              f"num_key_value_heads {self.num_kv_heads}")
@@ -62,6 +69,10 @@ class AttentionSpec:
             raise ValueError(f"rotary dim {self.rotary_dim} must be even and in 1..head_dim {self.head_dim}")
         if self.window is not None and (not isinstance(self.window, int) or self.window < 1):
             raise ValueError(f"sliding window {self.window!r} must be a positive number of positions (or None)")
+
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else float(self.head_dim ** -0.5)
 
     def cache_specs(self) -> tuple[PagedKVSpec, ...]:
         row = (self.num_kv_heads, self.head_dim)
@@ -102,17 +113,34 @@ class LinearAttentionSpec:
                 StateSpec(CONV, (self.conv_dim, self.conv_kernel - 1), "conv windows (the last K-1 conv inputs)"))
 
 
+MOE_ROUTERS = ("softmax", "sigmoid")
+
+
 @dataclass(frozen=True)
 class MoESpec:
+    """Routed experts plus one shared expert (size 0: none).
+
+    router "softmax" (Qwen): p = softmax(gate(x)); top-k of p; weights p[top] (renormalised when
+    norm_topk_prob). router "sigmoid" (Step-3.5, DeepSeek-V3): s = sigmoid(gate(x)); top-k of
+    s + e_score_correction_bias when score_correction_bias; weights s[top] (renormalised when
+    norm_topk_prob). Either way the routed sum is multiplied by routed_scaling_factor. The shared
+    expert's output is multiplied by sigmoid(shared_expert_gate(x)) when shared_expert_gate."""
+
     num_experts: int
     top_k: int
     expert_intermediate_size: int
     shared_expert_intermediate_size: int
     norm_topk_prob: bool = True
+    router: str = "softmax"
+    score_correction_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    shared_expert_gate: bool = True
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts {self.num_experts}")
+        if self.router not in MOE_ROUTERS:
+            raise ValueError(f"MoE router {self.router!r} is not one of {MOE_ROUTERS}")
 
 
 Mixer = AttentionSpec | LinearAttentionSpec
@@ -120,28 +148,60 @@ Mixer = AttentionSpec | LinearAttentionSpec
 
 @dataclass(frozen=True)
 class LayerSpec:
-    """One decoder layer: its own mixer spec and its MLP kind."""
+    """One decoder layer: its own mixer spec and its MLP kind. SwiGLU clamps (Step-3.5):
+    act = min(silu(gate), L) * clamp(up, -L, L); `swiglu_limit` for the dense MLP or the routed
+    experts, `shared_swiglu_limit` for the shared expert; None: no clamp."""
 
     mixer: Mixer
     mlp: MLPKind
+    swiglu_limit: float | None = None
+    shared_swiglu_limit: float | None = None
+
+    def __post_init__(self):
+        for name in ("swiglu_limit", "shared_swiglu_limit"):
+            limit = getattr(self, name)
+            if limit is not None and not limit > 0:
+                raise ValueError(f"{name} {limit!r} must be positive (or None for no clamp)")
 
     @property
     def kind(self) -> LayerKind:
         return LayerKind.FULL_ATTENTION if isinstance(self.mixer, AttentionSpec) else LayerKind.LINEAR_ATTENTION
 
 
+MTP_FORMS = ("fc", "nextn")
+MTP_ANCHORS = ("target", "previous_head")
+
+
 @dataclass(frozen=True)
 class MTPSpec:
-    """The MTP head(s): shared fc / pre-fc norms / final norm, and one decoder layer per head
-    (each with its own mixer spec and KV). Chained drafting uses layer s % num_layers at step s;
-    the reused mode uses layer 0 every step."""
+    """The MTP head(s): one decoder layer per head (each with its own mixer spec and KV) and the
+    input projection around it. Chained drafting uses layer s % num_layers at step s; the reused
+    mode uses layer 0 every step.
+
+    form "fc" (Qwen): x = mtp.fc(cat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]), one fc,
+        norm pair and final mtp.norm shared by all head layers.
+    form "nextn" (Step-3.5, DeepSeek-V3): per head j, x = eh_proj(cat[enorm(e), hnorm(h)]) and its
+        own final norm shared_head.norm; logits from its own shared_head.head when own_lm_head,
+        else from the target's lm_head.
+    anchor "target": every head's committed rows pair tokens with the target's hidden (vLLM's MTP).
+    anchor "previous_head": head j > 0's committed rows pair tokens with head j-1's hidden at the
+        same rows, head j one token ahead of head j-1 (transformers' chained NextN: Step-3.5)."""
 
     layers: tuple[LayerSpec, ...]
     source: str  # "checkpoint" or the draft folder's path
+    form: str = "fc"
+    own_lm_head: bool = False
+    anchor: str = "target"
 
     def __post_init__(self):
         if not self.layers:
             raise ValueError("an MTP spec needs at least one head layer")
+        if self.form not in MTP_FORMS:
+            raise ValueError(f"MTP form {self.form!r} is not one of {MTP_FORMS}")
+        if self.anchor not in MTP_ANCHORS:
+            raise ValueError(f"MTP anchor {self.anchor!r} is not one of {MTP_ANCHORS}")
+        if self.own_lm_head and self.form != "nextn":
+            raise ValueError("only NextN heads carry their own lm head (shared_head.head)")
 
     @property
     def num_layers(self) -> int:
@@ -231,7 +291,9 @@ def description_to_dict(desc: ModelDescription) -> dict:
     data = _plain({f.name: getattr(desc, f.name) for f in fields(desc) if f.name not in ("layers", "mtp", "moe")})
     data["moe"] = asdict(desc.moe) if desc.moe else None
     data["layers"] = [_layer_dict(x) for x in desc.layers]
-    data["mtp"] = {"layers": [_layer_dict(x) for x in desc.mtp.layers], "source": desc.mtp.source} if desc.mtp else None
+    data["mtp"] = ({"layers": [_layer_dict(x) for x in desc.mtp.layers],
+                    **{f.name: getattr(desc.mtp, f.name) for f in fields(desc.mtp) if f.name != "layers"}}
+                   if desc.mtp else None)
     return data
 
 
@@ -251,12 +313,14 @@ def description_from_dict(data: dict) -> ModelDescription:
                                                        "eos_token_ids")},
         layers=tuple(layer(x) for x in data["layers"]),
         moe=MoESpec(**data["moe"]) if data.get("moe") else None,
-        mtp=MTPSpec(heads, mtp["source"]) if mtp else None,
+        mtp=MTPSpec(heads, **{k: v for k, v in mtp.items() if k not in ("layers", "layer", "num_layers")})
+        if mtp else None,
         eos_token_ids=tuple(data.get("eos_token_ids", ())))
 
 
 def _layer_dict(layer: LayerSpec) -> dict:
-    return {"kind": layer.kind.value, "mixer": _plain(asdict(layer.mixer)), "mlp": layer.mlp.value}
+    return {"kind": layer.kind.value, "mixer": _plain(asdict(layer.mixer)), "mlp": layer.mlp.value,
+            "swiglu_limit": layer.swiglu_limit, "shared_swiglu_limit": layer.shared_swiglu_limit}
 
 
 def _layer_from_dict(d: dict, shared: dict, cache: dict) -> LayerSpec:
@@ -272,7 +336,7 @@ def _layer_from_dict(d: dict, shared: dict, cache: dict) -> LayerSpec:
             cache[key] = AttentionSpec(**spec)
         else:
             cache[key] = LinearAttentionSpec(**spec)
-    return LayerSpec(cache[key], MLPKind(d["mlp"]))
+    return LayerSpec(cache[key], MLPKind(d["mlp"]), d.get("swiglu_limit"), d.get("shared_swiglu_limit"))
 
 
 def _plain(x):
