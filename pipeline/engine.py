@@ -93,6 +93,14 @@ class EngineStats:
                 mine[i] += v
 
 
+def _head_rows(j: int, base: int, n: int) -> tuple[int, int]:
+    """Previous-head anchoring: head j's row q pairs tokens[q+1+j] with head j-1's hidden at row q,
+    so when head 0 commits rows base .. base+n-1, head j commits rows first .. first+count-1 with
+    the last `count` new tokens (rows below 0 do not exist: early in a prompt head j has fewer)."""
+    first = max(0, base - j)
+    return first, max(0, base + n - j) - first
+
+
 def _next_token(seq: Sequence, logits: np.ndarray) -> int:
     """The token appended next, from one row of logits; a sampled one takes the uniform of the
     position it fills (greedy rows skip computing it: it is on every plain decode step)."""
@@ -116,6 +124,9 @@ class Engine:
         self.runner, self.pools, self.scheduler = runner, pools, scheduler
         self.eos_ids = set(eos_ids)
         self.mtp_layers, self.chained = mtp_layers, chained
+        mtp = runner.desc.mtp
+        # only chained heads see another head's hidden; head 0 always pairs with the target's
+        self.by_previous_head = chained and mtp is not None and mtp.anchor == "previous_head"
         self.synthetic_acceptance = synthetic_acceptance
         self.width_per_batch = dict(sorted((width_per_batch or {}).items()))
         self.stats = EngineStats()
@@ -210,7 +221,10 @@ class Engine:
         return min(k, self.mtp_layers) if self.chained else k
 
     def _draft(self, seqs: list[Sequence]) -> dict[str, list[int]]:
-        """d_1 comes from the last re-anchor; steps s = 1..k-1 extend the chain."""
+        """d_1 comes from the last re-anchor; steps s = 1..k-1 extend the chain. Head s drafts over
+        rows (d_1, x_0) .. (d_s, x_{s-1}): x_i is the hidden of draft step i's last row (target
+        anchoring), or for previous-head anchoring head s-1's hidden of the same rows, starting
+        with its last committed row (see _head_rows)."""
         drafts = {s.request_id: [s.draft] if s.draft_prob >= s.params.p_min and self.round_k(s, len(seqs)) else []
                   for s in seqs}
         chains = {s.request_id: [s.chain_hidden] for s in seqs}
@@ -220,12 +234,21 @@ class Engine:
             head = step % self.mtp_layers if self.chained else 0
             if not active:
                 break
-            rows = [Rows(ids=drafts[s.request_id], context=s.head_committed, pages=s.table.pages,
-                         hidden=np.stack(chains[s.request_id])) for s in active]
-            for seq, out in zip(active, self.runner.head(head, rows).rows()):
+            rows = []
+            for s in active:
+                # previous-head anchoring: head s's committed rows end s rows before head 0's
+                n = min(step, s.head_committed) if self.by_previous_head else step
+                context = s.head_committed - (step if self.by_previous_head else 0)
+                rows.append(Rows(ids=drafts[s.request_id][step - n :], context=context + step - n,
+                                 pages=s.table.pages, hidden=np.stack(chains[s.request_id][-n:])))
+            for seq, out, r in zip(active, self.runner.head(head, rows).rows(), rows):
                 if out[c.DRAFT_PROB] >= seq.params.p_min:
                     drafts[seq.request_id].append(int(out[c.DRAFT_TOKEN]))
-                    chains[seq.request_id].append(out[c.HIDDEN_OUT].copy())
+                    if self.by_previous_head:  # the next head pairs these rows' hidden, after its own last row's
+                        carry = [seq.carries[head]] if head in seq.carries else []
+                        chains[seq.request_id] = [*carry, *out[c.HIDDEN_ROWS][: len(r.ids)].copy()]
+                    else:
+                        chains[seq.request_id].append(out[c.HIDDEN_OUT].copy())
         return drafts
 
     def _verify_and_commit(self, seqs: list[Sequence], drafts: dict[str, list[int]], width: int) -> None:
@@ -272,17 +295,40 @@ class Engine:
         return accepted, nxt, outs
 
     def _reanchor(self, work: list[tuple[Sequence, list[int], np.ndarray]]) -> None:
-        """Run every head over (token, target hidden) rows and commit them; head 0's last row
-        gives the next round's first draft."""
+        """Run every head over the newly committed (token, hidden) rows and commit them; head 0's
+        last row gives the next round's first draft. Target anchoring: every head pairs the new
+        tokens with the target's hidden. Previous-head anchoring: head j pairs them with head j-1's
+        hidden of the same rows (_head_rows), so heads run in order and each keeps its hidden at its
+        last committed row (`carries`) for the next head's first row."""
         heads = range(self.mtp_layers) if self.chained else range(1)
+        for s, _, _ in work:
+            if s.head_committed == 0:   # a fresh (or recomputed) sequence
+                s.carries.clear()
+        previous: dict[int, np.ndarray] = {}  # id(seq) -> head j-1's hidden of head j's new rows
         for j in heads:
-            rows = [Rows(ids=ids, context=s.head_committed, pages=s.table.pages, hidden=h) for s, ids, h in work]
+            batch = []
+            for s, ids, h in work:
+                if j and self.by_previous_head:
+                    first, count = _head_rows(j, s.head_committed, len(ids))
+                    if count:
+                        batch.append((s, ids[len(ids) - count :], previous[id(s)][:count], first))
+                else:
+                    batch.append((s, ids, h, s.head_committed))
+            if not batch:
+                continue
+            rows = [Rows(ids=ids, context=first, pages=s.table.pages, hidden=h) for s, ids, h, first in batch]
             outs = self.runner.head(j, rows)
             layer = c.mtp_layer_name(j)
-            self.pools.write_rows([layer], outs.arrays, np.arange(len(work)), np.array([len(i) for _, i, _ in work]),
-                                  np.array([s.head_committed for s, _, _ in work]), [s.table.pages for s, _, _ in work])
+            self.pools.write_rows([layer], outs.arrays, np.arange(len(batch)), np.array([len(r.ids) for r in rows]),
+                                  np.array([r.context for r in rows]), [s.table.pages for s, *_ in batch])
+            if self.by_previous_head:
+                for i, (s, ids, _, first) in enumerate(batch):
+                    new = outs.arrays[c.HIDDEN_ROWS][i, : len(ids)]
+                    # head j+1's new rows start one row before head j's: at head j's last committed row
+                    previous[id(s)] = np.concatenate([s.carries[j][None], new]) if first else new.copy()
+                    s.carries[j] = new[-1].copy()
             if j == 0:
-                for (seq, _, _), out in zip(work, outs.rows()):
+                for (seq, *_), out in zip(batch, outs.rows()):
                     seq.draft, seq.draft_prob = int(out[c.DRAFT_TOKEN]), float(out[c.DRAFT_PROB])
                     seq.chain_hidden = out[c.HIDDEN_OUT].copy()
         for seq, ids, _ in work:

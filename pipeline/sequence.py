@@ -7,6 +7,9 @@ Invariants while decoding (positions are 0-based):
         h_i, so the last committed head row pairs the pending token with h_{committed-1}, the
         pending hidden (it lives in the heads' KV; no copy is kept on the host)
     draft, chain_hidden: head 0's draft d_1 and hidden g_0 at that last row
+    Heads anchored on the previous head (MTPSpec.anchor) lag: head j has committed head_committed - j
+        rows (row q pairs tokens[q+1+j] with head j-1's hidden at row q); carries[j] is its hidden
+        at its last committed row, which head j+1's next row pairs with
 Randomness: the token at index x of tokens is decided by U(seed, x) (pipeline/sampler.py), so a
 request's samples depend on its seed and positions only.
 """
@@ -78,6 +81,8 @@ class Sequence:
     draft: int | None = None
     draft_prob: float = 1.0
     chain_hidden: np.ndarray | None = None
+    carries: dict[int, np.ndarray] = field(default_factory=dict)  # previous-head anchoring: head j's hidden
+                                                                   # at its last committed row
     emitted: int = -1           # tokens[:emitted] were handed out as outputs (-1: none yet, set to len(prompt))
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
