@@ -4,8 +4,15 @@
                   (+ new K/V rows per attention layer, new states after state_rows rows per GDN layer)
     verify        same trunk over [pending, d_1..d_k]; acceptance in-graph; GDN states and conv
                   windows selected after the accepted rows (row_states -> GatherND at `accepted`)
-    MTP head j    x = fc(cat[norm_e(embed(t_{i+1})), norm_h(h_i)]) -> mtp.layers.j -> mtp.norm -> hidden
-                  row last_row -> lm_head -> greedy draft, its probability, the hidden to chain
+    MTP head j    fc form:    x = fc(cat[norm_e(embed(t_{i+1})), norm_h(h_i)]) -> mtp.layers.j -> mtp.norm
+                  nextn form: x = eh_proj_j(cat[enorm_j(embed(t_{i+1})), hnorm_j(h_i)]) -> mtp.layers.j
+                              -> shared_head.norm_j
+                  -> hidden; row last_row -> lm_head (nextn with own heads: shared_head.head_j) -> greedy
+                  draft, its probability, the hidden to chain (+ every row's hidden when the next head
+                  anchors on this one)
+
+Attention layers read the block table of their page group (sliding window) and the RoPE tables of
+their own (rotary_dim, theta); a graph builds one table pair per distinct RoPE among its layers.
 
 Dtypes follow the contract for the export dtype: the trunk and heads run in it (float32 or
 float16); logits leave the lm_head as float32, so acceptance and drafting compare float32.
@@ -21,49 +28,42 @@ from tandem import contract as c
 from tandem.checkpoint.description import AttentionSpec, LayerKind, ModelDescription
 from tandem.export import acceptance
 from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN, GraphBuilder, value_info
-from tandem.export.layers import (
-    Paging,
-    Weights,
-    attention,
-    cast,
-    decoder_layer,
-    gated_deltanet_layer,
-    rms_norm,
-    rotary_tables,
-)
+from tandem.export.layers import Paging, attention, decoder_layer, gated_deltanet_layer, rope_key, rotary_tables
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
+from tandem.export.primitives import Weights, cast, rms_norm
 from tandem.graph_kinds import TARGET_STEP, GraphKind
 
 
 def check_exportable(desc: ModelDescription) -> None:
     """Refuse, naming the layer, what the descriptions can say but the graphs do not build yet:
-    sliding-window attention, and attention layers whose RoPE differs (one table per graph)."""
+    attention projections with a bias, MTP head layers that are not attention."""
     named = [(f"layer {i}", x) for i, x in enumerate(desc.layers)]
     named += [(f"MTP head layer {j}", x) for j, x in enumerate(desc.mtp.layers if desc.mtp else ())]
-    rope = None
     for name, layer in named:
-        a = layer.mixer
-        if not isinstance(a, AttentionSpec):
-            continue
-        if a.window is not None:
-            raise ValueError(f"{desc.architecture} {name}: sliding-window attention (window {a.window}) is not "
-                             f"implemented yet in the exporter; only full attention layers can be exported")
-        if rope is None:
-            rope = (name, a.rotary_dim, a.rope_theta)
-        elif (a.rotary_dim, a.rope_theta) != rope[1:]:
-            raise ValueError(f"{desc.architecture} {name}: RoPE (rotary dims {a.rotary_dim}, theta {a.rope_theta:g}) "
-                             f"differs from {rope[0]}'s ({rope[1]}, {rope[2]:g}); per-layer RoPE is not "
+        if isinstance(layer.mixer, AttentionSpec) and layer.mixer.bias:
+            raise ValueError(f"{desc.architecture} {name}: attention projections with a bias are not implemented "
+                             f"yet in the exporter")
+    for j, layer in enumerate(desc.mtp.layers if desc.mtp else ()):
+        if layer.kind != LayerKind.FULL_ATTENTION:
+            raise ValueError(f"{desc.architecture} MTP head layer {j}: a {layer.kind.value} head layer is not "
                              f"implemented yet in the exporter")
 
 
-def _paging(b: GraphBuilder, desc: ModelDescription, ids: str, dtype: str) -> Paging:
-    """Positions context_lens + w for the rows of `ids`, their RoPE tables, and dense selection.
-    Every attention layer shares the tables (check_exportable)."""
+def _paging(b: GraphBuilder, desc: ModelDescription, layers, ids: str, dtype: str) -> Paging:
+    """Positions context_lens + w for the rows of `ids`, dense selection, and for the attention
+    `layers` of the graph: the block table of each page group (contract.block_tables) and one
+    cos/sin pair per distinct (rotary_dim, theta)."""
     check_exportable(desc)
+    specs = [x.mixer for x in layers if isinstance(x.mixer, AttentionSpec)]
     w = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(ids, 1, 2), [0]), b.const(1, np.int64))
     positions = b.op("Add", b.unsqueeze(c.CONTEXT_LENS, [1]), b.unsqueeze(w, [0]), name="positions")
-    cos, sin = rotary_tables(b, desc.attention, positions, dtype)
-    return Paging(c.CONTEXT_LENS, c.BLOCK_TABLES, cos, sin, b.const(np.zeros((1, 1, 0), np.int64)))
+    rotary = {}
+    for a in specs:
+        if rope_key(a) not in rotary:  # the first keeps the plain scope: single-RoPE graphs are unchanged
+            scope = "rotary" if not rotary else f"rotary.{a.rotary_dim}.{a.rope_theta:g}"
+            rotary[rope_key(a)] = rotary_tables(b, a, positions, dtype, scope)
+    tables = {a.window: c.block_tables(a.window) for a in specs}
+    return Paging(c.CONTEXT_LENS, tables, rotary, b.const(np.zeros((1, 1, 0), np.int64)))
 
 
 def _conv_window_after(b: GraphBuilder, padded: str, rows: str, kernel: int) -> str:
@@ -75,7 +75,7 @@ def _conv_window_after(b: GraphBuilder, padded: str, rows: str, kernel: int) -> 
 
 def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
     """Embed -> layers -> final norm. Returns (hidden, attention K/V per layer, GDN pieces)."""
-    paging = _paging(b, desc, c.INPUT_IDS, w.dtype)
+    paging = _paging(b, desc, desc.layers, c.INPUT_IDS, w.dtype)
     with b.scope("model/embed_tokens"):
         x = b.op("Gather", w.plain(b, "embed_tokens.weight"), c.INPUT_IDS, axis=0)
     state_rows = c.STATE_ROWS
@@ -102,12 +102,12 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
     return hidden, kv, gdn
 
 
-def _lm_head(b: GraphBuilder, w: Weights, hidden: str) -> str:
+def _lm_head(b: GraphBuilder, w: Weights, hidden: str, name: str = "lm_head.weight") -> str:
     """hidden [.., H] -> float32 logits [.., V]: the product in the export dtype, then widened. On
     ONNX Runtime CPU this equals an fp32 product on the same fp16 hidden (measured: bit for bit),
     so no fp32 copy of lm_head is stored."""
     with b.scope("lm_head"):
-        return cast(b, b.op("MatMul", hidden, w.matmul_t(b, "lm_head.weight"), name="MatMul"), w.dtype, "float32")
+        return cast(b, b.op("MatMul", hidden, w.matmul_t(b, name), name="MatMul"), w.dtype, "float32")
 
 
 def _finish(b: GraphBuilder, name: str, ins, outs, produced: dict[str, str], functions) -> onnx.ModelProto:
@@ -168,20 +168,11 @@ def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
     ins, outs = c.mtp_head_io(desc, head, w.dtype)
     b = GraphBuilder()
     layer_name = c.mtp_layer_name(head)
-    eps = desc.rms_norm_eps
-    paging = _paging(b, desc, c.INPUT_IDS, w.dtype)
+    layer = desc.mtp.layers[head]
+    p = f"mtp.layers.{head}."
+    paging = _paging(b, desc, (layer,), c.INPUT_IDS, w.dtype)
     with b.scope(f"mtp/{layer_name}"):
-        with b.scope("embed_tokens"):
-            e = b.op("Gather", w.plain(b, "embed_tokens.weight"), c.INPUT_IDS, axis=0)
-        e = rms_norm(b, e, w.plus_one(b, "mtp.pre_fc_norm_embedding.weight"), eps, "pre_fc_norm_embedding")
-        h = rms_norm(b, c.HIDDEN_IN, w.plus_one(b, "mtp.pre_fc_norm_hidden.weight"), eps, "pre_fc_norm_hidden")
-        x = b.op("MatMul", b.concat([e, h], -1), w.matmul_t(b, "mtp.fc.weight"), name="fc/MatMul")
-        p = f"mtp.layers.{head}."
-
-        layer = desc.mtp.layers[head]
-        if layer.kind != LayerKind.FULL_ATTENTION:
-            raise ValueError(f"{desc.architecture} MTP head layer {head}: a {layer.kind.value} head layer is not "
-                             f"implemented yet in the exporter")
+        x = _head_input(b, desc, w, head)
 
         def mixer(xn):
             out, k, v = attention(b, desc, layer.mixer, w, xn, p, paging, c.key_pool(layer_name),
@@ -189,17 +180,38 @@ def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
             return out, (k, v)
 
         x, (k, v) = decoder_layer(b, desc, w, x, p, layer, mixer)
-        g = rms_norm(b, x, w.plus_one(b, "mtp.norm.weight"), eps, "norm")
+        nextn = desc.mtp.form == "nextn"
+        g = rms_norm(b, x, w.plus_one(b, p + "shared_head.norm.weight" if nextn else "mtp.norm.weight"),
+                     desc.rms_norm_eps, "norm")                                                     # [B, R, H]
         g_last = b.op("GatherND", g, b.unsqueeze(c.LAST_ROW, [1]), batch_dims=1, name="last_row")   # [B, H]
-    logits = _lm_head(b, w, g_last)                                                                 # [B, V]
+    logits = _lm_head(b, w, g_last, p + "shared_head.head.weight" if desc.mtp.own_lm_head else "lm_head.weight")
     with b.scope("draft"):
         draft = b.op("ArgMax", logits, axis=-1, keepdims=0)
         top = b.op("ReduceMax", logits, b.const([-1], np.int64), keepdims=1)
         denom = b.op("ReduceSum", b.op("Exp", b.op("Sub", logits, top)), b.const([-1], np.int64), keepdims=0)
         prob = b.op("Reciprocal", denom)          # softmax probability of the argmax
-    produced = {c.DRAFT_TOKEN: draft, c.DRAFT_PROB: prob, c.HIDDEN_OUT: g_last,
+    produced = {c.DRAFT_TOKEN: draft, c.DRAFT_PROB: prob, c.HIDDEN_OUT: g_last, c.HIDDEN_ROWS: g,
                 c.new_key(layer_name): k, c.new_value(layer_name): v}
     return _finish(b, GraphKind.mtp_head(head).name, ins, outs, produced, _functions(row_states=False, gdn=False))
+
+
+def _head_input(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int) -> str:
+    """The head layer's input [B, R, H] from the row tokens and their paired hidden, embedding first:
+    fc form: mtp.fc(cat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]) (shared by every head);
+    nextn form: eh_proj(cat[enorm(e), hnorm(h)]) with head j's own mtp.layers.{j}.* weights."""
+    eps = desc.rms_norm_eps
+    if desc.mtp.form == "nextn":
+        p = f"mtp.layers.{head}."
+        names = (p + "enorm.weight", p + "hnorm.weight", p + "eh_proj.weight", "enorm", "hnorm", "eh_proj")
+    else:
+        names = ("mtp.pre_fc_norm_embedding.weight", "mtp.pre_fc_norm_hidden.weight", "mtp.fc.weight",
+                 "pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc")
+    e_norm, h_norm, proj, e_scope, h_scope, proj_scope = names
+    with b.scope("embed_tokens"):
+        e = b.op("Gather", w.plain(b, "embed_tokens.weight"), c.INPUT_IDS, axis=0)
+    e = rms_norm(b, e, w.plus_one(b, e_norm), eps, e_scope)
+    h = rms_norm(b, c.HIDDEN_IN, w.plus_one(b, h_norm), eps, h_scope)
+    return b.op("MatMul", b.concat([e, h], -1), w.matmul_t(b, proj), name=f"{proj_scope}/MatMul")
 
 
 def _functions(row_states: bool, gdn: bool = True, chunk: int = 0) -> list[onnx.FunctionProto]:

@@ -1,14 +1,16 @@
-"""Subgraph builders for one decoder layer and its parts, built straight from the weights.
+"""Subgraph builders for one decoder layer's mixer (attention, Gated DeltaNet) and the residual
+block around it, built straight from the weights and the layer's spec (the MLP half: mlp.py).
 
-Shapes: x [B, W, H]; heads split as [B, W, heads, dim]. Norms are zero-centred RMSNorm, so the
-exporter stores the scale 1 + w and uses the standard RMSNormalization op (fp32 stash).
+Shapes: x [B, W, H]; heads split as [B, W, heads, dim]. Norms are zero-centred RMSNorm (primitives.py).
 
 Precision: activations and weights are in the export dtype (float32 or float16). RoPE angles,
 the Gated DeltaNet recurrence (its inputs, gate math, state and gated norm) and the MoE router
 stay float32; attention scores are float32 inside PagedSparseAttention.
 
-    gated attention:  x -> q_proj -> [q | gate] per head; q_norm, k_norm; partial NeoX RoPE
-                      -> PagedSparseAttention(q, k, v, pools) * sigmoid(gate) -> o_proj
+    attention:        x -> q_proj -> q per head ([q | gate] with the packed output gate); q_norm, k_norm;
+                      partial NeoX RoPE with the layer's own (rotary_dim, theta)
+                      -> PagedSparseAttention(q, k, v, pools, the page group's table, scale, window)
+                      [* sigmoid(g_proj(x)) per head]  [* sigmoid(gate) elementwise] -> o_proj
     Gated DeltaNet:   x -> in_proj_qkv -> causal conv (with the K-1 window) -> SiLU -> q | k | v
                       q, k: L2 norm; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias)
                       -> GatedDeltaNet -> RMSNormGated(., z) -> out_proj
@@ -21,75 +23,41 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from tandem.checkpoint.description import AttentionSpec, LayerSpec, LinearAttentionSpec, MLPKind, ModelDescription
-from tandem.export.builder import ONNX_DTYPES, TANDEM_DOMAIN, GraphBuilder
+from tandem.checkpoint.description import AttentionSpec, LayerSpec, LinearAttentionSpec, ModelDescription
+from tandem.export.builder import TANDEM_DOMAIN, GraphBuilder
+from tandem.export.mlp import mlp
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
-
-
-class Weights:
-    """Canonical checkpoint tensors as export-dtype numpy, with the derived forms graphs use."""
-
-    def __init__(self, checkpoint, dtype: str = "float32"):
-        self.ckpt = checkpoint
-        self.dtype = dtype              # the graphs' activation dtype (contract spelling)
-        self.np_dtype = np.dtype(dtype)
-        self._derived: dict[str, np.ndarray] = {}  # graphs share weights: derive each once
-
-    def raw(self, name: str) -> np.ndarray:
-        return np.asarray(self.ckpt.weight(name)).astype(np.float32)
-
-    def derived(self, b: GraphBuilder, name: str, make) -> str:
-        if name not in self._derived:
-            self._derived[name] = np.ascontiguousarray(make())
-        return b.weight(name, self._derived[name])
-
-    def matmul_t(self, b: GraphBuilder, name: str) -> str:
-        """W^T [in, out] for x @ W^T (nn.Linear)."""
-        return self.derived(b, name + ".T", lambda: self.raw(name).T.astype(self.np_dtype))
-
-    def plus_one(self, b: GraphBuilder, name: str) -> str:
-        """1 + w: zero-centred RMSNorm scale."""
-        return self.derived(b, name + ".plus_one", lambda: (1.0 + self.raw(name)).astype(self.np_dtype))
-
-    def plain(self, b: GraphBuilder, name: str, dtype=None) -> str:
-        return self.derived(b, name, lambda: self.raw(name).astype(dtype or self.np_dtype))
+from tandem.export.primitives import Weights, cast, linear, rms_norm, silu
 
 
 @dataclass(frozen=True)
 class Paging:
-    """The graph-level tensors every attention layer reads."""
+    """The graph-level tensors the attention layers read: one block table per page group
+    (sliding window, None = full attention) and one cos/sin pair per distinct RoPE."""
 
-    context_lens: str   # [B]
-    block_tables: str   # [B, P]
-    cos: str            # [B, W, 1, rotary_dim]
-    sin: str
+    context_lens: str                                      # [B]
+    tables: dict[int | None, str]                          # window -> block tables [B, P]
+    rotary: dict[tuple[int, float], tuple[str, str]]       # (rotary_dim, theta) -> cos, sin [B, W, 1, rd]
     selected: str       # [B|1, W|1, K] committed positions each row may see; K = 0: dense
 
+    def table(self, a: AttentionSpec) -> str:
+        return self.tables[a.window]
 
-def cast(b: GraphBuilder, x: str, src: str, dst: str) -> str:
-    """x (of dtype `src`) as `dst`; no node when they agree, so float32 graphs are unchanged."""
-    return x if src == dst else b.op("Cast", x, to=ONNX_DTYPES[dst])
-
-
-def rms_norm(b: GraphBuilder, x: str, scale: str, eps: float, name: str) -> str:
-    return b.op("RMSNormalization", x, scale, axis=-1, epsilon=eps, stash_type=1, name=name)
+    def rope(self, a: AttentionSpec) -> tuple[str, str]:
+        return self.rotary[rope_key(a)]
 
 
-def silu(b: GraphBuilder, x: str) -> str:
-    return b.op("Mul", x, b.op("Sigmoid", x))
+def rope_key(a: AttentionSpec) -> tuple[int, float]:
+    return a.rotary_dim, float(a.rope_theta)
 
 
-def linear(b: GraphBuilder, w: Weights, x: str, name: str, scope: str) -> str:
-    return b.op("MatMul", x, w.matmul_t(b, name), name=f"{scope}/MatMul")
-
-
-def rotary_tables(b: GraphBuilder, a: AttentionSpec, positions: str, dtype: str = "float32"
-                  ) -> tuple[str, str]:
+def rotary_tables(b: GraphBuilder, a: AttentionSpec, positions: str, dtype: str = "float32",
+                  scope: str = "rotary") -> tuple[str, str]:
     """cos/sin [B, W, 1, rd] in `dtype` for int64 positions [B, W] (NeoX layout: freqs repeated
     twice) with `a`'s theta and rotary dims; the angles are float32 (position x frequency needs
     the mantissa)."""
     inv_freq = 1.0 / (a.rope_theta ** (np.arange(0, a.rotary_dim, 2, dtype=np.float64) / a.rotary_dim))
-    with b.scope("rotary"):
+    with b.scope(scope):
         freqs = b.op("Mul", b.unsqueeze(b.op("Cast", positions, to=TensorProto.FLOAT), [2]),
                      b.const(inv_freq.astype(np.float32)))                   # [B, W, rd/2]
         emb = b.unsqueeze(b.concat([freqs, freqs], -1), [2])                 # [B, W, 1, rd]
@@ -97,13 +65,13 @@ def rotary_tables(b: GraphBuilder, a: AttentionSpec, positions: str, dtype: str 
                 cast(b, b.op("Sin", emb, name="sin"), "float32", dtype))
 
 
-def apply_rotary(b: GraphBuilder, x: str, paging: Paging, head_dim: int, rotary_dim: int) -> str:
+def apply_rotary(b: GraphBuilder, x: str, cos: str, sin: str, head_dim: int, rotary_dim: int) -> str:
     """Partial NeoX RoPE: rotate_half on the first rotary_dim dims of each head."""
     half = rotary_dim // 2
     x1 = b.slice(x, [0], [half], [3])
     x2 = b.slice(x, [half], [rotary_dim], [3])
     rot = b.concat([b.op("Neg", x2), x1], -1)
-    x_rot = b.op("Add", b.op("Mul", b.slice(x, [0], [rotary_dim], [3]), paging.cos), b.op("Mul", rot, paging.sin))
+    x_rot = b.op("Add", b.op("Mul", b.slice(x, [0], [rotary_dim], [3]), cos), b.op("Mul", rot, sin))
     if rotary_dim == head_dim:
         return x_rot
     return b.concat([x_rot, b.slice(x, [rotary_dim], [head_dim], [3])], -1)
@@ -111,24 +79,35 @@ def apply_rotary(b: GraphBuilder, x: str, paging: Paging, head_dim: int, rotary_
 
 def attention(b: GraphBuilder, desc: ModelDescription, a: AttentionSpec, w: Weights, x: str, p: str,
               paging: Paging, key_pool: str, value_pool: str) -> tuple[str, str, str]:
-    """Gated full attention `a` of canonical layer prefix `p` -> (output, new K rows, new V rows)."""
+    """Attention `a` of canonical layer prefix `p` -> (output, new K rows, new V rows)."""
     eps = desc.rms_norm_eps
     hd = a.head_dim
     with b.scope("attn"):
-        qg = b.reshape(linear(b, w, x, p + "self_attn.q_proj.weight", "q_proj"), [0, 0, a.num_heads, 2 * hd])
-        q = b.slice(qg, [0], [hd], [3])                                       # [B, W, Hq, D]
-        gate = b.reshape(b.slice(qg, [hd], [2 * hd], [3]), [0, 0, a.num_heads * hd])
+        q = linear(b, w, x, p + "self_attn.q_proj.weight", "q_proj")
+        if a.output_gate:  # [Hq, 2D] per head: query | elementwise gate
+            qg = b.reshape(q, [0, 0, a.num_heads, 2 * hd])
+            q = b.slice(qg, [0], [hd], [3])                                   # [B, W, Hq, D]
+            gate = b.reshape(b.slice(qg, [hd], [2 * hd], [3]), [0, 0, a.num_heads * hd])
+        else:
+            q = b.reshape(q, [0, 0, a.num_heads, hd])
         k = b.reshape(linear(b, w, x, p + "self_attn.k_proj.weight", "k_proj"), [0, 0, a.num_kv_heads, hd])
         v = b.reshape(linear(b, w, x, p + "self_attn.v_proj.weight", "v_proj"), [0, 0, a.num_kv_heads, hd])
-        q = rms_norm(b, q, w.plus_one(b, p + "self_attn.q_norm.weight"), eps, "q_norm")
-        k = rms_norm(b, k, w.plus_one(b, p + "self_attn.k_norm.weight"), eps, "k_norm")
-        q = apply_rotary(b, q, paging, hd, a.rotary_dim)
-        k = apply_rotary(b, k, paging, hd, a.rotary_dim)
-        attn = b.op(paged_sparse_attention.OP_TYPE, q, k, v, key_pool, value_pool, paging.block_tables,
-                    paging.context_lens, paging.selected, domain=TANDEM_DOMAIN, scale=float(hd ** -0.5),
-                    sliding_window=0, name="PagedSparseAttention")
+        if a.qk_norm:
+            q = rms_norm(b, q, w.plus_one(b, p + "self_attn.q_norm.weight"), eps, "q_norm")
+            k = rms_norm(b, k, w.plus_one(b, p + "self_attn.k_norm.weight"), eps, "k_norm")
+        cos, sin = paging.rope(a)
+        q = apply_rotary(b, q, cos, sin, hd, a.rotary_dim)
+        k = apply_rotary(b, k, cos, sin, hd, a.rotary_dim)
+        attn = b.op(paged_sparse_attention.OP_TYPE, q, k, v, key_pool, value_pool, paging.table(a),
+                    paging.context_lens, paging.selected, domain=TANDEM_DOMAIN, scale=float(a.scale),
+                    sliding_window=a.window or 0, name="PagedSparseAttention")     # [B, W, Hq, D]
+        if a.head_gate:  # one sigmoid gate per head: g_proj [Hq, H]
+            g = b.op("Sigmoid", linear(b, w, x, p + "self_attn.g_proj.weight", "g_proj"))   # [B, W, Hq]
+            attn = b.op("Mul", attn, b.unsqueeze(g, [3]), name="head_gate")
         attn = b.reshape(attn, [0, 0, a.num_heads * hd])
-        out = linear(b, w, b.op("Mul", attn, b.op("Sigmoid", gate)), p + "self_attn.o_proj.weight", "o_proj")
+        if a.output_gate:
+            attn = b.op("Mul", attn, b.op("Sigmoid", gate))
+        out = linear(b, w, attn, p + "self_attn.o_proj.weight", "o_proj")
     return out, k, v
 
 
@@ -183,49 +162,6 @@ def l2_norm(b: GraphBuilder, x: str) -> str:
     return b.op("Mul", x, b.op("Reciprocal", b.op("Sqrt", b.op("Add", ss, b.const(1e-6, np.float32)))))
 
 
-def mlp(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str, kind: MLPKind) -> str:
-    with b.scope("mlp"):
-        if kind == MLPKind.DENSE:
-            return _swiglu(b, w, x, p + "mlp.")
-        return _moe(b, desc, w, x, p + "mlp.")
-
-
-def _swiglu(b: GraphBuilder, w: Weights, x: str, p: str) -> str:
-    gate = linear(b, w, x, p + "gate_proj.weight", "gate_proj")
-    up = linear(b, w, x, p + "up_proj.weight", "up_proj")
-    return linear(b, w, b.op("Mul", silu(b, gate), up), p + "down_proj.weight", "down_proj")
-
-
-def _moe(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str) -> str:
-    """Softmax router, top-k (renormalised when norm_topk_prob), all experts computed densely
-    and weighted (a fused MoE kernel is a lowering), plus the sigmoid-gated shared expert."""
-    m = desc.moe
-    shape = b.shape_of(x)
-    x2 = b.reshape(x, [-1, desc.hidden_size])                                   # [T, H]
-    # router in fp32 (as transformers does): top-k ties must not depend on the export dtype
-    logits = cast(b, linear(b, w, x2, p + "gate.weight", "gate"), w.dtype, "float32")
-    probs = b.op("Softmax", logits, axis=-1)                                    # [T, E]
-    top_v, top_i = b.op("TopK", probs, b.const([m.top_k], np.int64), outputs=2, axis=-1)
-    if m.norm_topk_prob:
-        top_v = b.op("Div", top_v, b.op("ReduceSum", top_v, b.const([-1], np.int64), keepdims=1))
-    route = b.op("ScatterElements", b.op("Mul", probs, b.const(0.0, np.float32)), top_i, top_v, axis=1)
-    route = cast(b, route, "float32", w.dtype)
-    gate_up = w.derived(b, p + "experts.gate_up_proj.T",   # [E, H, 2I]
-                        lambda: w.raw(p + "experts.gate_up_proj").transpose(0, 2, 1).astype(w.np_dtype))
-    down = w.derived(b, p + "experts.down_proj.T",         # [E, I, H]
-                     lambda: w.raw(p + "experts.down_proj").transpose(0, 2, 1).astype(w.np_dtype))
-    i = m.expert_intermediate_size
-    h = b.op("MatMul", b.unsqueeze(x2, [0]), gate_up, name="experts/gate_up/MatMul")   # [E, T, 2I]
-    act = b.op("Mul", silu(b, b.slice(h, [0], [i], [2])), b.slice(h, [i], [2 * i], [2]))
-    y = b.op("MatMul", act, down, name="experts/down/MatMul")                           # [E, T, H]
-    weighted = b.op("Mul", y, b.unsqueeze(b.op("Transpose", route, perm=[1, 0]), [2]))
-    routed = b.op("ReduceSum", weighted, b.const([0], np.int64), keepdims=0)          # [T, H]
-    with b.scope("shared_expert"):
-        shared = _swiglu(b, w, x2, p + "shared_expert.")
-    shared_gate = b.op("Sigmoid", linear(b, w, x2, p + "shared_expert_gate.weight", "shared_expert_gate"))
-    return b.reshape(b.op("Add", routed, b.op("Mul", shared, shared_gate)), shape)
-
-
 def decoder_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str, layer: LayerSpec,
                   mixer) -> tuple[str, object]:
     """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). `mixer(xn)` returns
@@ -235,4 +171,4 @@ def decoder_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p
     mixed, extra = mixer(xn)
     h = b.op("Add", x, mixed, name="residual_attn")
     hn = rms_norm(b, h, w.plus_one(b, p + "post_attention_layernorm.weight"), eps, "post_attention_layernorm")
-    return b.op("Add", h, mlp(b, desc, w, hn, p, layer.mlp), name="residual_mlp"), extra
+    return b.op("Add", h, mlp(b, desc, w, hn, p, layer), name="residual_mlp"), extra

@@ -1,7 +1,7 @@
 """Per-layer mixer specs: every trunk and MTP head layer carries its own mixer spec, the
 description round-trips through the manifest form (and reads the form written before per-layer
-specs), the attention spec's sliding window reaches its paged pools, and the exporter refuses
-what it cannot build yet, naming the layer."""
+specs), the attention spec's sliding window reaches its paged pools, and the exporter builds a
+window layer on its page group's table and per-layer RoPE on its own tables."""
 
 from __future__ import annotations
 
@@ -100,22 +100,33 @@ def test_window_is_validated_and_reaches_the_paged_pools(ckpt):
     assert all(p.window is None for c in caches if c.layer != i or c.head for p in c.paged)
 
 
-def test_export_refuses_a_window_naming_the_layer(ckpt):
+def _attention_nodes(model):
+    return [n for n in model.graph.node if n.op_type == "PagedSparseAttention"]
+
+
+def test_a_window_layer_reads_its_page_groups_table_and_masks_its_window(ckpt):
     d = ckpt.description
     i = d.layer_indices(LayerKind.FULL_ATTENTION)[-1]
     layers = tuple(replace(x, mixer=replace(d.attention, window=8)) if j == i else x for j, x in enumerate(d.layers))
-    with pytest.raises(ValueError, match=rf"layer {i}: sliding-window attention \(window 8\) is not implemented yet"):
-        target_step(replace(d, layers=layers), Weights(ckpt))
+    model = target_step(replace(d, layers=layers), Weights(ckpt))
+    assert [x.name for x in model.graph.input if x.name.startswith("block_tables")] == ["block_tables",
+                                                                                       "block_tables.window8"]
+    by_layer = {n.name.split("/")[2]: n for n in _attention_nodes(model)}
+    window = {n: next(a.i for a in node.attribute if a.name == "sliding_window") for n, node in by_layer.items()}
+    assert window.pop(f"layers.{i}") == 8 and set(window.values()) == {0}
+    assert by_layer[f"layers.{i}"].input[5] == "block_tables.window8"
+    assert {node.input[5] for n, node in by_layer.items() if n != f"layers.{i}"} == {"block_tables"}
     heads = MTPSpec(d.mtp.layers[:2] + (replace(d.mtp.layers[2], mixer=replace(d.attention, window=8)),),
                     d.mtp.source)
-    with pytest.raises(ValueError, match=r"MTP head layer 2: sliding-window attention .* not implemented yet"):
-        mtp_head(replace(d, mtp=heads), Weights(ckpt), 0)
+    head = mtp_head(replace(d, mtp=heads), Weights(ckpt), 2)
+    assert [x.name for x in head.graph.input if x.name.startswith("block_tables")] == ["block_tables.window8"]
 
 
-def test_export_refuses_per_layer_rope_naming_the_layer(ckpt):
+def test_per_layer_rope_gets_its_own_tables(ckpt):
     d = ckpt.description
     i = d.layer_indices(LayerKind.FULL_ATTENTION)[-1]
     layers = tuple(replace(x, mixer=replace(d.attention, rope_theta=123.0)) if j == i else x
                    for j, x in enumerate(d.layers))
-    with pytest.raises(ValueError, match=rf"layer {i}: RoPE .*theta 123.* per-layer RoPE is not implemented yet"):
-        target_step(replace(d, layers=layers), Weights(ckpt))
+    model = target_step(replace(d, layers=layers), Weights(ckpt))
+    cos = [n.name for n in model.graph.node if n.op_type == "Cos"]
+    assert cos == ["/rotary/cos", f"/rotary.{d.attention.rotary_dim}.123/cos"]
