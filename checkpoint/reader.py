@@ -110,6 +110,10 @@ def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: 
     arch = resolve_architecture(config, path / "config.json")
     family = FAMILIES[arch]
     text_cfg = family.text_config(config, arch)
+    try:
+        layout = family.mtp_layout(text_cfg)
+    except (ConfigError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{path / 'config.json'}: {e}. Fix config.json.") from e
     index = TensorIndex.open(path)
     problems = v.check_quantization(config, text_cfg, index)
     if problems:
@@ -118,27 +122,29 @@ def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: 
     mtp_index, mtp_cfg = None, text_cfg
     if speculative:
         problems += v.check_spec_k(spec_k)
-        mtp_index, mtp_cfg, mtp_problems = _mtp_source(path, index, text_cfg, draft)
+        mtp_index, mtp_cfg, mtp_problems = _mtp_source(path, index, text_cfg, draft, layout)
         problems += mtp_problems
-    declared = mtp_cfg.get("mtp_num_hidden_layers")
-    present = v.mtp_layers_present(mtp_index) if mtp_index else set()
-    count_problems = v.check_mtp_layer_count(declared, present, mtp_index.files[0].parent) if mtp_index else []
+    declared = mtp_cfg.get(layout.count_key)
+    present = v.mtp_layers_present(mtp_index, layout) if mtp_index else set()
+    count_problems = v.check_mtp_layer_count(declared, present, mtp_index.files[0].parent, layout) if mtp_index else []
     problems += count_problems
+    # heads missing from the weights: describe all declared ones, so the tensor check names what is missing
+    heads = declared if count_problems and isinstance(declared, int) and present < set(range(declared)) \
+        else len(present)
 
     try:
-        desc = family.describe(config, arch, mtp_layers=len(present),
-                               mtp_source=str(draft) if draft else "checkpoint")
+        desc = family.describe(config, arch, mtp_layers=heads, mtp_source=str(draft) if draft else "checkpoint")
     except (ConfigError, ValueError) as e:
         raise CheckpointError(problems + [f"{path / 'config.json'}: {e}. Fix config.json."]) from e
     desc = _with_generation_config(desc, path)
     sources = family.sources(desc, per_expert=uses_per_expert(index.names() + (mtp_index.names() if mtp_index else [])))
+    if speculative and desc.mtp is not None:
+        problems += v.check_spec_k_heads(spec_k, desc.mtp)
 
-    trunk_owned = family.IGNORED_PREFIXES + ("mtp.",)
     problems += v.check_tensors(v.expected_tensors(sources, mtp=False), index,
-                                owned=lambda n: not n.startswith(trunk_owned))
-    if mtp_index is not None and not count_problems:
-        problems += v.check_tensors(v.expected_tensors(sources, mtp=True), mtp_index,
-                                    owned=lambda n: n.startswith("mtp."))
+                                owned=lambda n: not n.startswith(family.IGNORED_PREFIXES) and not layout.owns(n))
+    if mtp_index is not None and (not count_problems or heads == declared):
+        problems += v.check_tensors(v.expected_tensors(sources, mtp=True), mtp_index, owned=layout.owns)
     problems += v.check_tokenizer(path)
     if problems:
         raise CheckpointError(problems)
@@ -146,17 +152,17 @@ def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: 
     return Checkpoint(path, config, desc, sources, index, mtp_index, draft_used)
 
 
-def _mtp_source(path: Path, index: TensorIndex, text_cfg: dict, draft) -> tuple:
-    """(index holding mtp.*, the config declaring them, problems) for speculative decoding."""
+def _mtp_source(path: Path, index: TensorIndex, text_cfg: dict, draft, layout) -> tuple:
+    """(index holding the MTP tensors, the config declaring them, problems) for speculative decoding."""
     if draft is None:
-        if v.has_mtp(index):
+        if v.has_mtp(index, layout):
             return index, text_cfg, []
-        declared = text_cfg.get("mtp_num_hidden_layers")
-        why = (f" config.json declares mtp_num_hidden_layers={declared}, so the tensors were dropped "
-               "(some conversions drop mtp.*)." if declared else "")
+        declared = text_cfg.get(layout.count_key)
+        why = (f" config.json declares {layout.count_key}={declared}, so the tensors were dropped "
+               f"(some conversions drop {layout.pattern})." if declared else "")
         return None, text_cfg, [
-            f"{path}: speculative decoding needs MTP weights, but the checkpoint has no mtp.* tensors.{why} "
-            "Pass --draft FOLDER with the model's mtp.* tensors, or --no-mtp for plain decoding."]
+            f"{path}: speculative decoding needs MTP weights, but the checkpoint has no {layout.pattern} tensors.{why} "
+            f"Pass --draft FOLDER with the model's {layout.pattern} tensors, or --no-mtp for plain decoding."]
     draft_path = Path(draft)
     if not draft_path.is_dir():
         return None, text_cfg, [v.missing_path_message(str(draft), "draft")]
@@ -164,9 +170,10 @@ def _mtp_source(path: Path, index: TensorIndex, text_cfg: dict, draft) -> tuple:
         draft_index = TensorIndex.open(draft_path)
     except CheckpointError as e:
         return None, text_cfg, [f"draft: {p}" for p in e.problems]
-    if not v.has_mtp(draft_index):
-        return None, text_cfg, [f"draft {draft_path}: no mtp.* tensors in its safetensors files, so it cannot "
-                                "serve as the MTP head. Pass a folder that holds the model's mtp.* tensors."]
+    if not v.has_mtp(draft_index, layout):
+        return None, text_cfg, [f"draft {draft_path}: no {layout.pattern} tensors in its safetensors files, so it "
+                                f"cannot serve as the MTP head. Pass a folder that holds the model's {layout.pattern} "
+                                "tensors."]
     draft_cfg = {}
     if (draft_path / "config.json").exists():
         draft_cfg = read_json(draft_path / "config.json", "")

@@ -13,7 +13,8 @@ import re
 from collections.abc import Callable
 from pathlib import Path
 
-from tandem.checkpoint.families.qwen_hybrid import Source
+from tandem.checkpoint.description import MTPSpec
+from tandem.checkpoint.families.qwen_hybrid import MTPLayout, Source
 from tandem.checkpoint.safetensors_files import FLOAT_DTYPES, TensorIndex
 
 MIN_SPEC_K, MAX_SPEC_K = 1, 8
@@ -21,7 +22,6 @@ MIN_SPEC_K, MAX_SPEC_K = 1, 8
 _QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale", "weight_packed",
                    "weight_zero_point", "qweight", "scales", "qzeros", "g_idx")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
-_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
 
 
 def _listing(names, limit: int = 6) -> str:
@@ -85,19 +85,22 @@ def check_tensors(expected: dict[str, tuple[int, ...]], index: TensorIndex,
     return problems
 
 
-def mtp_layers_present(index: TensorIndex) -> set[int]:
-    return {int(m.group(1)) for n in index.names() if (m := _MTP_LAYER.match(n))}
+def mtp_layers_present(index: TensorIndex, layout: MTPLayout) -> set[int]:
+    return {j for n in index.names() if (j := layout.layer_of(n)) is not None}
 
 
-def has_mtp(index: TensorIndex) -> bool:
-    return any(n.startswith("mtp.") for n in index.names())
+def has_mtp(index: TensorIndex, layout: MTPLayout) -> bool:
+    return any(layout.owns(n) for n in index.names())
 
 
-def check_mtp_layer_count(declared: int | None, present: set[int], where: Path) -> list[str]:
+def check_mtp_layer_count(declared: int | None, present: set[int], where: Path, layout: MTPLayout) -> list[str]:
     if not present or declared is None or present == set(range(declared)):
         return []
-    return [f"{where}: config.json says mtp_num_hidden_layers={declared} but the weights hold MTP layers "
-            f"{sorted(present)}. Fix mtp_num_hidden_layers or the mtp.* tensors."]
+    missing = sorted(set(range(declared)) - present) if isinstance(declared, int) else []
+    named = (f": MTP layer(s) {missing} ({', '.join(layout.layer_prefix(j) + '*' for j in missing)}) are missing"
+             if missing else "")
+    return [f"{where}: config.json says {layout.count_key}={declared} but the weights hold MTP layers "
+            f"{sorted(present)}{named}. Fix {layout.count_key} or the MTP tensors ({layout.pattern})."]
 
 
 def check_spec_k(k: int) -> list[str]:
@@ -105,6 +108,16 @@ def check_spec_k(k: int) -> list[str]:
         return []
     return [f"spec-k {k!r} is out of range: draft tokens per round must be in {MIN_SPEC_K}..{MAX_SPEC_K} "
             "(2-4 is usually best). Pass --spec-k in that range."]
+
+
+def check_spec_k_heads(k: int, mtp: MTPSpec) -> list[str]:
+    """Heads anchored on the previous head chain: head j drafts token j+1 from head j-1's hidden, so
+    a round drafts at most one token per head (transformers' NextN drafting, Step-3.5)."""
+    if mtp.anchor != "previous_head" or not isinstance(k, int) or k <= mtp.num_layers:
+        return []
+    return [f"spec-k {k} is more than this model's {mtp.num_layers} chained {mtp.form} MTP heads can draft: each "
+            f"head drafts one token from the previous head's hidden, so a round drafts at most {mtp.num_layers}. "
+            f"Pass --spec-k {mtp.num_layers} (or less)."]
 
 
 def check_tokenizer(folder: Path) -> list[str]:

@@ -8,10 +8,11 @@ experts), Qwen3-Next (interleaved GDN projections, per-expert MoE, a dense layer
 Stored names and shapes come from the family's own `sources()`, so the generator and the
 reader cannot drift apart silently: a test loads every kind with transformers' classes.
 
-Step-3.5 kinds (STEP3P5_KINDS) are written from `step3p5_shapes`, the Hub layout spelled out here
-(stepfun-ai/Step-3.5-Flash: MoE as `moe.*` / `share_expert.*`, three NextN MTP layers at
-`model.layers.{N..N+2}` with `transformer.shared_head.{norm,output}`), until the family module
-declares its own sources; tests/test_step3p5_reference.py loads them with transformers.
+Step-3.5 kinds (STEP3P5_KINDS) are the Hub layout of stepfun-ai/Step-3.5-Flash (MoE as `moe.*` /
+`share_expert.*`, three NextN MTP layers at `model.layers.{N..N+2}` with
+`transformer.shared_head.{norm,output}`), written from the step3p5 family's `sources()` too;
+`step3p5_tied_heads` makes every head's own lm head a copy of `lm_head.weight`, so drafting with the
+heads' own lm heads must equal transformers' drafts (which use the target's).
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ _STEP3P5 = dict(
     swiglu_limits=[0, 0, 0, 0, 0.6, 1.0, 0, 0, 0], swiglu_limits_shared=[0, 0, 0, 0, 0.8, 0.5, 0, 0, 0],
     rms_norm_eps=1e-5, max_position_embeddings=4096, hidden_act="silu", tie_word_embeddings=False,
 )
-# kind -> architecture (the Hub's text-only model; config at the top level, model_type "step3p5").
-STEP3P5_KINDS = {"step3p5": "Step3p5ForCausalLM"}
+# kind -> heads' own lm heads are copies of lm_head.weight (the Hub's text-only model, model_type "step3p5").
+STEP3P5_KINDS = {"step3p5": False, "step3p5_tied_heads": True}
 _TOKENIZER_TEXT = [
     "def add(a, b):\n    return a + b\n",
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and verifies them.",
@@ -145,14 +146,20 @@ def _vision_shapes(v: dict) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def stored_shapes(config: dict, per_expert: bool = False) -> dict[str, tuple[int, ...]]:
-    """Every stored tensor name -> shape a checkpoint with this config.json holds."""
+def _family_sources(config: dict, per_expert: bool = False) -> dict:
+    """The family's canonical -> stored map for this config.json, with every declared MTP layer."""
     arch = config["architectures"][0]
     family = FAMILIES[arch]
     text = family.text_config(config, arch)
-    desc = family.describe(config, arch, mtp_layers=text.get("mtp_num_hidden_layers", 0), mtp_source="checkpoint")
+    desc = family.describe(config, arch, mtp_layers=text.get(family.mtp_layout(text).count_key, 0),
+                           mtp_source="checkpoint")
+    return family.sources(desc, per_expert=per_expert)
+
+
+def stored_shapes(config: dict, per_expert: bool = False) -> dict[str, tuple[int, ...]]:
+    """Every stored tensor name -> shape a checkpoint with this config.json holds."""
     shapes: dict[str, tuple[int, ...]] = {}
-    for src in family.sources(desc, per_expert=per_expert).values():
+    for src in _family_sources(config, per_expert).values():
         shapes.update(zip(src.names, src.shapes, strict=True))
     if "vision_config" in config:
         shapes.update(_vision_shapes(config["vision_config"]))
@@ -167,36 +174,8 @@ def step3p5_config(dtype: str = "float32") -> dict:
 
 def step3p5_shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """Every stored tensor name -> shape of a Step-3.5 checkpoint (trunk layers, then the NextN MTP
-    layers at model.layers.{N..N+2}, each with its own shared head)."""
-    c = config
-    h, v, d, n = c["hidden_size"], c["vocab_size"], c["head_dim"], c["num_hidden_layers"]
-    other = c.get("attention_other_setting") or {}
-    moe = {int(i) for i in str(c.get("moe_layers_enum", "")).split(",") if i.strip()}
-    e, im, se, dense = c["moe_num_experts"], c["moe_intermediate_size"], c["share_expert_dim"], c["intermediate_size"]
-    out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
-    for i in range(n + c.get("num_nextn_predict_layers", 0)):
-        p = f"model.layers.{i}."
-        sliding = c["layer_types"][i] == "sliding_attention"
-        heads = other.get("num_attention_heads", c["num_attention_heads"]) if sliding else c["num_attention_heads"]
-        kv = other.get("num_attention_groups", c["num_attention_groups"]) if sliding else c["num_attention_groups"]
-        out.update({p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                    p + "self_attn.q_proj.weight": (heads * d, h), p + "self_attn.k_proj.weight": (kv * d, h),
-                    p + "self_attn.v_proj.weight": (kv * d, h), p + "self_attn.o_proj.weight": (h, heads * d),
-                    p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
-                    p + "self_attn.g_proj.weight": (heads, h)})
-        if i in moe:  # experts stacked per layer: [E, I, H] / [E, H, I]
-            out.update({p + "moe.gate.weight": (e, h), p + "moe.router_bias": (e,),
-                        p + "moe.gate_proj.weight": (e, im, h), p + "moe.up_proj.weight": (e, im, h),
-                        p + "moe.down_proj.weight": (e, h, im), p + "share_expert.gate_proj.weight": (se, h),
-                        p + "share_expert.up_proj.weight": (se, h), p + "share_expert.down_proj.weight": (h, se)})
-        else:
-            out.update({p + "mlp.gate_proj.weight": (dense, h), p + "mlp.up_proj.weight": (dense, h),
-                        p + "mlp.down_proj.weight": (h, dense)})
-        if i >= n:
-            out.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
-                        p + "transformer.shared_head.norm.weight": (h,),
-                        p + "transformer.shared_head.output.weight": (v, h)})
-    return out
+    layers at model.layers.{N..N+2}, each with its own shared head): the family's stored names."""
+    return stored_shapes(config)
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
@@ -247,7 +226,7 @@ def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype
     folder.mkdir(parents=True, exist_ok=True)
     if kind in STEP3P5_KINDS:
         config, per_expert, shards = step3p5_config(dtype), False, 1
-        shapes = step3p5_shapes(config)
+        shapes = stored_shapes(config)
     else:
         _, _, per_expert, shards = TINY_KINDS[BENCH_KINDS.get(kind, (kind,))[0]]
         config = tiny_config(kind, dtype)
@@ -256,6 +235,10 @@ def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype
     rng = np.random.default_rng(seed)
     tensors = {name: _init(name, shape, rng).astype(np.float32).astype(np_dtype)
                for name, shape in sorted(shapes.items())}
+    if STEP3P5_KINDS.get(kind):  # each NextN head's own lm head := the target's
+        for canonical, src in _family_sources(config).items():
+            if canonical.endswith(".shared_head.head.weight"):
+                tensors[src.names[0]] = tensors["lm_head.weight"].copy()
     write_weights(folder, tensors, shards)
     ids = write_tiny_tokenizer(folder)
     eos = ids["<|im_end|>"]

@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "model.language_model.", "text_config"),
 }
 IGNORED_PREFIXES = ("model.visual.",)
+mtp_layout = qwen_hybrid.mtp_layout  # the heads under `mtp.`
 
 
 def text_config(config: dict, architecture: str) -> dict:

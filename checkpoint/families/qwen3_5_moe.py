@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "model.language_model.", "text_config"),
 }
 IGNORED_PREFIXES = ("model.visual.",)
+mtp_layout = qwen_hybrid.mtp_layout  # the heads under `mtp.`
 
 
 def text_config(config: dict, architecture: str) -> dict:

@@ -16,6 +16,7 @@ from tandem.checkpoint.families.qwen_hybrid import Source
 FAMILY = "qwen3_next"
 ARCHITECTURES = {"Qwen3NextForCausalLM": ("qwen3_next", "model.", None)}
 IGNORED_PREFIXES = ()
+mtp_layout = qwen_hybrid.mtp_layout  # the heads under `mtp.`
 
 
 def text_config(config: dict, architecture: str) -> dict:

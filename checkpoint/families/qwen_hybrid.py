@@ -9,6 +9,7 @@ projections, per-expert tensors. The sibling family files are thin on purpose.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -39,6 +40,28 @@ class Source:
     names: tuple[str, ...]
     shapes: tuple[Shape, ...]
     combine: Callable[[list[np.ndarray]], np.ndarray] | None = None
+
+
+@dataclass(frozen=True)
+class MTPLayout:
+    """Where a family stores its MTP heads: `count_key` (config.json) declares how many, `owns` tells
+    a head's stored tensor from the trunk's, `layer_of` gives its head layer (None: shared by every
+    head), `layer_prefix(j)` names head j's stored decoder layer and `pattern` all of them, in messages."""
+
+    count_key: str
+    pattern: str
+    owns: Callable[[str], bool]
+    layer_of: Callable[[str], int | None]
+    layer_prefix: Callable[[int], str]
+
+
+_MTP_LAYER = re.compile(r"^mtp\.layers\.(\d+)\.")
+
+
+def mtp_layout(cfg: dict) -> MTPLayout:
+    """Qwen's MTP head: every tensor under the top-level `mtp.` (fc, norms, `mtp.layers.{j}.*`)."""
+    return MTPLayout("mtp_num_hidden_layers", "mtp.*", lambda n: n.startswith("mtp."),
+                     lambda n: int(m.group(1)) if (m := _MTP_LAYER.match(n)) else None, lambda j: f"mtp.layers.{j}.")
 
 
 def single(name: str, shape: Shape) -> Source:
@@ -153,6 +176,8 @@ def attention_shapes(d: ModelDescription, p: str, a: AttentionSpec) -> dict[str,
     if a.bias:
         out.update({p + "self_attn.q_proj.bias": (q_rows,), p + "self_attn.k_proj.bias": (kv_rows,),
                     p + "self_attn.v_proj.bias": (kv_rows,), p + "self_attn.o_proj.bias": (h,)})
+    if a.head_gate:
+        out[p + "self_attn.g_proj.weight"] = (a.num_heads, h)
     return out
 
 
@@ -171,10 +196,14 @@ def mlp_shapes(d: ModelDescription, p: str, kind: MLPKind) -> dict[str, Shape]:
         i = d.intermediate_size
         return {m + "gate_proj.weight": (i, h), m + "up_proj.weight": (i, h), m + "down_proj.weight": (h, i)}
     e, i, s = d.moe.num_experts, d.moe.expert_intermediate_size, d.moe.shared_expert_intermediate_size
-    return {m + "gate.weight": (e, h), m + "experts.gate_up_proj": (e, 2 * i, h),
-            m + "experts.down_proj": (e, h, i), m + "shared_expert.gate_proj.weight": (s, h),
-            m + "shared_expert.up_proj.weight": (s, h), m + "shared_expert.down_proj.weight": (h, s),
-            m + "shared_expert_gate.weight": (1, h)}
+    out = {m + "gate.weight": (e, h), m + "experts.gate_up_proj": (e, 2 * i, h),
+           m + "experts.down_proj": (e, h, i), m + "shared_expert.gate_proj.weight": (s, h),
+           m + "shared_expert.up_proj.weight": (s, h), m + "shared_expert.down_proj.weight": (h, s)}
+    if d.moe.shared_expert_gate:
+        out[m + "shared_expert_gate.weight"] = (1, h)
+    if d.moe.score_correction_bias:
+        out[m + "gate.e_score_correction_bias"] = (e,)
+    return out
 
 
 def layer_shapes(d: ModelDescription, p: str, layer: LayerSpec) -> dict[str, Shape]:
