@@ -1,9 +1,10 @@
 """What `tandem inspect` reports about a checkpoint: a plain dict (for --json and tests) and
-its aligned text form."""
+its aligned text form, with one row per run of identical layers (mixer, window, heads, RoPE, MLP,
+SwiGLU clamps), trunk then MTP heads."""
 
 from __future__ import annotations
 
-from tandem.checkpoint.description import AttentionSpec, LayerKind, LinearAttentionSpec, MLPKind
+from tandem.checkpoint.description import AttentionSpec, LayerKind, LayerSpec, LinearAttentionSpec, MLPKind
 from tandem.checkpoint.reader import Checkpoint
 
 
@@ -21,16 +22,22 @@ def summarize(ckpt: Checkpoint, spec_k: int | None) -> dict:
         "hidden_size": d.hidden_size,
         "num_layers": d.num_layers,
         "layer_kinds": kinds,
-        "layer_pattern": "".join("A" if layer.kind == LayerKind.FULL_ATTENTION else "L" for layer in d.layers),
+        "layer_pattern": "".join(_letter(layer) for layer in d.layers),
+        "layer_table": [_layer_row(f"layer {i}", layer) for i, layer in enumerate(d.layers)]
+        + [_layer_row(f"mtp {j}", layer) for j, layer in enumerate(d.mtp.layers if d.mtp else ())],
         "mlp_kinds": mlps,
         "attention": _attention(d.attention),
         "gated_deltanet": _gdn(d.linear_attention),
         "moe": None if d.moe is None else {"experts": d.moe.num_experts, "top_k": d.moe.top_k,
                                            "expert_intermediate": d.moe.expert_intermediate_size,
-                                           "shared_expert_intermediate": d.moe.shared_expert_intermediate_size},
+                                           "shared_expert_intermediate": d.moe.shared_expert_intermediate_size,
+                                           "router": d.moe.router, "score_correction_bias": d.moe.score_correction_bias,
+                                           "routed_scaling_factor": d.moe.routed_scaling_factor,
+                                           "shared_expert_gate": d.moe.shared_expert_gate},
         "parameters": {"trunk": ckpt.parameter_count(), "mtp": ckpt.parameter_count(mtp=True) if d.mtp else 0},
         "mtp": None if d.mtp is None else {"layers": d.mtp.num_layers, "source": d.mtp.source,
-                                           "mlp": d.mtp.layer.mlp.value},
+                                           "mlp": d.mtp.layer.mlp.value, "form": d.mtp.form,
+                                           "anchor": d.mtp.anchor, "own_lm_head": d.mtp.own_lm_head},
         "kv_bytes_per_token": {"target": d.kv_bytes_per_token(include_mtp=False),
                                "with_mtp": d.kv_bytes_per_token(include_mtp=True)},
         "state_bytes_per_sequence": d.state_bytes_per_sequence(),
@@ -39,6 +46,51 @@ def summarize(ckpt: Checkpoint, spec_k: int | None) -> dict:
         "speculative": {"enabled": spec_k is not None, "k": spec_k},
     }
     return out
+
+
+def _letter(layer: LayerSpec) -> str:
+    """A: full attention, S: sliding-window attention, L: Gated DeltaNet."""
+    if layer.kind == LayerKind.LINEAR_ATTENTION:
+        return "L"
+    return "S" if layer.mixer.window else "A"
+
+
+def _layer_row(name: str, layer: LayerSpec) -> dict:
+    m = layer.mixer
+    row = {"layer": name, "mixer": "gated_deltanet" if isinstance(m, LinearAttentionSpec) else "attention",
+           "mlp": layer.mlp.value, "swiglu_limit": layer.swiglu_limit, "shared_swiglu_limit": layer.shared_swiglu_limit}
+    if isinstance(m, AttentionSpec):
+        row.update(window=m.window, heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                   rotary_dim=m.rotary_dim, rope_theta=m.rope_theta,
+                   gate="output" if m.output_gate else "head" if m.head_gate else None, scale=m.scale)
+    else:
+        row.update(heads=m.num_value_heads, head_dim=m.value_head_dim)
+    return row
+
+
+def _row_text(r: dict) -> str:
+    if r["mixer"] == "gated_deltanet":
+        text = f"Gated DeltaNet, {r['heads']} value heads x {r['head_dim']}"
+    else:
+        text = ((f"sliding window {r['window']}" if r["window"] else "full attention")
+                + f", {r['heads']}/{r['kv_heads']} heads x {r['head_dim']}"
+                + (f", {r['gate']} gate" if r["gate"] else "")
+                + f", RoPE {r['rotary_dim']} dims theta {r['rope_theta']:g}")
+    clamps = [f"{what} clamp {r[key]:g}" for what, key in (("swiglu", "swiglu_limit"),
+                                                            ("shared", "shared_swiglu_limit")) if r[key] is not None]
+    return ", ".join([text, f"{r['mlp']} MLP", *clamps])
+
+
+def _runs(table: list[dict]) -> list[tuple[str, str]]:
+    """(layers, description) per run of consecutive layers described alike: "layer 4-7", "mtp 0-2"."""
+    out: list[tuple[list[str], str]] = []
+    for r in table:
+        text = _row_text(r)
+        if out and out[-1][1] == text and out[-1][0][0].split()[0] == r["layer"].split()[0]:
+            out[-1][0].append(r["layer"])
+        else:
+            out.append(([r["layer"]], text))
+    return [(names[0] if len(names) == 1 else f"{names[0]}-{names[-1].split()[1]}", text) for names, text in out]
 
 
 def _attention(a: AttentionSpec) -> dict:
@@ -59,24 +111,35 @@ def format_summary(s: dict) -> str:
         ("family", f"{s['family']} ({s['architecture']}, model_type {s['model_type']})"),
         ("dtype", s["dtype"]),
         ("vocab / hidden", f"{s['vocab_size']} / {s['hidden_size']}"),
-        ("layers", f"{s['num_layers']}: {s['layer_kinds']['linear_attention']} Gated DeltaNet, "
-                   f"{s['layer_kinds']['full_attention']} gated full attention  [{s['layer_pattern']}]"),
+        ("layers", f"{s['num_layers']}: " + ", ".join(
+            f"{s['layer_pattern'].count(c)} {what}" for c, what in (("L", "Gated DeltaNet"), ("A", "full attention"),
+                                                                    ("S", "sliding-window attention"))
+            if c in s["layer_pattern"]) + f"  [{s['layer_pattern']}]"),
         ("mlp", ", ".join(f"{n} {k}" for k, n in s["mlp_kinds"].items() if n)),
         ("attention", f"{a['heads']} query / {a['kv_heads']} KV heads x {a['head_dim']}, rotary {a['rotary_dim']} "
                       f"dims (theta {a['rope_theta']:g})" + (", output gate" if a["output_gate"] else "")
-                      + (f", sliding window {a['window']}" if a["window"] else "")),
+                      + (f", sliding window {a['window']}" if a["window"] else "") + "  (the first layer's)"),
     ]
+    rows += [(f"  {names}", text) for names, text in _runs(s["layer_table"])]
     if g:
         rows.append(("gated deltanet", f"{g['key_heads']} key heads x {g['key_head_dim']}, {g['value_heads']} value "
                                        f"heads x {g['value_head_dim']}, conv kernel {g['conv_kernel']}"))
     if s["moe"]:
         m = s["moe"]
-        rows.append(("moe", f"{m['experts']} experts, top-{m['top_k']}, expert {m['expert_intermediate']}, "
-                            f"shared expert {m['shared_expert_intermediate']}"))
+        rows.append(("moe", f"{m['experts']} experts, top-{m['top_k']} ({m['router']} router"
+                            + (", score correction bias" if m["score_correction_bias"] else "")
+                            + (f", routed x {m['routed_scaling_factor']:g}" if m["routed_scaling_factor"] != 1 else "")
+                            + f"), expert {m['expert_intermediate']}, shared expert "
+                            f"{m['shared_expert_intermediate']}" + (" (gated)" if m["shared_expert_gate"] else "")))
     p = s["parameters"]
     rows.append(("parameters", f"{p['trunk']:,} trunk + {p['mtp']:,} MTP"))
     if s["mtp"]:
-        rows.append(("mtp heads", f"{s['mtp']['layers']} layer(s), {s['mtp']['mlp']} MLP, from {s['mtp']['source']}"))
+        t = s["mtp"]
+        rows.append(("mtp heads", f"{t['layers']} layer(s), {t['form']} form, rows anchored on "
+                                  + ("the previous head's hidden, " if t["anchor"] == "previous_head"
+                                     else "the target's hidden, ")
+                                  + ("own lm heads" if t["own_lm_head"] else "the shared lm_head")
+                                  + f", from {t['source']}"))
     else:
         rows.append(("mtp heads", "none (plain decoding)"))
     rows += [("KV bytes/token", f"{kv['target']:,} target + {kv['with_mtp'] - kv['target']:,} MTP = "
