@@ -210,3 +210,17 @@ def test_inspect_describes_the_window_layers(step_root, capsys):
     report = json.loads(capsys.readouterr().out)
     assert [r["window"] for r in report["layer_table"]] == [None, 8, 8, None, 8, 8, None, None, None]
     assert report["mtp"]["anchor"] == "previous_head" and report["moe"]["router"] == "sigmoid"
+
+
+def test_nextn_layers_from_a_draft_folder(step_root, tmp_path):
+    """The NextN layers split off into a --draft folder are found by their model.layers.{N+j} names."""
+    owns = step3p5.mtp_layout(step3p5_config()).owns
+    tensors, target, draft = read_all(step_root / "step3p5"), tmp_path / "t", tmp_path / "d"
+    shutil.copytree(step_root / "step3p5", target)
+    draft.mkdir()
+    write_safetensors(target / "model.safetensors", {n: a for n, a in tensors.items() if not owns(n)})
+    write_safetensors(draft / "model.safetensors", {n: a for n, a in tensors.items() if owns(n)})
+    ckpt = open_checkpoint(target, draft=draft)
+    assert ckpt.description.mtp.num_layers == 3 and ckpt.description.mtp.source == str(draft)
+    np.testing.assert_array_equal(ckpt.weight("mtp.layers.2.eh_proj.weight"), tensors["model.layers.8.eh_proj.weight"])
+    assert "no NextN (model.layers.6.* and up) tensors" in refusal(target, draft=target)
