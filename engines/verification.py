@@ -42,7 +42,8 @@ class Verification:
 
 
 def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) -> dict[str, np.ndarray]:
-    """A valid input for the bucket: random tokens, scattered pages, partly filled contexts."""
+    """A valid input for the bucket: random tokens, scattered pages (a table per page group), partly
+    filled contexts."""
     rng = np.random.default_rng(_seed(bucket.name))
     b, w, page = bucket.batch, bucket.rows, options.page_size
     n_pages = b * _CHECK_PAGES + 1
@@ -65,6 +66,10 @@ def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) 
     out[c.TOP_K] = rng.choice([0, 20], b).astype(np.int64)
     out[c.TOP_P] = rng.choice([1.0, 0.9], b).astype(np.float32)
     out[c.UNIFORMS] = rng.random((b, w)).astype(np.float32)
+    for window in c.page_groups(desc.layer_caches()):  # sliding-window groups: tables of their own pages
+        if window is not None:
+            out[c.block_tables(window)] = (rng.permutation(n_pages)[: b * _CHECK_PAGES]
+                                           .reshape(b, _CHECK_PAGES).astype(np.int64))
     names = {s.name for s in specs}
     return {k: v for k, v in out.items() if k in names}
 

@@ -12,8 +12,12 @@ import pytest
 
 from tandem import contract as c
 from tandem.checkpoint.description import AttentionSpec
-from tandem.export.graphs import mtp_head, target_step
+from tandem.engines.buckets import Bucket, io_specs
+from tandem.engines.options import BuildOptions
+from tandem.engines.verification import fixed_inputs
+from tandem.export.graphs import mtp_head, target_step, verify_step
 from tandem.export.layers import Weights
+from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, GraphKind
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
 from .paged_driver import PagedState, session
@@ -76,7 +80,7 @@ def step(tmp_path_factory):
     desc, w = ckpt.description, Weights(ckpt)
     target = ref.load_target(folder)
     heads = [session(mtp_head(desc, w, j)) for j in range(desc.mtp.num_layers)]
-    yield desc, session(target_step(desc, w)), heads, target, ref.NextNReference(target, folder)
+    yield desc, session(target_step(desc, w)), heads, target, ref.NextNReference(target, folder), w
     torch.set_num_threads(threads)
 
 
@@ -114,7 +118,7 @@ def _run(desc, sess, prompts, chunk):
 
 @pytest.mark.parametrize("chunk", [max(map(len, PROMPTS)), 1], ids=["prefill", "decode"])
 def test_target_logits_match_transformers_past_the_window(step, chunk):
-    desc, sess, _, target, _ = step
+    desc, sess, _, target, _, _ = step
     for prompt, logits in zip(PROMPTS, _run(desc, sess, PROMPTS, chunk), strict=True):
         assert len(prompt) > 8
         assert np.abs(logits - _transformers_logits(target, prompt)).max() < TOL
@@ -124,7 +128,7 @@ def test_chained_nextn_heads_match_the_reference_with_their_own_lm_heads(step):
     """Full recomputation: head j runs over every row of the sequence rolled j+1 tokens, each row
     paired with head j-1's hidden of the row before (g^-1 = the target's); rows split in two steps
     over the head's paged KV. Every row's hidden and the draft (token, probability) at each row."""
-    desc, _, heads, target, nextn = step
+    desc, _, heads, target, nextn, _ = step
     prompt = PROMPTS[0]
     with torch.no_grad():
         h = target.model(input_ids=torch.tensor([prompt])).last_hidden_state[0]      # [P, H]
@@ -151,3 +155,19 @@ def test_chained_nextn_heads_match_the_reference_with_their_own_lm_heads(step):
             state.commit(out, np.array([hi - lo]), commit_states=False)
         draft = int(out[c.DRAFT_TOKEN][0])
         tokens, hidden, positions = tokens[1:] + [draft], np.concatenate(rows), positions + 1
+
+
+def test_build_verification_feeds_every_input_of_every_graph(step):
+    """The build's fixed inputs cover each graph's page-group tables, and the graphs run on them
+    (the head outputs every row's hidden for the next head)."""
+    desc, target, heads, _, _, w = step
+    sessions = {TARGET_STEP: target, VERIFY_GREEDY: session(verify_step(desc, w, sampling=False)),
+                **{GraphKind.mtp_head(j): s for j, s in enumerate(heads)}}
+    for kind, sess in sessions.items():
+        feeds = fixed_inputs(desc, Bucket(kind, 2, 3), BuildOptions(page_size=4))
+        assert set(feeds) == {s.name for s in io_specs(desc, kind)}
+        assert {c.BLOCK_TABLES, c.block_tables(8)} & set(feeds)
+        outs = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+        assert all(np.isfinite(v).all() for v in outs.values())
+        if kind.is_head:
+            assert outs[c.HIDDEN_ROWS].shape == (2, 3, desc.hidden_size)
