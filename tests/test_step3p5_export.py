@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tandem import contract as c
+from tandem.checkpoint import open_checkpoint
 from tandem.checkpoint.description import AttentionSpec
 from tandem.engines.buckets import Bucket, io_specs
 from tandem.engines.options import BuildOptions
@@ -21,7 +22,6 @@ from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, GraphKind
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
 from .paged_driver import PagedState, session
-from .step3p5_checkpoint import open_step3p5
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.models.step3p7")
@@ -76,7 +76,7 @@ def step(tmp_path_factory):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     folder = write_tiny_checkpoint(tmp_path_factory.mktemp("step") / "step3p5", "step3p5")
-    ckpt = open_step3p5(folder)
+    ckpt = open_checkpoint(folder)
     desc, w = ckpt.description, Weights(ckpt)
     target = ref.load_target(folder)
     heads = [session(mtp_head(desc, w, j)) for j in range(desc.mtp.num_layers)]
