@@ -55,6 +55,20 @@ BENCH_KINDS = {
         layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 3,
         rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})),
 }
+_STEP_150M_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"] * 2 + [
+    "full_attention", "sliding_attention"]
+# step3p5_150m: ~170M parameters (10 layers, 3 full + 7 window-512, dense 0-5 and MoE 6-9 with 8 experts, hidden
+# 768, vocab 16000, three NextN heads with their own lm heads)
+BENCH_KINDS["step3p5_150m"] = ("step3p5", dict(
+    vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=8,
+    num_attention_groups=2, head_dim=128, sliding_window=512,
+    attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 12,
+                             "num_attention_groups": 2, "head_dim": 128},
+    layer_types=_STEP_150M_LAYERS + ["full_attention"] * 3,
+    rope_theta=[5e6 if t == "full_attention" else 1e4 for t in _STEP_150M_LAYERS] + [5e6] * 3,
+    partial_rotary_factors=[0.5 if t == "full_attention" else 1.0 for t in _STEP_150M_LAYERS] + [0.5] * 3,
+    moe_layers_enum="6,7,8,9", moe_num_experts=8, moe_top_k=2, moe_intermediate_size=384, share_expert_dim=384,
+    swiglu_limits=[0] * 8 + [7.0, 7.0] + [0] * 3, swiglu_limits_shared=[0] * 8 + [16.0, 16.0] + [0] * 3))
 # Step-3.5-Flash, tiny: 6 layers (full, sliding x2, full, sliding x2) + 3 MTP layers, sliding layers with
 # their own head count, window 8, per-type RoPE theta / partial rotary factor, dense layers 0-1 and MoE
 # layers 2-5, SwiGLU clamps on layers 4-5 small enough to bind on random weights. Per-layer lists are
@@ -166,10 +180,12 @@ def stored_shapes(config: dict, per_expert: bool = False) -> dict[str, tuple[int
     return shapes
 
 
-def step3p5_config(dtype: str = "float32") -> dict:
-    """config.json of the tiny Step-3.5 checkpoint, with the Hub's key names (num_attention_groups,
-    attention_other_setting, moe_layers_enum, per-layer rope_theta lists padded with the MTP layers)."""
-    return dict(_STEP3P5, architectures=["Step3p5ForCausalLM"], model_type="step3p5", dtype=dtype)
+def step3p5_config(dtype: str = "float32", kind: str = "step3p5") -> dict:
+    """config.json of the tiny (or a BENCH_KINDS) Step-3.5 checkpoint, with the Hub's key names
+    (num_attention_groups, attention_other_setting, moe_layers_enum, per-layer rope_theta lists
+    padded with the MTP layers)."""
+    overrides = BENCH_KINDS[kind][1] if kind in BENCH_KINDS else {}
+    return dict(_STEP3P5, **overrides, architectures=["Step3p5ForCausalLM"], model_type="step3p5", dtype=dtype)
 
 
 def step3p5_shapes(config: dict) -> dict[str, tuple[int, ...]]:
@@ -224,8 +240,8 @@ def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype
     """Write a complete tiny checkpoint folder of `kind` (see TINY_KINDS) and return its path."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    if kind in STEP3P5_KINDS:
-        config, per_expert, shards = step3p5_config(dtype), False, 1
+    if kind in STEP3P5_KINDS or BENCH_KINDS.get(kind, ("",))[0] in STEP3P5_KINDS:
+        config, per_expert, shards = step3p5_config(dtype, kind), False, 1
         shapes = stored_shapes(config)
     else:
         _, _, per_expert, shards = TINY_KINDS[BENCH_KINDS.get(kind, (kind,))[0]]
