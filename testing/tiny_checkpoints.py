@@ -61,7 +61,7 @@ _STEP_150M_LAYERS = ["full_attention", "sliding_attention", "sliding_attention",
 # 768, vocab 16000, three NextN heads with their own lm heads)
 BENCH_KINDS["step3p5_150m"] = ("step3p5", dict(
     vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=8,
-    num_attention_groups=2, head_dim=128, sliding_window=512,
+    num_attention_groups=2, head_dim=128, sliding_window=128,  # Step-3.5-Flash: window 128, 3 SWA : 1 full
     attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 12,
                              "num_attention_groups": 2, "head_dim": 128},
     layer_types=_STEP_150M_LAYERS + ["full_attention"] * 3,
