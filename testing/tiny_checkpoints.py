@@ -57,7 +57,7 @@ BENCH_KINDS = {
 }
 _STEP_150M_LAYERS = ["full_attention", "sliding_attention", "sliding_attention", "sliding_attention"] * 2 + [
     "full_attention", "sliding_attention"]
-# step3p5_150m: ~170M parameters (10 layers, 3 full + 7 window-512, dense 0-5 and MoE 6-9 with 8 experts, hidden
+# step3p5_150m: ~170M parameters (10 layers, 3 full + 7 window-128, dense 0-5 and MoE 6-9 with 8 experts, hidden
 # 768, vocab 16000, three NextN heads with their own lm heads)
 BENCH_KINDS["step3p5_150m"] = ("step3p5", dict(
     vocab_size=16000, hidden_size=768, intermediate_size=2048, num_hidden_layers=10, num_attention_heads=8,
