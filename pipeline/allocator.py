@@ -9,9 +9,25 @@ pages ever handed out; reusing the last freed keeps that set at the peak number 
 A first-in-first-out queue cycled through the whole pool instead, and RSS grew with every
 request until the pool was resident (+10 to +30 KiB per request on tiny engines with the
 default 512 MiB budget; docs/pipeline.md).
+
+Page groups (contract.page_groups): the paged pools of full-attention layers form one group,
+those of each sliding window w another, each group with its own pools, free list and block
+table per sequence. Page i of every group's table holds positions [i*S, (i+1)*S), so logical
+indexing is the same in all groups. A window group's page whose positions all lie below
+(smallest context any graph still writes or queries from) - w + 1 is never read again (a query
+at q reads keys q-w+1..q): it goes back to its free list while the sequence runs and its entry
+becomes SCRATCH (masked by the window, never read). A long generation thus holds O(w) pages of
+a window group and O(length) only of the full group. Why per-group tables rather than one
+table with holes: the groups' pools differ in bytes per page, so a shared page number would
+waste the window pools' share of every full-attention page, and the budget could not size them
+apart (pipeline/pools.py plan_pools).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tandem.contract import block_tables
 
 SCRATCH = 0
 
@@ -59,22 +75,117 @@ class FreeList:
 
 
 class BlockTable:
-    """The pages of one sequence; page i holds positions [i*S, (i+1)*S) of the target and of
-    every MTP head (their pools share the table)."""
+    """The pages of one sequence in one page group: entry i is the pool page holding positions
+    [i*S, (i+1)*S) of the group's pools (target and MTP heads alike: their pools share the
+    table). Entries below `released` went back to the free list and read SCRATCH."""
 
-    def __init__(self, page_size: int):
-        self.page_size = page_size
+    def __init__(self, page_size: int, window: int | None = None):
+        self.page_size, self.window = page_size, window
         self.pages: list[int] = []
+        self.released = 0
+
+    @property
+    def held(self) -> int:
+        return len(self.pages) - self.released
 
     def capacity(self) -> int:
         return len(self.pages) * self.page_size
 
+    def need(self, positions: int) -> int:
+        return max(0, -(-positions // self.page_size) - len(self.pages))
+
     def ensure(self, positions: int, allocator: FreeList) -> None:
         """Grow to hold `positions` positions (raises OutOfMemory, allocating nothing)."""
-        need = -(-positions // self.page_size) - len(self.pages)
+        need = self.need(positions)
         if need > 0:
             self.pages.extend(allocator.allocate(need))
 
+    def release_below(self, position: int, allocator: FreeList) -> int:
+        """Free the pages whose positions all lie below `position`; returns how many."""
+        upto = min(max(0, position) // self.page_size, len(self.pages))
+        if upto <= self.released:
+            return 0
+        n = upto - self.released
+        allocator.free(self.pages[self.released : upto])
+        self.pages[self.released : upto] = [SCRATCH] * n    # in place: views of the list stay valid
+        self.released = upto
+        return n
+
     def release(self, allocator: FreeList) -> None:
-        allocator.free(self.pages)
-        self.pages = []
+        allocator.free(self.pages[self.released :])
+        self.pages.clear()
+        self.released = 0
+
+
+class Pages(Sequence):
+    """What `seq.table.pages` gives: indexable and sized as the first group's table (full
+    attention when the model has any, as a single table was), with every group's table under
+    its block-table input name in `tables`. A view: it follows the tables as they change."""
+
+    __slots__ = ("tables", "_first")
+
+    def __init__(self, tables: dict[str, list[int]]):
+        self.tables = tables
+        self._first = next(iter(tables.values()))
+
+    def __len__(self) -> int:
+        return len(self._first)
+
+    def __getitem__(self, i):
+        return self._first[i]
+
+    def __repr__(self) -> str:
+        return f"Pages({self.tables})"
+
+
+def group_tables(pages) -> dict[str, list[int]] | None:
+    """Block-table input name -> table of a `Pages`; None for a plain list (one table for all groups)."""
+    return pages.tables if isinstance(pages, Pages) else None
+
+
+class PageTables:
+    """One sequence's block table per page group (window None: full attention), all of the same
+    logical length. `lists`: the free list of each group."""
+
+    def __init__(self, page_size: int, windows=(None,)):
+        self.page_size = page_size
+        self.groups = {w: BlockTable(page_size, w) for w in windows}
+        self.pages = Pages({block_tables(w): t.pages for w, t in self.groups.items()})
+
+    def capacity(self) -> int:
+        return len(self.pages) * self.page_size
+
+    def held(self) -> dict[int | None, int]:
+        """Pages this sequence holds per group."""
+        return {w: t.held for w, t in self.groups.items()}
+
+    def ensure(self, positions: int, lists: dict[int | None, FreeList]) -> None:
+        """Grow every group to hold `positions` positions (raises OutOfMemory, allocating nothing)."""
+        for w, t in self.groups.items():
+            need = t.need(positions)
+            if need > lists[w].num_free:
+                raise OutOfMemory(f"need {need} {lists[w].what}(s), {lists[w].num_free} free")
+        for w, t in self.groups.items():
+            t.ensure(positions, lists[w])
+
+    def release_out_of_window(self, min_context: int, lists: dict[int | None, FreeList]) -> int:
+        """Free every window group's pages that no query from position `min_context` on reads
+        (all positions below min_context - w + 1); returns how many pages went back."""
+        return sum(t.release_below(min_context - w + 1, lists[w]) for w, t in self.groups.items() if w is not None)
+
+    def release(self, lists: dict[int | None, FreeList]) -> None:
+        for w, t in self.groups.items():
+            t.release(lists[w])
+
+
+class PageGroups:
+    """One free list per page group, keyed by window (None: full attention), full first."""
+
+    def __init__(self, num_pages: dict[int | None, int]):
+        self.lists = {w: FreeList(n, "KV page" if w is None else f"window-{w} KV page") for w, n in num_pages.items()}
+
+    def new_tables(self, page_size: int) -> PageTables:
+        return PageTables(page_size, tuple(self.lists))
+
+    def in_use(self) -> dict[int | None, int]:
+        return {w: fl.size - 1 - fl.num_free for w, fl in self.lists.items()}

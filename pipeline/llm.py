@@ -27,7 +27,7 @@ from tandem.engines.backends import get_backend
 from tandem.engines.integrity import verify_engine_dir
 from tandem.engines.manifest import MANIFEST, ManifestError, read_manifest
 from tandem.graph_kinds import GraphKind
-from tandem.pipeline.allocator import FreeList
+from tandem.pipeline.allocator import FreeList, PageGroups
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.engine import Engine, StepOutput
 from tandem.pipeline.model_runner import ModelRunner
@@ -103,17 +103,22 @@ class LLM:
         self.tokenizer = _load_tokenizer(self.engine_dir / "tokenizer.json")
         batch_sizes = rt["batch_sizes"]
         max_seqs = config.max_num_seqs or max(batch_sizes)
+        # the most rows one step writes per sequence: a prefill chunk or a verify width
+        rows = max(rt["prefill_chunk"], *self.verify_widths, 1)
         sizes = plan_pools(self.desc, self.page_size, config.memory_budget_bytes, max_seqs, self.mtp_layers,
-                           dtype_bytes=np.dtype(self.dtype).itemsize)
+                           dtype_bytes=np.dtype(self.dtype).itemsize, rows=rows)
         self.pools = Pools(self.desc, sizes, self.page_size, self.mtp_layers, self.dtype)
         files = {kind.engine_key(e["rows"]): e["file"] for kind, e in kinds}
         runner = backend.Runner(self.engine_dir, sorted(set(files.values())), threads=config.threads)
         max_pages = -(-self.max_seq_len // self.page_size)
         self.runner = ModelRunner(self.desc, runner, self.pools, files, batch_sizes, max_pages, self.mtp_layers,
                                   self.dtype)
-        self.pages = FreeList(sizes.num_pages, "KV page")
+        self.page_groups = PageGroups(sizes.pages())    # one free list per page group (window None: full)
+        self.pages = next(iter(self.page_groups.lists.values()))   # full attention's, when the model has it
         self.slots = FreeList(sizes.num_slots, "state slot")
-        self.scheduler = Scheduler(self.pages, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"])
+        # heads' contexts may trail the target's by up to one row per head (previous-head anchoring)
+        self.scheduler = Scheduler(self.page_groups, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"],
+                                   head_lag=self.mtp_layers)
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
                              chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
                              width_per_batch=self.width_per_batch)
@@ -166,7 +171,8 @@ class LLM:
             raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
                                f"exceeds the engines' limit of {limit} tokens (max_seq_len {self.max_seq_len}); "
                                "shorten the prompt or lower max_tokens")
-        capacity = (self.pages.size - 1) * self.page_size
+        full = self.page_groups.lists.get(None)   # window groups hold what a window needs, whatever the length
+        capacity = (full.size - 1) * self.page_size if full else self.max_seq_len
         if len(ids) + params.max_tokens + k + 1 > capacity:
             raise RequestError("max_tokens", f"the request needs {len(ids) + params.max_tokens} positions but the KV "
                                f"memory holds {capacity}; raise memory_budget_bytes")
@@ -182,6 +188,11 @@ class LLM:
                        req.k, req.k_fixed)
         self.scheduler.add(seq)
         return seq
+
+    def pages_held(self) -> dict[str, int]:
+        """KV pages in use per page group, under the group's block-table name (`block_tables`,
+        `block_tables.window8`), every running sequence together."""
+        return {contract.block_tables(w): n for w, n in self.scheduler.pages_in_use().items()}
 
     def abort(self, request_id: str) -> None:
         self.scheduler.abort(request_id)

@@ -4,7 +4,10 @@ place, runs, and hands back views of the outputs. The one place that knows tenso
 A call with n sequences runs at the smallest built batch size >= n (more than the largest are
 split); padding rows point at the scratch page and slot and are never committed. The block
 table width is the batch's page count rounded up to a power of two, so attention gathers only
-pages that may hold context.
+pages that may hold context. A graph takes one block table per page group its pools belong to
+(contract.page_groups); all have the same logical length, so one width serves them all, and
+each is filled from the sequence's table of that group (`seq.table.pages.tables`; a plain list
+of pages fills every table alike).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import numpy as np
 from tandem import contract as c
 from tandem.checkpoint.description import ModelDescription
 from tandem.graph_kinds import TARGET_STEP, GraphKind
-from tandem.pipeline.allocator import SCRATCH
+from tandem.pipeline.allocator import SCRATCH, group_tables
 from tandem.pipeline.pools import Pools
 
 
@@ -27,7 +30,7 @@ class Rows:
 
     ids: list[int]
     context: int                # committed positions before these rows
-    pages: list[int]
+    pages: list[int]            # seq.table.pages (every page group's table) or one plain table for all
     slot: int = SCRATCH
     state_rows: int = 0         # target step: rows whose state to keep (default: all)
     hidden: np.ndarray | None = None   # heads: [R, H] hidden paired with each row
@@ -74,6 +77,7 @@ class ModelRunner:
         self.seconds: dict[str, float] = {}     # engine time per graph kind
         self.engine_seconds = 0.0
         self._bindings: dict[tuple, object] = {}   # (graph kind, batch, width, pages) -> backend binding
+        self._tables: dict[GraphKind, tuple[str, ...]] = {}
 
     # ---- public calls ------------------------------------------------------------------
     def target_step(self, rows: list[Rows]) -> Outputs:
@@ -96,7 +100,7 @@ class ModelRunner:
             width = max(len(r.ids) for r in part)
             pages = min(self.max_pages, _pow2(max(1, max(len(r.pages) for r in part))))
             binding = self._binding(graph, batch, width, pages, fixed)
-            self._fill(binding.inputs, part, batch, width, pages)
+            self._fill(binding.inputs, part, batch, width, pages, self._table_names(graph))
             t = time.perf_counter()
             outputs = self.runner.capture(binding)()
             elapsed = time.perf_counter() - t
@@ -108,6 +112,14 @@ class ModelRunner:
             return Outputs(parts[0])
         # more sequences than the largest batch: parts reused one binding, so join copies
         return Outputs({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
+
+    def _table_names(self, graph: GraphKind) -> tuple[str, ...]:
+        """The block-table inputs of `graph`, one per page group of its pools."""
+        names = self._tables.get(graph)
+        if names is None:
+            caches = (self.desc.head_cache(graph.head),) if graph.is_head else self.desc.layer_caches(mtp_layers=0)
+            names = self._tables[graph] = tuple(c.block_tables(w) for w in c.page_groups(caches) or [None])
+        return names
 
     def _binding(self, graph: GraphKind, batch, width, pages, fixed):
         """The bucket's binding; its shapes are worked out from the contract once, on its first call."""
@@ -125,11 +137,13 @@ class ModelRunner:
         outs = {s.name: shape(s) for s in outs}
         return self.runner.binding(self.files[graph.engine_key(width)], (batch, width, pages), ins, outs, fixed)
 
-    def _fill(self, buf: dict[str, np.ndarray], part: list[Rows], batch: int, width: int, pages: int) -> None:
+    def _fill(self, buf: dict[str, np.ndarray], part: list[Rows], batch: int, width: int, pages: int,
+              tables: tuple[str, ...] = (c.BLOCK_TABLES,)) -> None:
         ids = buf[c.INPUT_IDS]
         ids.fill(0)
         buf[c.CONTEXT_LENS].fill(0)
-        buf[c.BLOCK_TABLES].fill(SCRATCH)
+        for name in tables:
+            buf[name].fill(SCRATCH)
         for name, value in ((c.STATE_SLOTS, SCRATCH), (c.STATE_ROWS, 1), (c.LAST_ROW, 0), (c.TEMPERATURE, 0.0),
                             (c.TOP_K, 0), (c.TOP_P, 1.0), (c.UNIFORMS, 0.5), (c.HIDDEN_IN, 0.0)):
             if name in buf:
@@ -138,7 +152,10 @@ class ModelRunner:
             n = len(r.ids)
             ids[b, :n] = r.ids
             buf[c.CONTEXT_LENS][b] = r.context
-            buf[c.BLOCK_TABLES][b, : min(len(r.pages), pages)] = r.pages[:pages]
+            by_name = group_tables(r.pages)
+            for name in tables:
+                table = r.pages if by_name is None else by_name[name]
+                buf[name][b, : min(len(table), pages)] = table[:pages]
             if c.STATE_SLOTS in buf:
                 buf[c.STATE_SLOTS][b] = r.slot
             if c.STATE_ROWS in buf:

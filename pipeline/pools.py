@@ -7,6 +7,15 @@ contract's pool names; nothing here knows a layer type. A byte budget sizes the 
 paged pool of the target and the heads is counted per page, every state pool per slot. Pools
 whose spec leaves the dtype open are in the engines' dtype (float32 or float16); the others
 keep theirs (Gated DeltaNet recurrent states: float32).
+
+Page groups (contract.page_groups; pipeline/allocator.py): each group's pools have their own
+page count, and a page's bytes count only that group's pools. One sequence of a sliding-window
+group w keeps positions min_context - lag - w + 1 .. committed + rows - 1 (rows: the most rows one
+step writes, a prefill chunk or a verify width; lag: how far the heads' contexts may trail the
+target's), a span of n = w + rows + lag - 1 positions, which touches at most
+floor((n + S - 2) / S) + 1 pages. plan_pools gives the group exactly that for max_seqs sequences
+plus the scratch page, and every byte left to the full-attention group; a model with window
+groups only splits what is left over them in proportion to their bytes per page.
 """
 
 from __future__ import annotations
@@ -16,30 +25,67 @@ from dataclasses import dataclass
 import numpy as np
 
 from tandem import contract as c
-from tandem.checkpoint.cache_specs import page_bytes, slot_bytes
+from tandem.checkpoint.cache_specs import LayerCache, page_bytes, slot_bytes
 from tandem.checkpoint.description import ModelDescription
+from tandem.pipeline.allocator import group_tables
+
+
+@dataclass(frozen=True)
+class GroupSize:
+    window: int | None      # None: full attention
+    num_pages: int          # including the scratch page
+    page_bytes: int         # one page across this group's pools
 
 
 @dataclass(frozen=True)
 class PoolSizes:
-    num_pages: int
+    groups: tuple[GroupSize, ...]   # contract.page_groups order: full attention first
     num_slots: int
-    page_bytes: int
     slot_bytes: int
+
+    @property
+    def num_pages(self) -> int:
+        """The first group's pages (full attention when the model has any)."""
+        return self.groups[0].num_pages
+
+    @property
+    def page_bytes(self) -> int:
+        return self.groups[0].page_bytes
+
+    def pages(self) -> dict[int | None, int]:
+        """Pages per group, keyed by window."""
+        return {g.window: g.num_pages for g in self.groups}
+
+
+def window_pages(window: int, page_size: int, rows: int, lag: int) -> int:
+    """The most pages of a window-w group one sequence holds: see the module docstring."""
+    return (window + rows + lag - 1 + page_size - 2) // page_size + 1
 
 
 def plan_pools(desc: ModelDescription, page_size: int, budget_bytes: int, max_seqs: int, mtp_layers: int,
-               dtype_bytes: int = 4) -> PoolSizes:
-    """Slots for max_seqs sequences (+ scratch); every remaining byte of the budget for pages."""
+               dtype_bytes: int = 4, rows: int = 1) -> PoolSizes:
+    """Slots for max_seqs sequences (+ scratch); window groups' pages for max_seqs sequences
+    writing up to `rows` rows a step (+ scratch); every remaining byte of the budget for the
+    full-attention group (or split over the window groups by bytes per page if there is none)."""
     caches = desc.layer_caches(mtp_layers)
-    per_page, per_slot = page_bytes(caches, page_size, dtype_bytes), slot_bytes(caches, dtype_bytes)
-    num_slots = max_seqs + 1
-    left = budget_bytes - num_slots * per_slot
-    num_pages = left // per_page if per_page else 2
-    if num_pages < 2:
+    per_slot, num_slots = slot_bytes(caches, dtype_bytes), max_seqs + 1
+    windows = c.page_groups(caches) or [None]
+    per_page = {w: page_bytes([LayerCache(x.layer, tuple(p for p in x.paged if p.window == w), x.head) for x in caches],
+                              page_size, dtype_bytes) for w in windows}
+    pages = {w: max_seqs * window_pages(w, page_size, rows, mtp_layers) + 1 for w in windows if w is not None}
+    left = budget_bytes - num_slots * per_slot - sum(n * per_page[w] for w, n in pages.items())
+    if None in windows:
+        pages[None] = left // per_page[None] if per_page[None] else 2
+    elif left > 0:  # window groups only: what is left, in proportion to bytes per page
+        extra = left // sum(per_page.values())
+        pages = {w: n + extra for w, n in pages.items()}
+    if min(pages.values()) < 2 or left < 0:
+        window_mib = sum(n * per_page[w] for w, n in pages.items() if w is not None) / 2**20
         raise ValueError(f"a memory budget of {budget_bytes / 2**20:.1f} MiB does not hold {max_seqs} sequences' "
-                         f"states ({num_slots * per_slot / 2**20:.1f} MiB) and 2 KV pages; raise the budget")
-    return PoolSizes(int(num_pages), num_slots, per_page, per_slot)
+                         f"states ({num_slots * per_slot / 2**20:.1f} MiB)"
+                         + (f", their sliding-window KV pages ({window_mib:.1f} MiB)" if window_mib else "")
+                         + (" and 2 KV pages" if None in windows else "") + "; raise the budget")
+    return PoolSizes(tuple(GroupSize(w, int(pages[w]), per_page[w]) for w in windows), num_slots, per_slot)
 
 
 class Pools:
@@ -52,6 +98,7 @@ class Pools:
         self.paged: dict[int | str, dict[str, np.ndarray]] = {}
         self.states: dict[int | str, dict[str, np.ndarray]] = {}
         self._specs = {}  # layer -> its cache specs, for the contract names
+        pages = sizes.pages()  # per page group
         for cache in desc.layer_caches(mtp_layers):
             layer = c.layer_id(cache)
             if cache.head and cache.states:  # the rounds commit states after trunk steps only
@@ -60,7 +107,7 @@ class Pools:
                                  "for trunk layers only")
             self._specs[layer] = cache
             if cache.paged:
-                self.paged[layer] = {p.name: np.zeros((sizes.num_pages, page_size, *p.row_shape), p.dtype_for(dtype))
+                self.paged[layer] = {p.name: np.zeros((pages[p.window], page_size, *p.row_shape), p.dtype_for(dtype))
                                      for p in cache.paged}
             if cache.states:
                 self.states[layer] = {s.name: np.zeros((sizes.num_slots, *s.shape), s.dtype_for(dtype))
@@ -76,23 +123,30 @@ class Pools:
                 for layer in self.states for s in self._specs[layer].states}
 
     def write_rows(self, layers, outputs: dict[str, np.ndarray], batch_rows: np.ndarray, counts: np.ndarray,
-                   starts: np.ndarray, tables: list[list[int]]) -> None:
+                   starts: np.ndarray, tables: list) -> None:
         """For each batch row b (pool order), write new rows [0, counts[b]) at positions
-        starts[b] + w. One fancy-indexed assignment per pool, no loops over rows."""
-        b_idx, w_idx, pages, offsets = [], [], [], []
-        for b, n, start, table in zip(batch_rows, counts, starts, tables):
+        starts[b] + w, into the pages of each pool's group: `tables` holds each sequence's
+        `seq.table.pages` (every group's table) or a plain list (one table for every group).
+        One fancy-indexed assignment per pool, no loops over rows."""
+        b_idx, w_idx, logical, offsets = [], [], [], []
+        for b, n, start in zip(batch_rows, counts, starts):
             pos = start + np.arange(n)
             b_idx.append(np.full(n, b))
             w_idx.append(np.arange(n))
-            pages.append(np.asarray(table, np.int64)[pos // self.page_size])
+            logical.append(pos // self.page_size)
             offsets.append(pos % self.page_size)
         if not b_idx:
             return
         b_idx, w_idx = np.concatenate(b_idx), np.concatenate(w_idx)
-        pages, offsets = np.concatenate(pages), np.concatenate(offsets)
+        offsets = np.concatenate(offsets)
+        pages = {}  # block-table name -> pool page of every row
         for layer in layers:
             for p in self._specs[layer].paged:
-                self.paged[layer][p.name][pages, offsets] = outputs[c.pool_output(p, layer)][b_idx, w_idx]
+                name = c.block_tables(p.window)
+                if name not in pages:
+                    per_seq = [(group_tables(t) or {}).get(name, t) for t in tables]
+                    pages[name] = np.concatenate([np.asarray(t, np.int64)[i] for t, i in zip(per_seq, logical)])
+                self.paged[layer][p.name][pages[name], offsets] = outputs[c.pool_output(p, layer)][b_idx, w_idx]
 
     def commit_states(self, outputs: dict[str, np.ndarray], batch_rows: np.ndarray, slots: np.ndarray) -> None:
         for layer, pools in self.states.items():

@@ -5,21 +5,37 @@ most `max_batch` sequences per round), then decode. Before each round every deco
 gets pages for the rows it may write (k+1); when the pool runs out, the most recently admitted
 other sequence is preempted: its pages and slot are freed and it goes back to the front of the
 queue, to be recomputed (prefill over its prompt and the tokens it already produced).
+
+Pages come per page group (pipeline/allocator.py). Before a sequence's pages are reserved, its
+window groups give back the pages out of every window: those below min_context - w + 1, where
+min_context is the smallest context a graph still queries from (the target's committed count
+and, for a speculative sequence, the heads' head_committed, less `head_lag` for heads whose
+context trails it). `release_out_of_window` is public so the engine can also call it right
+after a commit; at reservation time is enough for the bound (pipeline/pools.py plan_pools).
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from tandem.pipeline.allocator import FreeList, OutOfMemory
+from tandem.pipeline.allocator import FreeList, OutOfMemory, PageGroups
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.sequence import Sequence, Status
 
 
 class Scheduler:
-    def __init__(self, pages: FreeList, slots: FreeList, pools: Pools, max_batch: int, prefill_chunk: int):
-        self.pages, self.slots, self.pools = pages, slots, pools
+    """`pages`: a PageGroups (one free list per page group), or a single FreeList (full attention only)."""
+
+    def __init__(self, pages: PageGroups | FreeList, slots: FreeList, pools: Pools, max_batch: int,
+                 prefill_chunk: int, head_lag: int = 0):
+        self.groups = pages if isinstance(pages, PageGroups) else PageGroups({})
+        if isinstance(pages, FreeList):
+            self.groups.lists[None] = pages
+        self.pages = next(iter(self.groups.lists.values()))   # the first group's list (full attention if any)
+        self.slots, self.pools = slots, pools
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.head_lag = head_lag            # how far the heads' contexts may trail head_committed
+        self.released_out_of_window = 0     # window pages given back while their sequences ran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order
 
@@ -33,6 +49,8 @@ class Scheduler:
         while self.waiting and self.slots.num_free:
             seq = self.waiting.popleft()
             seq.slot = self.slots.allocate(1)[0]
+            if seq.table.groups.keys() != self.groups.lists.keys():  # never admitted: the default table, empty
+                seq.table = self.groups.new_tables(seq.page_size)
             self.pools.clear_slot(seq.slot)          # recurrent state starts from zero
             seq.status, seq.prefilled = Status.PREFILL, 0
             seq.committed = seq.head_committed = 0
@@ -44,7 +62,8 @@ class Scheduler:
         for seq in [s for s in self.running if s.status == Status.PREFILL][: self.max_batch]:
             start = seq.prefilled
             end = min(seq.prefill_target, start + self.prefill_chunk)
-            if self._reserve(seq, end):
+            # a later sequence's reservation may have preempted this one: a waiting one holds no pages
+            if seq.status == Status.PREFILL and self._reserve(seq, end):
                 out.append((seq, start, end))
         return [w for w in out if w[0].status == Status.PREFILL]  # a later reservation may preempt
 
@@ -58,9 +77,10 @@ class Scheduler:
 
     def _reserve(self, seq: Sequence, positions: int) -> bool:
         """Pages for `positions` positions, preempting newer sequences if needed."""
+        self.release_out_of_window(seq)
         while True:
             try:
-                seq.table.ensure(positions, self.pages)
+                seq.table.ensure(positions, self.groups.lists)
                 return True
             except OutOfMemory:
                 victims = [s for s in self.running if s is not seq and s.status != Status.FINISHED]
@@ -68,6 +88,22 @@ class Scheduler:
                     self.finish(seq, "length")
                     return False
                 self.preempt(victims[-1])
+
+    def min_context(self, seq: Sequence) -> int:
+        """The smallest position any graph of `seq` may still query from."""
+        if not seq.speculative:
+            return seq.committed
+        return min(seq.committed, seq.head_committed) - self.head_lag
+
+    def release_out_of_window(self, seq: Sequence) -> int:
+        """Give back `seq`'s window-group pages that no later query reads; returns how many."""
+        n = seq.table.release_out_of_window(self.min_context(seq), self.groups.lists)
+        self.released_out_of_window += n
+        return n
+
+    def pages_in_use(self) -> dict[int | None, int]:
+        """Pages held per page group (window None: full attention), all sequences together."""
+        return self.groups.in_use()
 
     def preempt(self, seq: Sequence) -> None:
         self._release(seq)
@@ -93,7 +129,7 @@ class Scheduler:
         return None
 
     def _release(self, seq: Sequence) -> None:
-        seq.table.release(self.pages)
+        seq.table.release(self.groups.lists)
         if seq.slot is not None:
             self.slots.free([seq.slot])
             seq.slot = None

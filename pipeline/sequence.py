@@ -23,7 +23,7 @@ from enum import Enum
 
 import numpy as np
 
-from tandem.pipeline.allocator import BlockTable
+from tandem.pipeline.allocator import PageTables
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.sampling_params import SamplingParams
 
@@ -87,14 +87,14 @@ class Sequence:
     finish_reason: str | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     seed: int | None = None     # the request's, else drawn from OS entropy at creation
-    table: BlockTable = field(default=None)
+    table: PageTables = field(default=None)   # one block table per page group (the scheduler's groups on admission)
 
     def __post_init__(self):
         if not self.tokens:
             self.tokens = list(self.prompt)
         if self.emitted < 0:
             self.emitted = len(self.prompt)
-        self.table = self.table or BlockTable(self.page_size)
+        self.table = self.table or PageTables(self.page_size)
         if self.seed is None:
             self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)
 
