@@ -161,6 +161,8 @@ class PageTables:
 
     def ensure(self, positions: int, lists: dict[int | None, FreeList]) -> None:
         """Grow every group to hold `positions` positions (raises OutOfMemory, allocating nothing)."""
+        if positions <= len(self.pages._first) * self.page_size:   # most rounds: nothing to do
+            return
         for w, t in self.groups.items():
             need = t.need(positions)
             if need > lists[w].num_free:

@@ -32,6 +32,7 @@ class Scheduler:
         if isinstance(pages, FreeList):
             self.groups.lists[None] = pages
         self.pages = next(iter(self.groups.lists.values()))   # the first group's list (full attention if any)
+        self.windowed = any(w is not None for w in self.groups.lists)
         self.slots, self.pools = slots, pools
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.head_lag = head_lag            # how far the heads' contexts may trail head_committed
@@ -97,6 +98,8 @@ class Scheduler:
 
     def release_out_of_window(self, seq: Sequence) -> int:
         """Give back `seq`'s window-group pages that no later query reads; returns how many."""
+        if not self.windowed:   # full attention only: nothing to give back (the hot loop skips it)
+            return 0
         n = seq.table.release_out_of_window(self.min_context(seq), self.groups.lists)
         self.released_out_of_window += n
         return n
