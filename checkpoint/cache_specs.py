@@ -43,8 +43,9 @@ class PagedKVSpec(_PoolSpec):
     row_shape: tuple[int, ...]     # one token's row, e.g. [Hkv, head_dim]
     doc: str                       # what a row holds, e.g. "keys (post-RoPE)"
     dtype: str | None = None       # None: the activation dtype
-    # sliding window: attention reads only the last `window` positions. Declared for the families
-    # that have one; the pipeline does not release pages outside it yet (issue 13's sliding-window part)
+    # sliding window: attention reads only the last `window` positions. Pools of one window form a
+    # page group (contract.page_groups) with its own pages and block table; the pipeline releases
+    # a group's pages that fall out of the window while the sequence runs (pipeline/allocator.py)
     window: int | None = None
 
     def __post_init__(self):
