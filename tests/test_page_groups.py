@@ -185,6 +185,25 @@ def test_preemption_and_finish_free_both_groups(desc):
     assert all(fl.num_free == fl.size - 1 for fl in groups.lists.values())
 
 
+def test_waiting_sequences_hold_no_pages(desc):
+    """A prefill reservation that preempts a sequence later in the same batch must not then
+    reserve pages for it: it waits holding nothing."""
+    probe = plan_pools(desc, PAGE, 1 << 20, 3, HEADS, rows=ROWS)
+    window_bytes = probe.groups[1].num_pages * probe.groups[1].page_bytes
+    sched, groups = _scheduler(desc, budget=window_bytes + 4 * probe.page_bytes, max_seqs=3)
+    seqs = [_seq(name, prompt_len=9) for name in "abc"]
+    for s in seqs:
+        sched.add(s)
+    sched.admit()
+    rng = np.random.default_rng(7)
+    for _ in range(30):
+        _round(sched, rng)
+        for s in sched.waiting:
+            assert s.table.held() == {None: 0, WINDOW: 0}, s.request_id
+        sched.admit()
+    assert sum(s.metrics.preemptions for s in seqs) > 0
+
+
 def test_plain_sequences_release_below_their_own_context(desc):
     sched, _ = _scheduler(desc)
     seq = _seq("p", speculative=False)
@@ -276,3 +295,15 @@ def test_a_plain_list_of_pages_fills_every_table(desc):
     runner.target_step([Rows(ids=[1, 2], context=0, pages=[3, 5], slot=1)])
     (call,) = backend.calls
     assert list(call[c.BLOCK_TABLES][0]) == list(call[WIN][0]) == [3, 5]
+
+
+def test_llm_reports_pages_held_per_group(engine_dirs):
+    from tandem.pipeline.llm import LLM
+
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    seq = llm.add_request([5, 17, 33, 200, 7], SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.step()
+    assert llm.pages_held() == {c.BLOCK_TABLES: len(seq.table.pages)} and len(seq.table.pages) > 0
+    while seq.finish_reason is None:
+        llm.step()
+    assert llm.pages_held() == {c.BLOCK_TABLES: 0}
