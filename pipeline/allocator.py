@@ -186,6 +186,13 @@ class PageGroups:
     def __init__(self, num_pages: dict[int | None, int]):
         self.lists = {w: FreeList(n, "KV page" if w is None else f"window-{w} KV page") for w, n in num_pages.items()}
 
+    @classmethod
+    def full_only(cls, pages: FreeList) -> PageGroups:
+        """One group, full attention, over an existing free list."""
+        groups = cls({})
+        groups.lists[None] = pages
+        return groups
+
     def new_tables(self, page_size: int) -> PageTables:
         return PageTables(page_size, tuple(self.lists))
 

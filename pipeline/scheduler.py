@@ -28,9 +28,7 @@ class Scheduler:
 
     def __init__(self, pages: PageGroups | FreeList, slots: FreeList, pools: Pools, max_batch: int,
                  prefill_chunk: int, head_lag: int = 0):
-        self.groups = pages if isinstance(pages, PageGroups) else PageGroups({})
-        if isinstance(pages, FreeList):
-            self.groups.lists[None] = pages
+        self.groups = pages if isinstance(pages, PageGroups) else PageGroups.full_only(pages)
         self.pages = next(iter(self.groups.lists.values()))   # the first group's list (full attention if any)
         self.windowed = any(w is not None for w in self.groups.lists)
         self.slots, self.pools = slots, pools
