@@ -10,7 +10,10 @@ import numpy as np
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
 from tandem.pipeline.engine import Engine
+from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.sampling_params import SamplingParams
 
+GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 OPTIONS = BuildOptions(batch_sizes=(1, 2, 4, 8), spec_k=3, prefill_chunk=8, max_seq_len=512, page_size=4)
 
 
@@ -49,3 +52,21 @@ def install_drafter(monkeypatch, kind: str, reference: dict[str, list[int]] | No
         return out
 
     monkeypatch.setattr(Engine, "_draft", draft)
+
+
+def run(engine_dir, prompts, params=GREEDY, config=None, stagger: int = 0):
+    """Submit prompts (one more every `stagger` steps when > 0) and collect outputs by id."""
+    llm = LLM(engine_dir, config or EngineConfig())
+    pending = list(enumerate(prompts))
+    seqs = {}
+    steps = 0
+    while pending or any(s.finish_reason is None for s in seqs.values()):
+        while pending and (stagger == 0 or steps % stagger == 0 or not seqs):
+            i, p = pending.pop(0)
+            seqs[i] = llm.add_request(p, params, request_id=f"r{i}")
+            if stagger:
+                break
+        llm.step()
+        steps += 1
+    llm.test_sequences = list(seqs.values())
+    return {i: s.output_ids() for i, s in seqs.items()}, llm

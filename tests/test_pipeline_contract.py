@@ -10,29 +10,10 @@ import pytest
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
-from .pipeline_fixtures import install_drafter
+from .pipeline_fixtures import GREEDY, install_drafter, run
 
 PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3], [44], [3, 250, 8, 160, 21, 6, 7],
            [300, 12, 12, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [77, 78], [101, 5, 9]]
-GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
-
-
-def run(engine_dir, prompts, params=GREEDY, config=None, stagger: int = 0):
-    """Submit prompts (one more every `stagger` steps when > 0) and collect outputs by id."""
-    llm = LLM(engine_dir, config or EngineConfig())
-    pending = list(enumerate(prompts))
-    seqs = {}
-    steps = 0
-    while pending or any(s.finish_reason is None for s in seqs.values()):
-        while pending and (stagger == 0 or steps % stagger == 0 or not seqs):
-            i, p = pending.pop(0)
-            seqs[i] = llm.add_request(p, params, request_id=f"r{i}")
-            if stagger:
-                break
-        llm.step()
-        steps += 1
-    llm.test_sequences = list(seqs.values())
-    return {i: s.output_ids() for i, s in seqs.items()}, llm
 
 
 @pytest.fixture(scope="module")
