@@ -255,7 +255,10 @@ class EngineLoop:
         sched = self.llm.scheduler
         m.QUEUE_DEPTH.set(len(sched.waiting) + self._commands.qsize())
         m.RUNNING.set(len(sched.running))
-        m.KV_PAGES_IN_USE.set(self.llm.pages.size - 1 - self.llm.pages.num_free)
+        held = self.llm.pages_held()
+        m.KV_PAGES_IN_USE.set(sum(held.values()))
+        for table, n in held.items():   # block_tables -> "full", block_tables.window8 -> "window8"
+            m.KV_PAGES_BY_GROUP.labels(group=table.partition(".")[2] or "full").set(n)
         for i, rate in enumerate(self.llm.engine.stats.acceptance_per_position()):
             m.ACCEPTANCE.labels(position=str(i + 1)).set(rate)
 

@@ -18,4 +18,8 @@ ACCEPT_LENGTH = Histogram("tandem_spec_accept_length", "Tokens committed per ver
                           registry=REGISTRY, buckets=(1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 9))
 ACCEPTANCE = Gauge("tandem_spec_acceptance_rate", "Draft acceptance rate by draft position", ["position"],
                    registry=REGISTRY)
-KV_PAGES_IN_USE = Gauge("tandem_kv_pages_in_use", "KV cache pages allocated to sequences", registry=REGISTRY)
+KV_PAGES_IN_USE = Gauge("tandem_kv_pages_in_use", "KV cache pages allocated to sequences, all page groups",
+                        registry=REGISTRY)
+KV_PAGES_BY_GROUP = Gauge("tandem_kv_pages_in_use_by_group", "KV cache pages allocated to sequences, per page group "
+                          "(full attention, or a sliding window whose pages are released as they leave it)",
+                          ["group"], registry=REGISTRY)

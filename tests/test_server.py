@@ -148,6 +148,7 @@ def test_disconnect_mid_stream_frees_the_pages(live):
             break
         time.sleep(0.05)
     assert m["tandem_kv_pages_in_use"] == 0 and m["tandem_running_requests"] == 0
+    assert m['tandem_kv_pages_in_use_by_group{"group": "full"}'] == 0
     assert m['tandem_requests_total{"status": "aborted"}'] >= 1
     r = client(live).completions.create(model="tiny", prompt="x", max_tokens=4, extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 4
