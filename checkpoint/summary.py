@@ -144,7 +144,9 @@ def format_summary(s: dict) -> str:
         rows.append(("mtp heads", "none (plain decoding)"))
     rows += [("KV bytes/token", f"{kv['target']:,} target + {kv['with_mtp'] - kv['target']:,} MTP = "
                                 f"{kv['with_mtp']:,} ({s['dtype']})"),
-             ("state bytes/seq", f"{s['state_bytes_per_sequence']:,} (fp32 recurrent + conv window)")]
+             ("state bytes/seq", f"{s['state_bytes_per_sequence']:,} " + ("(fp32 recurrent + conv window)"
+                                                                        if s["state_bytes_per_sequence"]
+                                                                        else "(no recurrent layers)"))]
     spec = s["speculative"]
     rows.append(("verdict", "OK: " + (f"ready for speculative decoding, k={spec['k']}" if spec["enabled"]
                                       else "ready for plain decoding")))
