@@ -43,6 +43,9 @@ HIDDEN_IN = "hidden_in"
 LAST_ROW = "last_row"
 TEMPERATURE, TOP_K, TOP_P, UNIFORMS = "temperature", "top_k", "top_p", "uniforms"
 MIN_TEMPERATURE = 1e-5  # below it a row is greedy (as vLLM): logits / T would overflow float32
+# relaxed acceptance (export/acceptance.py): verify inputs that engines built before them lack; the
+# runtime binds them only where an engine has them (without: exact acceptance), so no version bump
+RELAXED_TOPK, RELAXED_DELTA, RELAXED_ROWS = "relaxed_topk", "relaxed_delta", "relaxed_rows"
 
 HIDDEN = "hidden"
 LOGITS = "logits"
@@ -194,6 +197,9 @@ def verify_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list
            TensorSpec(TOP_K, "int64", ("batch",), "top-k filter, 0 = off"),
            TensorSpec(TOP_P, "float32", ("batch",), "top-p filter, 1 = off"),
            TensorSpec(UNIFORMS, "float32", ("batch", "rows"), "uniform in [0,1) of the position row i's token fills"),
+           TensorSpec(RELAXED_TOPK, "int64", ("batch",), "relaxed acceptance: draft within the target's top-k, 0 = off"),
+           TensorSpec(RELAXED_DELTA, "float32", ("batch",), "relaxed acceptance: draft prob >= top prob - delta"),
+           TensorSpec(RELAXED_ROWS, "int64", ("batch", "rows"), "1 where row i may relax (judging d_{i+1}), else 0"),
            *layer_in]
     outs = [TensorSpec(ACCEPTED, "int64", ("batch",), "drafts accepted (0..k); rows 0..accepted are committed"),
             TensorSpec(NEXT_TOKEN, "int64", ("batch",), "the token after the accepted ones (correction or bonus)"),

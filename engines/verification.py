@@ -70,6 +70,9 @@ def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) 
         if window is not None:
             out[c.block_tables(window)] = (rng.permutation(n_pages)[: b * _CHECK_PAGES]
                                            .reshape(b, _CHECK_PAGES).astype(np.int64))
+    out[c.RELAXED_TOPK] = rng.choice([0, 1, 8], b).astype(np.int64)        # verify: relaxed acceptance
+    out[c.RELAXED_DELTA] = rng.choice([0.0, 0.5], b).astype(np.float32)
+    out[c.RELAXED_ROWS] = rng.integers(0, 2, (b, w)).astype(np.int64)
     names = {s.name for s in specs}
     return {k: v for k, v in out.items() if k in names}
 

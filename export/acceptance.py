@@ -18,12 +18,29 @@ target's distribution given the emitted prefix (rows 0..a see exactly the accept
 fresh position's uniform, i.e. ancestral sampling. Rows past a are discarded and never decided
 anything, so their positions' uniforms stay unseen until a later round uses them.
 
+Relaxed acceptance (opt-in per row; off leaves every output above bit for bit the same). With
+relaxed inputs (contract.RELAXED_TOPK / RELAXED_DELTA / RELAXED_ROWS), a greedy row i also accepts
+a draft d_{i+1} != t_i when relaxing is allowed at that row (relaxed_rows[b, i] != 0, e.g. inside a
+thinking span) and, with p_i = softmax(logits_i) (temperature 1):
+    rank(d_{i+1}) < relaxed_topk[b]         rank = count of tokens whose logit is strictly greater
+    p_i(d_{i+1}) >= p_i(t_i) - relaxed_delta[b]
+This is TensorRT-LLM's rule for DeepSeek MTP (mtpRelaxedAcceptanceKernel in
+cpp/tensorrt_llm/kernels/speculativeDecoding/mtpKernels.cu: the draft must be among the target's
+top `relaxed_topk` probabilities and not below the top one's minus `relaxed_delta`); ties rank
+as high as their best peer. The next token stays t_a, the target's argmax at the first rejected row.
+relaxed_topk 0 turns it off. Sampled rows never relax: speculative sampling is already exact
+in distribution, and relaxing would change the distribution it samples (TensorRT-LLM relaxes
+greedy MTP only). The output is then no longer what plain greedy decoding gives: an opt-in
+trade of exactness for accepted length.
+
 Sampling order (pipeline/sampler.py does the same on the host): temperature, top-k, top-p on what
 top-k kept (the top token always stays); inverse-CDF over the vocabulary in id order, never past
 the last token with non-zero probability.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from onnx import TensorProto
@@ -32,6 +49,16 @@ from tandem.contract import MIN_TEMPERATURE
 from tandem.export.builder import GraphBuilder
 
 _NEG = -1e30
+
+
+@dataclass(frozen=True)
+class Relaxed:
+    """Names of the relaxed-acceptance inputs: top-k [B] int64 (0 = off), delta [B] float32, and
+    where relaxing is allowed [B, W] int64 (row i: the draft d_{i+1} it judges)."""
+
+    topk: str
+    delta: str
+    rows: str
 
 
 def _leading_true(b: GraphBuilder, ok: str) -> str:
@@ -46,17 +73,40 @@ def _at_row(b: GraphBuilder, x: str, row: str) -> str:
     return b.op("GatherND", x, b.unsqueeze(row, [1]), batch_dims=1)
 
 
-def _compare(b: GraphBuilder, tokens: str, ids: str) -> tuple[str, str]:
-    """tokens [B, W] (the target's t_i) against the drafts ids[:, 1:] -> (accepted [B], next token [B])."""
-    drafts = b.slice(ids, [1], [np.iinfo(np.int64).max], [1])                     # [B, W-1]
+def _drafts(b: GraphBuilder, ids: str) -> str:
+    return b.slice(ids, [1], [np.iinfo(np.int64).max], [1])                       # [B, W-1]
+
+
+def _compare(b: GraphBuilder, tokens: str, ids: str, also: str | None = None) -> tuple[str, str]:
+    """tokens [B, W] (the target's t_i) against the drafts ids[:, 1:] -> (accepted [B], next token [B]);
+    `also` [B, W-1] bool: drafts accepted even where they differ (relaxed)."""
     predicted = b.slice(tokens, [0], [-1], [1])
-    accepted = _leading_true(b, b.op("Equal", drafts, predicted))
+    ok = b.op("Equal", _drafts(b, ids), predicted)
+    accepted = _leading_true(b, ok if also is None else b.op("Or", ok, also))
     return accepted, _at_row(b, tokens, accepted)
 
 
-def greedy(b: GraphBuilder, logits: str, ids: str) -> tuple[str, str]:
+def _relaxed_ok(b: GraphBuilder, logits: str, ids: str, r: Relaxed) -> str:
+    """[B, W-1] bool: row i's draft d_{i+1} passes the relaxed rule (module docstring)."""
+    with b.scope("relaxed"):
+        rows = b.slice(logits, [0], [-1], [1])                                    # [B, W-1, V]: rows with a draft
+        drafted = b.op("GatherElements", rows, b.unsqueeze(_drafts(b, ids), [2]), axis=2)      # [B, W-1, 1]
+        top = b.op("ReduceMax", rows, b.const([-1], np.int64), keepdims=1)
+        total = b.op("ReduceSum", b.op("Exp", b.op("Sub", rows, top)), b.const([-1], np.int64), keepdims=1)
+        p_top = b.op("Reciprocal", total)                                         # softmax at the argmax
+        p_draft = b.op("Div", b.op("Exp", b.op("Sub", drafted, top)), total)
+        close = b.op("GreaterOrEqual", p_draft, b.op("Sub", p_top, b.unsqueeze(r.delta, [1, 2])))
+        rank = b.op("ReduceSum", b.op("Cast", b.op("Greater", rows, drafted), to=TensorProto.INT64),
+                    b.const([-1], np.int64), keepdims=1)
+        in_top = b.op("Less", rank, b.unsqueeze(r.topk, [1, 2]))
+        allowed = b.op("Not", b.op("Equal", b.slice(r.rows, [0], [-1], [1]), b.const(0, np.int64)))
+        return b.op("And", b.squeeze(b.op("And", close, in_top), [2]), allowed)
+
+
+def greedy(b: GraphBuilder, logits: str, ids: str, relaxed: Relaxed | None = None) -> tuple[str, str]:
     with b.scope("accept_greedy"):
-        return _compare(b, b.op("ArgMax", logits, axis=-1, keepdims=0), ids)     # t_i: [B, W]
+        also = _relaxed_ok(b, logits, ids, relaxed) if relaxed else None
+        return _compare(b, b.op("ArgMax", logits, axis=-1, keepdims=0), ids, also)   # t_i: [B, W]
 
 
 def _filtered_probs(b: GraphBuilder, scaled: str, top_k: str, top_p: str) -> str:
@@ -90,7 +140,7 @@ def _inverse_cdf(b: GraphBuilder, probs: str, uniforms: str) -> str:
 
 
 def sampled(b: GraphBuilder, logits: str, ids: str, temperature: str, top_k: str, top_p: str,
-            uniforms: str) -> tuple[str, str]:
+            uniforms: str, relaxed: Relaxed | None = None) -> tuple[str, str]:
     with b.scope("accept_sampled"):
         f32 = lambda v: b.const(v, np.float32)  # noqa: E731
         is_sampled = b.op("GreaterOrEqual", temperature, f32(MIN_TEMPERATURE))    # [B]
@@ -99,4 +149,7 @@ def sampled(b: GraphBuilder, logits: str, ids: str, temperature: str, top_k: str
         drawn = _inverse_cdf(b, probs, uniforms)                                  # [B, W]
         best = b.op("ArgMax", logits, axis=-1, keepdims=0)
         tokens = b.op("Where", b.unsqueeze(is_sampled, [1]), drawn, best)          # t_i: [B, W]
-        return _compare(b, tokens, ids)
+        also = None
+        if relaxed:  # greedy rows only
+            also = b.op("And", _relaxed_ok(b, logits, ids, relaxed), b.unsqueeze(b.op("Not", is_sampled), [1]))
+        return _compare(b, tokens, ids, also)

@@ -148,10 +148,12 @@ def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.Mode
     b = GraphBuilder()
     hidden, kv, gdn = _trunk(b, desc, w, verify=True)
     logits = _lm_head(b, w, hidden)
+    relaxed = acceptance.Relaxed(c.RELAXED_TOPK, c.RELAXED_DELTA, c.RELAXED_ROWS)
     if sampling:
-        accepted, nxt = acceptance.sampled(b, logits, c.INPUT_IDS, c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS)
+        accepted, nxt = acceptance.sampled(b, logits, c.INPUT_IDS, c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS,
+                                           relaxed=relaxed)
     else:
-        accepted, nxt = acceptance.greedy(b, logits, c.INPUT_IDS)
+        accepted, nxt = acceptance.greedy(b, logits, c.INPUT_IDS, relaxed=relaxed)
     produced = {c.ACCEPTED: accepted, c.NEXT_TOKEN: nxt, c.HIDDEN: hidden}
     for i, (k, v) in kv.items():
         produced[c.new_key(i)], produced[c.new_value(i)] = k, v
