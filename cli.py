@@ -59,7 +59,8 @@ def cmd_build_engines(args: argparse.Namespace) -> int:
             backend=args.backend, batch_sizes=parse_int_list(args.batch_sizes, "--batch-sizes"), spec_k=args.spec_k,
             verify_widths=parse_int_list(args.verify_widths, "--verify-widths") if args.verify_widths else None,
             max_seq_len=args.max_seq_len, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
-            dtype=args.dtype, draft=args.draft, no_mtp=args.no_mtp)
+            dtype=args.dtype, weights=args.weights, quant_block=args.quant_block, draft=args.draft,
+            no_mtp=args.no_mtp, unified_round=not args.no_unified_round)
         result = build_engines(args.model_dir, args.out, options, show_progress=not args.quiet)
     except CheckpointError as e:
         return _refused(args.model_dir, e.problems)
@@ -217,8 +218,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32",
                    help="engine precision: float32 or float16 (weights, activations, K/V and conv pools; "
                         "recurrent states, attention scores and logits stay float32)")
+    p.add_argument("--weights", default="float", choices=["float", "int8", "int4"],
+                   help="linear-layer weights: float (= --dtype), or weight-only int8 / int4 with one scale per "
+                        "--quant-block input rows (ONNX Runtime CPU runs them with its MatMulNBits kernels)")
+    p.add_argument("--quant-block", type=int, default=32, help="input rows per quantization scale (default 32)")
     p.add_argument("--draft", help="folder with the MTP (mtp.*) weights, when they are not in the checkpoint")
     p.add_argument("--no-mtp", action="store_true", help="plain decoding only: no heads, no verify engines")
+    p.add_argument("--no-unified-round", action="store_true",
+                   help="leave out the one-call round graphs (rounds then run verify, re-anchor and draft calls)")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_build_engines)
 

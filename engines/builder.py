@@ -44,7 +44,7 @@ from tandem.engines.progress import Progress
 from tandem.engines.verification import compare, fixed_inputs, timed
 from tandem.export.exporter import export_checkpoint
 
-_EXPORT_OPTIONS = ("dtype", "no_mtp", "page_size")  # options that change the exported graphs
+_EXPORT_OPTIONS = ("dtype", "weights", "quant_block", "no_mtp", "page_size")  # change the graphs
 _SAME_TOOLS = ("tandem", "backend", "contract_version")
 
 
@@ -93,7 +93,7 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
     with staged_directory(out, sources) as tmp:
         export_dir = tmp / "_export"
         with Progress("export", 1, show_progress) as bar:
-            export_checkpoint(ckpt, export_dir, dtype=options.dtype)
+            export_checkpoint(ckpt, export_dir, dtype=options.dtype, quant=options.quant)
             bar.step()
         for name in {e["file"] for e in reusable.values()} | ({"weights.bin"} if reusable else set()):
             if (out / name).exists():

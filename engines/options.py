@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from tandem.checkpoint.validation import MAX_SPEC_K, MIN_SPEC_K
+from tandem.export.quantize import WEIGHT_FORMATS, weight_quant
 
 BACKENDS = ("onnxruntime", "tensorrt")
 SUPPORTED_DTYPES = ("float32", "float16")  # engine dtype: weights, activations, KV and conv pools
@@ -29,6 +30,8 @@ class BuildOptions:
     page_size: int = 16
     prefill_chunk: int = 64
     dtype: str = "float32"
+    weights: str = "float"        # linear layers: "float" (= dtype), or weight-only "int8" / "int4"
+    quant_block: int = 32         # input rows per quantization scale
     draft: str | None = None
     no_mtp: bool = False
     extra: dict = field(default_factory=dict, compare=False)
@@ -66,6 +69,18 @@ class BuildOptions:
                                "... fail with NOT_IMPLEMENTED); use --dtype float16 or float32")
         if self.dtype not in SUPPORTED_DTYPES:
             raise OptionsError(f"--dtype {self.dtype} is not supported yet; use {' or '.join(SUPPORTED_DTYPES)}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise OptionsError(f"--weights {self.weights!r}: use one of {', '.join(WEIGHT_FORMATS)} (int8 / int4: "
+                               "weight-only quantization of the linear layers)")
+        try:
+            weight_quant(self.weights, self.quant_block)
+        except ValueError as e:
+            raise OptionsError(f"--quant-block {self.quant_block}: {e}") from e
+
+    @property
+    def quant(self):
+        """The weight quantization the export applies (None: float weights)."""
+        return weight_quant(self.weights, self.quant_block)
 
     def to_json(self) -> dict:
         out = asdict(self)

@@ -25,6 +25,7 @@ from tandem import contract
 from tandem.checkpoint.reader import Checkpoint
 from tandem.export.graphs import mtp_head, target_step, verify_step
 from tandem.export.layers import Weights
+from tandem.export.quantize import WeightQuant
 from tandem.graph_kinds import GraphKind, exported_kinds
 
 WEIGHTS_FILE = "weights.bin"
@@ -76,10 +77,12 @@ class _SharedWeights:
 EXPORT_DTYPES = ("float32", "float16")  # weights and activations; see export/layers.py for what stays fp32
 
 
-def build_graphs(ckpt: Checkpoint, dtype: str = "float32", gdn_chunk_size: int = 0) -> dict[str, onnx.ModelProto]:
+def build_graphs(ckpt: Checkpoint, dtype: str = "float32", gdn_chunk_size: int = 0,
+                 quant: WeightQuant | None = None) -> dict[str, onnx.ModelProto]:
+    """quant: weight-only int8 / int4 linear layers (export/quantize.py); None keeps them in `dtype`."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
-    desc, w = ckpt.description, Weights(ckpt, dtype)
+    desc, w = ckpt.description, Weights(ckpt, dtype, quant)
     return {kind.name: _graph(desc, w, kind, gdn_chunk_size)
             for kind in exported_kinds(desc.mtp.num_layers if desc.mtp else 0)}
 
@@ -92,12 +95,13 @@ def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int) -> onnx.Model
     return mtp_head(desc, w, kind.head)
 
 
-def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float32") -> ExportResult:
+def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float32",
+                      quant: WeightQuant | None = None) -> ExportResult:
     """Export all graphs of `ckpt` into `out_dir` (created; existing graph files are replaced)."""
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    graphs = build_graphs(ckpt, dtype)
+    graphs = build_graphs(ckpt, dtype, quant=quant)
     shared = _SharedWeights(out / WEIGHTS_FILE)
     files, hashes = {}, {}
     try:
@@ -113,6 +117,7 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
     manifest = {
         "contract_version": contract.CONTRACT_VERSION,
         "dtype": dtype,
+        "weights_format": quant.format if quant else "float",
         "family": ckpt.description.family,
         "mtp_layers": ckpt.description.mtp.num_layers if ckpt.description.mtp else 0,
         "graphs": {n: {"file": files[n], "sha256": hashes[n], "nodes": len(graphs[n].graph.node)} for n in files},

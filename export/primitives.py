@@ -10,15 +10,17 @@ from __future__ import annotations
 import numpy as np
 
 from tandem.export.builder import ONNX_DTYPES, GraphBuilder
+from tandem.export.quantize import WeightQuant
 
 
 class Weights:
     """Canonical checkpoint tensors as export-dtype numpy, with the derived forms graphs use."""
 
-    def __init__(self, checkpoint, dtype: str = "float32"):
+    def __init__(self, checkpoint, dtype: str = "float32", quant: WeightQuant | None = None):
         self.ckpt = checkpoint
         self.dtype = dtype              # the graphs' activation dtype (contract spelling)
         self.np_dtype = np.dtype(dtype)
+        self.quant = quant              # weight-only quantization of the linear layers (None: float)
         self._derived: dict[str, np.ndarray] = {}  # graphs share weights: derive each once
 
     def raw(self, name: str) -> np.ndarray:
@@ -30,8 +32,18 @@ class Weights:
         return b.weight(name, self._derived[name])
 
     def matmul_t(self, b: GraphBuilder, name: str) -> str:
-        """W^T [in, out] for x @ W^T (nn.Linear)."""
-        return self.derived(b, name + ".T", lambda: self.raw(name).T.astype(self.np_dtype))
+        """W^T [in, out] for x @ W^T (nn.Linear); with `quant`, the blocked DequantizeLinear of its
+        int8 / int4 form (export/quantize.py)."""
+        if self.quant is None:
+            return self.derived(b, name + ".T", lambda: self.raw(name).T.astype(self.np_dtype))
+        q_name, s_name = f"{name}.T.{self.quant.format}", f"{name}.T.{self.quant.format}.scale"
+        if q_name not in self._derived:
+            wt = self.raw(name).T
+            if not self.quant.applies(wt.shape):   # too few input rows for one block: stays float
+                return self.derived(b, name + ".T", lambda: wt.astype(self.np_dtype))
+            self._derived[q_name], self._derived[s_name] = self.quant.quantize(wt, self.np_dtype)
+        return b.op("DequantizeLinear", b.weight(q_name, self._derived[q_name]),
+                    b.weight(s_name, self._derived[s_name]), axis=0, block_size=self.quant.block)
 
     def plus_one(self, b: GraphBuilder, name: str) -> str:
         """1 + w: zero-centred RMSNorm scale."""

@@ -51,8 +51,15 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, opt
     return files
 
 
-def session(model, threads: int | None = None, profile_prefix: str | None = None) -> ort.InferenceSession:
+def session(model, threads: int | None = None, profile_prefix: str | None = None,
+            exact_quantized: bool = False) -> ort.InferenceSession:
     """Every tandem session (a path or a ModelProto) runs on one process-wide thread pool.
+
+    Weight-only int8 / int4 graphs (export/quantize.py): ONNX Runtime fuses DequantizeLinear +
+    MatMul into MatMulNBits, which by default also quantizes the activations to int8 per block
+    (accuracy level 4: the fast kernels). `exact_quantized` computes with the dequantized weights in
+    float32 instead (level 0): the build's verification uses it on both sides, so it checks the
+    lowering and not the int8 rounding of activations (which flips with any 1e-6 reordering).
 
     `profile_prefix` turns on ONNX Runtime's per-node profiler (off by default: it times every
     node of every run); `end_profiling()` on the session writes `<prefix>_<date>.json`.
@@ -67,6 +74,8 @@ def session(model, threads: int | None = None, profile_prefix: str | None = None
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
     opts.use_per_session_threads = False
+    if exact_quantized:
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     if profile_prefix:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
@@ -97,7 +106,7 @@ class ReferenceRunner:
         if path not in self._sessions:
             if len(self._sessions) >= 2:  # a reference and an engine at a time: weights are large
                 self._sessions.pop(next(iter(self._sessions)))
-            self._sessions[path] = session(path)
+            self._sessions[path] = session(path, exact_quantized=True)
         sess = self._sessions[path]
         return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
 
