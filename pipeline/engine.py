@@ -31,6 +31,7 @@ import numpy as np
 from tandem import contract as c
 from tandem.pipeline.model_runner import ModelRunner, Rows
 from tandem.pipeline.pools import Pools
+from tandem.pipeline.relaxed import RelaxedRows
 from tandem.pipeline.sampler import sample, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
@@ -130,6 +131,7 @@ class Engine:
         self.synthetic_acceptance = synthetic_acceptance
         self.width_per_batch = dict(sorted((width_per_batch or {}).items()))
         self.stats = EngineStats()
+        self.relaxed = RelaxedRows()   # relaxed acceptance: LLM sets the engine's default and <think> markers
         self.trace: list[tuple[str, float, float]] | None = None  # (phase, start, end) when profiling
 
     @contextlib.contextmanager
@@ -257,6 +259,7 @@ class Engine:
         u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
         rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
                      slot=s.slot, uniforms=u[i], **_sampling_inputs(s.params)) for i, s in enumerate(seqs)]
+        self.relaxed.fill(seqs, drafts, rows)
         with self._phase("verify"):
             if self.synthetic_acceptance is None:
                 outs = self.runner.verify(rows, sampling) if width > 1 else self.runner.target_step(rows)

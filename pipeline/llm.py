@@ -32,8 +32,9 @@ from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.engine import Engine, StepOutput
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.pools import Pools, plan_pools
+from tandem.pipeline.relaxed import RelaxedRows, think_markers
 from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_sampling, check_text, check_token_ids
-from tandem.pipeline.sampling_params import SamplingParams
+from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import RequestMetrics, Sequence
 
@@ -49,6 +50,7 @@ class EngineConfig:
     spec_k: int | None = None              # global override of the engines' k
     speculative: bool = True               # global switch; requests can also turn it off
     synthetic_acceptance: float | None = None  # benchmark aid only: accept drafts with this probability
+    relaxed_acceptance: RelaxedAcceptance | None = None  # default for greedy requests (off: exact); pipeline/relaxed.py
     threads: int | None = None
 
     def __post_init__(self):
@@ -122,6 +124,8 @@ class LLM:
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
                              chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
                              width_per_batch=self.width_per_batch)
+        self.engine.relaxed = RelaxedRows(config.relaxed_acceptance, think_markers(self.tokenizer),
+                                          str(self.engine_dir / "tokenizer.json"))
         self._ids = itertools.count()
 
     def _widths(self, runtime: dict) -> dict[int, int]:
@@ -159,6 +163,7 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         check_sampling(params)
+        self.engine.relaxed.check(params)
         ids = self.encode(prompt)
         k_fixed = params.k is not None or self.config.spec_k is not None
         k = params.k if params.k is not None else self.spec_k

@@ -39,6 +39,9 @@ class Rows:
     top_k: int = 0
     top_p: float = 1.0
     uniforms: np.ndarray | None = None
+    relaxed_topk: int = 0                  # verify: relaxed acceptance (pipeline/relaxed.py), 0 = off
+    relaxed_delta: float = 0.0
+    relaxed_rows: list[int] | None = None  # 1 where row i may relax
 
 
 @dataclass
@@ -145,7 +148,8 @@ class ModelRunner:
         for name in tables:
             buf[name].fill(SCRATCH)
         for name, value in ((c.STATE_SLOTS, SCRATCH), (c.STATE_ROWS, 1), (c.LAST_ROW, 0), (c.TEMPERATURE, 0.0),
-                            (c.TOP_K, 0), (c.TOP_P, 1.0), (c.UNIFORMS, 0.5), (c.HIDDEN_IN, 0.0)):
+                            (c.TOP_K, 0), (c.TOP_P, 1.0), (c.UNIFORMS, 0.5), (c.HIDDEN_IN, 0.0),
+                            (c.RELAXED_TOPK, 0), (c.RELAXED_DELTA, 0.0), (c.RELAXED_ROWS, 0)):
             if name in buf:
                 buf[name].fill(value)
         for b, r in enumerate(part):
@@ -166,3 +170,6 @@ class ModelRunner:
             if c.TEMPERATURE in buf:
                 buf[c.TEMPERATURE][b], buf[c.TOP_K][b], buf[c.TOP_P][b] = r.temperature, r.top_k, r.top_p
                 buf[c.UNIFORMS][b, :n] = r.uniforms
+            if c.RELAXED_TOPK in buf and r.relaxed_topk:   # engines built before relaxed acceptance lack it
+                buf[c.RELAXED_TOPK][b], buf[c.RELAXED_DELTA][b] = r.relaxed_topk, r.relaxed_delta
+                buf[c.RELAXED_ROWS][b, :n] = r.relaxed_rows

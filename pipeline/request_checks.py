@@ -85,6 +85,8 @@ def check_sampling(params: SamplingParams) -> None:
         check_int(params.seed, "seed")
     if params.k is not None:
         check_int(params.k, "spec_k", 1)
+    if params.relaxed is not None:
+        check_int(params.relaxed.top_k, "relaxed_acceptance.top_k", 0)
     for i, t in enumerate(params.stop_token_ids):
         check_int(t, f"stop_token_ids[{i}]")
     for i, s in enumerate(params.stop):

@@ -1,4 +1,4 @@
-"""Per-request generation settings, validated at construction."""
+"""Per-request generation settings, validated at construction (relaxed acceptance among them)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,34 @@ import numbers
 from dataclasses import dataclass
 
 from tandem.contract import MIN_TEMPERATURE
+
+
+@dataclass(frozen=True)
+class RelaxedAcceptance:
+    """Opt-in relaxed acceptance (export/acceptance.py, TensorRT-LLM's rule): a greedy request also
+    accepts a draft that is among the target's `top_k` most likely tokens and whose probability is
+    at least the top token's minus `delta`; with `thinking_only`, only while the sequence is inside a
+    thinking span (<think> ... </think>). Trades exactness for accepted length: the output is no
+    longer plain greedy decoding's. top_k 0 is off (a request can turn off an engine default)."""
+
+    top_k: int
+    delta: float
+    thinking_only: bool = False
+
+    def __post_init__(self):
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral) or self.top_k < 0:
+            raise ValueError(f"relaxed_acceptance.top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if (isinstance(self.delta, bool) or not isinstance(self.delta, numbers.Real)
+                or not 0.0 <= self.delta <= 1.0):  # NaN fails too
+            raise ValueError(f"relaxed_acceptance.delta must be a probability gap in [0, 1], got {self.delta!r}")
+        if not isinstance(self.thinking_only, bool):
+            raise ValueError(f"relaxed_acceptance.thinking_only must be true or false, got {self.thinking_only!r}")
+        object.__setattr__(self, "top_k", int(self.top_k))
+        object.__setattr__(self, "delta", float(self.delta))
+
+    @property
+    def on(self) -> bool:
+        return self.top_k > 0
 
 
 @dataclass(frozen=True)
@@ -22,6 +50,7 @@ class SamplingParams:
     speculative: bool = True          # draft with the MTP heads (when the engines have them)
     k: int | None = None              # draft tokens per round for this request (None: the engine's)
     p_min: float = 0.0                # stop drafting when the head's probability falls below this
+    relaxed: RelaxedAcceptance | None = None  # relaxed acceptance (greedy only); None: the engine's default
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -38,6 +67,19 @@ class SamplingParams:
             raise ValueError(f"k must be >= 1, got {self.k}")
         if not 0.0 <= self.p_min < 1.0:
             raise ValueError(f"p_min must be in [0, 1), got {self.p_min}")
+        if isinstance(self.relaxed, dict):
+            unknown = set(self.relaxed) - {"top_k", "delta", "thinking_only"}
+            if unknown or not {"top_k", "delta"} <= set(self.relaxed):
+                raise ValueError(f"relaxed_acceptance takes top_k, delta and optionally thinking_only, got "
+                                 f"{sorted(self.relaxed)}")
+            object.__setattr__(self, "relaxed", RelaxedAcceptance(**self.relaxed))
+        if self.relaxed is not None and not isinstance(self.relaxed, RelaxedAcceptance):
+            raise ValueError(f"relaxed must be a RelaxedAcceptance (or a dict of its fields), got "
+                             f"{type(self.relaxed).__name__}")
+        if self.relaxed is not None and self.relaxed.on and not self.greedy:
+            raise ValueError(f"relaxed acceptance applies to greedy decoding only, but temperature is "
+                             f"{self.temperature}: send temperature 0, or drop relaxed_acceptance (sampling "
+                             "already accepts drafts by their probability)")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

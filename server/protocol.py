@@ -1,7 +1,9 @@
 """OpenAI-compatible request bodies (pydantic) and their translation into SamplingParams.
 
 Extensions beyond the OpenAI schema (as vLLM accepts them): `top_k`, `ignore_eos`, and the
-speculative options `speculative` (bool, default true) and `spec_k` (draft tokens per round)."""
+speculative options `speculative` (bool, default true), `spec_k` (draft tokens per round) and
+`relaxed_acceptance` ({"top_k": 10, "delta": 0.5, "thinking_only": true}: accept near-greedy drafts,
+greedy requests only; {"top_k": 0, ...} turns a server default off; docs/server.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from tandem.pipeline.request_checks import INT64_MAX, INT64_MIN, RequestError, check_text
-from tandem.pipeline.sampling_params import SamplingParams
+from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
 
 # Strict as the OpenAI API types them: no "yes" for a boolean, no true or "1" for an integer,
 # no "0.5" for a number (a JSON integer is a number). Integers stop at int64, as the engines' do.
@@ -20,6 +22,14 @@ Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+
+
+class RelaxedAcceptanceBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    top_k: Int64 = Field(ge=0)
+    delta: StrictFloat = Field(ge=0.0, le=1.0)
+    thinking_only: StrictBool = False
 
 
 class _Common(BaseModel):
@@ -38,13 +48,16 @@ class _Common(BaseModel):
     ignore_eos: StrictBool = False
     speculative: StrictBool = True
     spec_k: Int64 | None = Field(default=None, ge=1, le=8)
+    relaxed_acceptance: RelaxedAcceptanceBody | None = None
     user: StrictStr | None = None
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=stop,
-                              ignore_eos=self.ignore_eos, speculative=self.speculative, k=self.spec_k)
+                              ignore_eos=self.ignore_eos, speculative=self.speculative, k=self.spec_k,
+                              relaxed=RelaxedAcceptance(**self.relaxed_acceptance.model_dump())
+                              if self.relaxed_acceptance else None)
 
     def check_text_fields(self) -> None:
         """ValueError (-> 400) naming a text field that is not valid Unicode (a lone surrogate)."""
