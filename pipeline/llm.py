@@ -109,9 +109,9 @@ class LLM:
         rows = max(rt["prefill_chunk"], *self.verify_widths, 1)
         sizes = plan_pools(self.desc, self.page_size, config.memory_budget_bytes, max_seqs, self.mtp_layers,
                            dtype_bytes=np.dtype(self.dtype).itemsize, rows=rows)
-        self.pools = Pools(self.desc, sizes, self.page_size, self.mtp_layers, self.dtype)
         files = {kind.engine_key(e["rows"]): e["file"] for kind, e in kinds}
         runner = backend.Runner(self.engine_dir, sorted(set(files.values())), threads=config.threads)
+        self.pools = Pools(self.desc, sizes, self.page_size, self.mtp_layers, self.dtype, memory=runner.memory)
         max_pages = -(-self.max_seq_len // self.page_size)
         self.runner = ModelRunner(self.desc, runner, self.pools, files, batch_sizes, max_pages, self.mtp_layers,
                                   self.dtype)

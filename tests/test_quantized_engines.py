@@ -1,0 +1,95 @@
+"""Weight-only int8 / int4 engines (`--weights`): the quantization math, the exported pattern, the
+build's verification, and the exactness contract inside quantized engines."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import onnx
+import pytest
+
+from tandem.checkpoint import open_checkpoint
+from tandem.engines.builder import build_engines
+from tandem.engines.options import BuildOptions, OptionsError
+from tandem.export.exporter import export_checkpoint
+from tandem.export.quantize import WeightQuant
+from tandem.pipeline.llm import LLM
+from tandem.pipeline.sampling_params import SamplingParams
+
+PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3], [44]]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_block_quantization_error_is_at_most_half_a_step(fmt):
+    rng = np.random.default_rng(0)
+    wt = (rng.standard_normal((128, 48)) * rng.uniform(0.01, 3, (1, 48))).astype(np.float32)
+    wt[32:64, 5] = 0.0                                      # an all-zero block keeps a usable scale
+    quant = WeightQuant(fmt, block=32)
+    q, scale = quant.quantize(wt, np.float32)
+    assert q.dtype == (np.int8 if fmt == "int8" else ml_dtypes.int4) and scale.shape == (4, 48)
+    assert np.abs(q.astype(np.int32)).max() <= quant.qmax
+    step = np.repeat(scale, 32, axis=0)
+    assert np.all(np.abs(quant.dequantize(q, scale) - wt) <= step / 2 + 1e-7)
+    assert np.all(quant.dequantize(q, scale)[32:64, 5] == 0.0)
+
+
+def test_every_linear_layer_is_exported_as_blocked_dequantize_matmul(tiny_root, tmp_path):
+    ckpt = open_checkpoint(tiny_root / "qwen3_5_mtp3")
+    plain = export_checkpoint(ckpt, tmp_path / "f")
+    int4 = export_checkpoint(ckpt, tmp_path / "q", quant=WeightQuant("int4", 32))
+    f_graph = onnx.load(str(tmp_path / "f" / "target_step.onnx"), load_external_data=False)
+    q_graph = onnx.load(str(tmp_path / "q" / "target_step.onnx"), load_external_data=False)
+    float_weights = {n.input[1] for n in f_graph.graph.node if n.op_type == "MatMul" and n.input[1].endswith(".T")}
+    dq = {n.output[0]: n for n in q_graph.graph.node if n.op_type == "DequantizeLinear"}
+    quantized = [n for n in q_graph.graph.node if n.op_type == "MatMul" and n.input[1] in dq]
+    assert len(quantized) == len(float_weights) > 10      # every nn.Linear, lm_head included
+    assert all({a.name: a.i for a in dq[n.input[1]].attribute}["block_size"] == 32 for n in quantized)
+    assert int4.weights_bytes < plain.weights_bytes * 0.6  # embeddings stay float32
+
+
+def test_options_refuse_unknown_formats_and_blocks():
+    with pytest.raises(OptionsError, match="--weights 'int3'"):
+        BuildOptions(weights="int3")
+    with pytest.raises(OptionsError, match="--quant-block 24"):
+        BuildOptions(weights="int8", quant_block=24)
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tiny_root, tmp_path_factory):
+    out = {}
+    for fmt in ("int8", "int4"):
+        path = tmp_path_factory.mktemp("quantized") / fmt
+        result = build_engines(tiny_root / "qwen3_5_mtp3", path, BuildOptions(weights=fmt, batch_sizes=(1, 4),
+                                                                             prefill_chunk=8, max_seq_len=256),
+                               show_progress=False)
+        assert result.status == "built"                   # every engine verified against the export
+        out[fmt] = path
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_speculative_equals_plain_inside_quantized_engines(quantized_dirs, fmt):
+    llm = LLM(quantized_dirs[fmt])
+    plain = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True, speculative=False))
+    spec = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_int8_logits_stay_close_to_float(quantized_dirs, engine_dirs, monkeypatch):
+    """int8 weights move the first token's logits by under 15% of their range on the tiny random
+    model (hidden 64, no trained redundancy: measured 8%, half of it from the weights, half from
+    MatMulNBits' int8 activations); the figures on a trained model are in docs/performance.md."""
+    from tandem.pipeline import engine as engine_module
+
+    def first_logits(path):
+        rows = []
+        real = engine_module._next_token
+        monkeypatch.setattr(engine_module, "_next_token", lambda seq, row: rows.append(row.copy()) or real(seq, row))
+        LLM(path).generate([PROMPTS[1]], SamplingParams(max_tokens=1, speculative=False))
+        monkeypatch.setattr(engine_module, "_next_token", real)
+        return rows[0]
+
+    ref = first_logits(engine_dirs["qwen3_5_mtp3"])
+    got = first_logits(quantized_dirs["int8"])
+    assert np.abs(got - ref).max() < 0.15 * np.abs(ref).max()   # measured 8%
+    assert not np.array_equal(got, ref)
