@@ -76,6 +76,8 @@ class ModelRunner:
         self.trunk_kv = pools.trunk_paged
         self.fixed = {**pools.feeds(self.trunk_kv), **pools.state_feeds()}
         self.head_fixed = {j: pools.feeds([c.mtp_layer_name(j)]) for j in range(mtp_layers)}
+        # outputs only the commits read: they stay with the backend, never copied to the host
+        self.backend_outputs = frozenset(pools.output_names([*pools.paged, *pools.states]))
         self.calls: dict[str, int] = {}
         self.seconds: dict[str, float] = {}     # engine time per graph kind
         self.engine_seconds = 0.0
@@ -138,7 +140,8 @@ class ModelRunner:
         ins, outs = c.graph_io(self.desc, graph, self.dtype)
         ins = {s.name: shape(s) for s in ins if s.name not in fixed}
         outs = {s.name: shape(s) for s in outs}
-        return self.runner.binding(self.files[graph.engine_key(width)], (batch, width, pages), ins, outs, fixed)
+        return self.runner.binding(self.files[graph.engine_key(width)], (batch, width, pages), ins, outs, fixed,
+                                   backend_outputs=self.backend_outputs)
 
     def _fill(self, buf: dict[str, np.ndarray], part: list[Rows], batch: int, width: int, pages: int,
               tables: tuple[str, ...] = (c.BLOCK_TABLES,)) -> None:

@@ -1,6 +1,8 @@
-"""The runtime-owned memory: the pools every layer's cache specs declare (paged rows per
-attention layer and per MTP head, states per slot for recurrent layers), and the commits that
-write accepted rows and states into them.
+"""The runtime's pools: the pools every layer's cache specs declare (paged rows per attention
+layer and per MTP head, states per slot for recurrent layers), and the commits that write
+accepted rows and states into them. The backend owns the memory (engines/backends/memory.py):
+each pool is one allocation made through it, and a commit sends it two int64 index vectors per
+pool (destination pool row, source output row); the rows themselves never pass through here.
 
 Shapes and sizes come from the description's cache specs (checkpoint/cache_specs.py) and the
 contract's pool names; nothing here knows a layer type. A byte budget sizes the pools: every
@@ -27,6 +29,7 @@ import numpy as np
 from tandem import contract as c
 from tandem.checkpoint.cache_specs import LayerCache, page_bytes, slot_bytes
 from tandem.checkpoint.description import ModelDescription
+from tandem.engines.backends.memory import HostMemory
 from tandem.pipeline.allocator import group_tables
 
 
@@ -93,8 +96,11 @@ class Pools:
     `layer` is the contract's layer id (trunk index, or mtp_layer_name(j) for head j)."""
 
     def __init__(self, desc: ModelDescription, sizes: PoolSizes, page_size: int, mtp_layers: int,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", memory=None):
+        """memory: the backend runner's memory (allocate / scatter / zero_row); host numpy by default."""
         self.page_size = page_size
+        self.memory = memory if memory is not None else HostMemory()
+        alloc = self.memory.allocate
         self.paged: dict[int | str, dict[str, np.ndarray]] = {}
         self.states: dict[int | str, dict[str, np.ndarray]] = {}
         self._specs = {}  # layer -> its cache specs, for the contract names
@@ -107,12 +113,16 @@ class Pools:
                                  "for trunk layers only")
             self._specs[layer] = cache
             if cache.paged:
-                self.paged[layer] = {p.name: np.zeros((pages[p.window], page_size, *p.row_shape), p.dtype_for(dtype))
-                                     for p in cache.paged}
+                self.paged[layer] = {p.name: alloc(c.pool_input(p, layer), (pages[p.window], page_size, *p.row_shape),
+                                                   p.dtype_for(dtype)) for p in cache.paged}
             if cache.states:
-                self.states[layer] = {s.name: np.zeros((sizes.num_slots, *s.shape), s.dtype_for(dtype))
-                                      for s in cache.states}
+                self.states[layer] = {s.name: alloc(c.pool_input(s, layer), (sizes.num_slots, *s.shape),
+                                                    s.dtype_for(dtype)) for s in cache.states}
         self.trunk_paged = [layer for layer, cache in self._specs.items() if cache.paged and not cache.head]
+
+    def memory_bytes(self) -> int:
+        """Bytes of every pool together."""
+        return sum(a.nbytes for d in (self.paged, self.states) for x in d.values() for a in x.values())
 
     def feeds(self, layers) -> dict[str, np.ndarray]:
         """The paged pools of `layers` under their contract input names (bound once, never copied)."""
@@ -122,12 +132,17 @@ class Pools:
         return {c.pool_input(s, layer): self.states[layer][s.name]
                 for layer in self.states for s in self._specs[layer].states}
 
-    def write_rows(self, layers, outputs: dict[str, np.ndarray], batch_rows: np.ndarray, counts: np.ndarray,
+    def output_names(self, layers) -> set[str]:
+        """The engine outputs the commits read for `layers` (they stay with the backend)."""
+        return ({c.pool_output(p, layer) for layer in layers for p in self._specs[layer].paged}
+                | {c.pool_output(s, layer) for layer in layers for s in self._specs[layer].states})
+
+    def write_rows(self, layers, outputs: dict, batch_rows: np.ndarray, counts: np.ndarray,
                    starts: np.ndarray, tables: list) -> None:
         """For each batch row b (pool order), write new rows [0, counts[b]) at positions
         starts[b] + w, into the pages of each pool's group: `tables` holds each sequence's
         `seq.table.pages` (every group's table) or a plain list (one table for every group).
-        One fancy-indexed assignment per pool, no loops over rows."""
+        One backend scatter per pool: pool row page x S + offset <- output row b x W + w."""
         b_idx, w_idx, logical, offsets = [], [], [], []
         for b, n, start in zip(batch_rows, counts, starts):
             pos = start + np.arange(n)
@@ -139,21 +154,24 @@ class Pools:
             return
         b_idx, w_idx = np.concatenate(b_idx), np.concatenate(w_idx)
         offsets = np.concatenate(offsets)
-        pages = {}  # block-table name -> pool page of every row
+        dst = {}  # block-table name -> pool row (page x S + offset) of every new row
         for layer in layers:
             for p in self._specs[layer].paged:
                 name = c.block_tables(p.window)
-                if name not in pages:
+                if name not in dst:
                     per_seq = [(group_tables(t) or {}).get(name, t) for t in tables]
-                    pages[name] = np.concatenate([np.asarray(t, np.int64)[i] for t, i in zip(per_seq, logical)])
-                self.paged[layer][p.name][pages[name], offsets] = outputs[c.pool_output(p, layer)][b_idx, w_idx]
+                    pages = np.concatenate([np.asarray(t, np.int64)[i] for t, i in zip(per_seq, logical)])
+                    dst[name] = pages * self.page_size + offsets
+                out = outputs[c.pool_output(p, layer)]        # [B, W, *row]
+                self.memory.scatter(self.paged[layer][p.name], 2, dst[name], out, 2, b_idx * out.shape[1] + w_idx)
 
-    def commit_states(self, outputs: dict[str, np.ndarray], batch_rows: np.ndarray, slots: np.ndarray) -> None:
+    def commit_states(self, outputs: dict, batch_rows: np.ndarray, slots: np.ndarray) -> None:
+        slots, batch_rows = np.asarray(slots, np.int64), np.asarray(batch_rows, np.int64)
         for layer, pools in self.states.items():
             for s in self._specs[layer].states:
-                pools[s.name][slots] = outputs[c.pool_output(s, layer)][batch_rows]
+                self.memory.scatter(pools[s.name], 1, slots, outputs[c.pool_output(s, layer)], 1, batch_rows)
 
     def clear_slot(self, slot: int) -> None:
         for pools in self.states.values():
             for pool in pools.values():
-                pool[slot] = 0.0
+                self.memory.zero_row(pool, slot)

@@ -249,7 +249,7 @@ class _RecordingBackend:
     def __init__(self):
         self.calls = []
 
-    def binding(self, file, key, ins, outs, fixed):
+    def binding(self, file, key, ins, outs, fixed, backend_outputs=frozenset()):
         class Binding:
             inputs = {n: np.zeros(s, np.int64 if n in self.INTS or n.startswith(c.BLOCK_TABLES) else np.float32)
                       for n, s in ins.items()}

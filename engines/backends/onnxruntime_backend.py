@@ -17,6 +17,7 @@ import onnx
 import onnxruntime as ort
 
 from tandem.engines.backends.common import link_or_copy
+from tandem.engines.backends.memory import HostMemory, Transfers
 from tandem.engines.buckets import Bucket
 from tandem.export.exporter import WEIGHTS_FILE
 from tandem.export.lowering import lower_for_onnxruntime
@@ -125,11 +126,13 @@ class Checker:
 
 class Runner:
     """The pipeline side: one session per engine file, and per (file, batch, rows, pages) a
-    binding whose input and output buffers are allocated once and reused every round.
+    binding whose input and output buffers are allocated once, through `memory`, and reused
+    every round.
 
-    Pools are bound by reference (zero copy): engines read the runtime's own arrays. Outputs are
-    written into preallocated arrays. `capture` is the CUDA-graph hook of the backend protocol; on
-    the CPU there is nothing to capture, so it returns the plain run.
+    Pools are allocated by `memory` (HostMemory) and bound by reference: an OrtValue over a
+    numpy array shares its buffer, so the engines read and the commits write the same bytes.
+    `capture` is the CUDA-graph hook of the backend protocol; on the CPU there is nothing to
+    capture, so it returns the plain run.
     """
 
     def __init__(self, engine_dir: Path, files: list[str], threads: int | None = None,
@@ -138,17 +141,24 @@ class Runner:
         file named `<profile_prefix><engine file stem>_<date>.json` (bench/where_time_goes.py)."""
         self.sessions = {f: session(Path(engine_dir) / f, threads,
                                     f"{profile_prefix}{Path(f).stem}" if profile_prefix else None) for f in files}
+        self.memory = HostMemory()
         self._bindings: dict[tuple, _Binding] = {}
+
+    @property
+    def transfers(self) -> Transfers:
+        return self.memory.transfers
 
     def end_profiling(self) -> dict[str, Path]:
         """Engine file -> the profile json ONNX Runtime wrote for its session (profiling sessions only)."""
         return {f: Path(s.end_profiling()) for f, s in self.sessions.items()}
 
     def binding(self, file: str, key: tuple, input_shapes: dict[str, tuple], output_shapes: dict[str, tuple],
-                fixed: dict[str, np.ndarray]) -> _Binding:
+                fixed: dict[str, np.ndarray], backend_outputs=frozenset()) -> _Binding:
+        """backend_outputs: outputs only the backend reads (rows and states the commits scatter)."""
         b = self._bindings.get((file, key))
         if b is None:
-            b = self._bindings[(file, key)] = _Binding(self.sessions[file], input_shapes, output_shapes, fixed)
+            b = self._bindings[(file, key)] = _Binding(self.sessions[file], self.memory, f"{file}{key}",
+                                                       input_shapes, output_shapes, fixed, backend_outputs)
         return b
 
     def capture(self, binding: _Binding):
@@ -159,18 +169,29 @@ _NUMPY_TYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(
 
 
 class _Binding:
-    def __init__(self, sess: ort.InferenceSession, input_shapes, output_shapes, fixed: dict[str, np.ndarray]):
-        self.sess = sess
+    def __init__(self, sess: ort.InferenceSession, memory: HostMemory, prefix: str, input_shapes, output_shapes,
+                 fixed: dict[str, np.ndarray], backend_outputs):
+        self.sess, self.transfers = sess, memory.transfers
         types = {i.name: i.type for i in sess.get_inputs()}
-        self.inputs = {n: np.zeros(s, _NUMPY_TYPES[types[n]]) for n, s in input_shapes.items() if n in types}
+        alloc = lambda n, s, t: memory.allocate(f"{prefix}/{n}", s, _NUMPY_TYPES[t])  # noqa: E731
+        self.inputs = {n: alloc(n, s, types[n]) for n, s in input_shapes.items() if n in types}
         out_types = {o.name: o.type for o in sess.get_outputs()}
-        self.outputs = {n: np.zeros(s, _NUMPY_TYPES[out_types[n]]) for n, s in output_shapes.items() if n in out_types}
+        self.outputs = {n: alloc(n, s, out_types[n]) for n, s in output_shapes.items() if n in out_types}
+        # what a call moves between host and backend: the inputs the host fills, the outputs it reads
+        self.bytes_in = sum(a.nbytes for a in self.inputs.values())
+        self.bytes_out = sum(a.nbytes for n, a in self.outputs.items() if n not in backend_outputs)
         self.io = sess.io_binding()
+        self.values = {}  # name -> the OrtValue bound: it wraps the numpy buffer, it does not copy it
         for name, arr in {**self.inputs, **{k: v for k, v in fixed.items() if k in types}}.items():
-            self.io.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
+            self.values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+            self.io.bind_ortvalue_input(name, self.values[name])
         for name, arr in self.outputs.items():
-            self.io.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(arr))
+            self.values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
+            self.io.bind_ortvalue_output(name, self.values[name])
 
     def run(self) -> dict[str, np.ndarray]:
         self.sess.run_with_iobinding(self.io)
+        self.transfers.calls += 1
+        self.transfers.to_backend += self.bytes_in
+        self.transfers.to_host += self.bytes_out
         return self.outputs

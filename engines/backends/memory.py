@@ -1,0 +1,166 @@
+"""Backend-owned memory: the protocol a pipeline runner's memory speaks, the host implementation
+that ONNX Runtime's CPU provider reads in place, the buffer plan device backends allocate
+from, the per-bucket capture bookkeeping, and the host<->backend byte counters.
+
+    Pools (load)      ─► memory.allocate(name, shape, dtype)        one allocation per pool
+    ModelRunner       ─► runner.binding(...)                        once per bucket: its I/O buffers
+    Pools (commit)    ─► memory.scatter(pool, dst_rows, src, src_rows)  every round, on the backend
+
+A commit is one row scatter per pool: the pool seen as [R, row] (paged: R = num_pages x
+page_size; states: R = num_slots), the engine output that holds the new rows seen as
+[B x W, row] (states: [B, row]). The host computes and sends only the two int64 index
+vectors, O(batch x k) bytes; nothing pool-sized crosses per round. Knows no tensor names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+HOST_ALIGNMENT = 64        # a cache line: what ONNX Runtime's CPU kernels like their buffers aligned to
+DEVICE_ALIGNMENT = 256     # cudaMalloc's own alignment; TensorRT wants >= 256 bytes per I/O tensor
+
+
+@dataclass
+class Transfers:
+    """Bytes the host moved to the backend (inputs it filled, commit indices) and from it
+    (outputs it read), and the calls and commits that moved them. Counters, not config."""
+
+    to_backend: int = 0
+    to_host: int = 0
+    calls: int = 0
+    commits: int = 0
+
+    def total(self) -> int:
+        return self.to_backend + self.to_host
+
+    def since(self, before: Transfers) -> Transfers:
+        return Transfers(self.to_backend - before.to_backend, self.to_host - before.to_host,
+                         self.calls - before.calls, self.commits - before.commits)
+
+    def copy(self) -> Transfers:
+        return Transfers(self.to_backend, self.to_host, self.calls, self.commits)
+
+
+def rows_view(array, leading: int):
+    """`array` as [rows, row] with its first `leading` axes flattened into rows."""
+    shape = tuple(array.shape)
+    rows = int(np.prod(shape[:leading], dtype=np.int64))
+    return array.reshape(rows, -1)
+
+
+def aligned_zeros(shape, dtype, alignment: int = HOST_ALIGNMENT) -> np.ndarray:
+    """A zeroed C-contiguous array whose data starts on an `alignment`-byte boundary."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.zeros(nbytes + alignment, np.uint8)
+    start = -raw.ctypes.data % alignment
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+class HostMemory:
+    """Pools and bucket buffers in host memory, read and written in place by ONNX Runtime's CPU
+    provider. Commits are numpy row scatters into the pools' own buffers: measured cheaper than
+    an ONNX Runtime scatter graph bound to the same buffers (docs/engines.md, bench/commit_paths.py)."""
+
+    device = "cpu"
+
+    def __init__(self):
+        self.transfers = Transfers()
+        self.allocations: dict[str, np.ndarray] = {}
+
+    def allocate(self, name: str, shape, dtype) -> np.ndarray:
+        """One zeroed, aligned allocation, kept under `name` (a pool or a bucket buffer)."""
+        if name in self.allocations:
+            raise ValueError(f"buffer {name!r} is allocated already: pools and bucket buffers are allocated once")
+        array = self.allocations[name] = aligned_zeros(tuple(shape), dtype)
+        return array
+
+    def scatter(self, pool: np.ndarray, leading: int, dst_rows: np.ndarray, src: np.ndarray, src_leading: int,
+                src_rows: np.ndarray) -> None:
+        """pool[dst_rows[i]] = src[src_rows[i]], pool seen as [R, row] over its first `leading`
+        axes and src over its first `src_leading` (views: no copy of either buffer)."""
+        self.transfers.to_backend += dst_rows.nbytes + src_rows.nbytes
+        self.transfers.commits += 1
+        rows_view(pool, leading)[dst_rows] = rows_view(src, src_leading)[src_rows]
+
+    def zero_row(self, pool: np.ndarray, row: int) -> None:
+        pool[row] = 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    name: str
+    offset: int
+    nbytes: int
+    shape: tuple
+    dtype: str
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    """Buffers laid out in one allocation, each at an aligned offset, in the order given: a
+    bucket's inputs first (one host->device copy uploads them all), then the outputs the host
+    reads (one device->host copy), then the outputs that stay on the device."""
+
+    placements: tuple[Placement, ...]
+    total: int
+    alignment: int
+
+    def __getitem__(self, name: str) -> Placement:
+        return next(p for p in self.placements if p.name == name)
+
+    def span(self, names) -> tuple[int, int]:
+        """(offset, bytes) of the contiguous range that covers `names` (empty: (0, 0))."""
+        chosen = [p for p in self.placements if p.name in set(names)]
+        if not chosen:
+            return 0, 0
+        start = min(p.offset for p in chosen)
+        return start, max(p.offset + p.nbytes for p in chosen) - start
+
+
+def plan_buffers(buffers: list[tuple[str, tuple, str]], alignment: int = DEVICE_ALIGNMENT) -> BufferPlan:
+    """(name, shape, dtype) in order -> aligned offsets in one allocation."""
+    if alignment <= 0 or alignment & (alignment - 1):
+        raise ValueError(f"alignment must be a power of two, got {alignment}")
+    placements, offset = [], 0
+    for name, shape, dtype in buffers:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        placements.append(Placement(name, offset, nbytes, tuple(shape), np.dtype(dtype).name))
+        offset += -(-max(nbytes, 1) // alignment) * alignment
+    return BufferPlan(tuple(placements), offset, alignment)
+
+
+@dataclass
+class Replay:
+    """Capture bookkeeping of one bucket: the call sequence runs plainly `warmup` times (the
+    first runs allocate workspace and pick kernels), is then captured once into a graph with
+    the buffer addresses it saw, and replayed after that. A replay with other addresses would
+    read freed or foreign memory, so it is refused."""
+
+    warmup: int = 1
+    runs: int = 0
+    captures: int = 0
+    replays: int = 0
+    graph: object = None
+    addresses: tuple = ()
+    log: list = field(default_factory=list)
+
+    def run(self, addresses: tuple, plain, capture, replay):
+        """plain(): run the sequence; capture() -> graph (the sequence recorded, not run);
+        replay(graph): run the recorded sequence."""
+        self.runs += 1
+        if self.graph is None and self.runs <= self.warmup:
+            self.log.append("run")
+            return plain()
+        if self.graph is None:  # capturing records the sequence without running it
+            self.graph, self.addresses = capture(), addresses
+            self.captures += 1
+            self.log.append("capture")
+        if addresses != self.addresses:
+            raise RuntimeError("a captured bucket's buffers moved (captured at "
+                               f"{self.addresses}, now {addresses}); bucket buffers must be allocated once")
+        self.replays += 1
+        self.log.append("replay")
+        return replay(self.graph)
