@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import httpx
 import numpy as np
+import onnx
 import pytest
 
 from tandem import contract as c
@@ -255,3 +256,33 @@ def test_server_takes_relaxed_acceptance(engine_dirs):
             assert r.status_code == status, (bad, r.text)
         r = httpx.post(f"{live.url}/v1/completions", json={**body, "temperature": 0.8}, timeout=60)
         assert r.status_code == 400 and "greedy decoding only" in r.json()["error"]["message"]
+
+
+def test_engines_built_before_relaxed_acceptance_load_and_run_exact(tiny_root, tmp_path, monkeypatch):
+    """An engine dir whose verify graphs lack the relaxed inputs (as built before them) loads, and a
+    relaxed request runs on it with exact acceptance: the same tokens as plain greedy."""
+    from tandem.engines.builder import build_engines
+    from tandem.engines.options import BuildOptions
+    from tandem.export import acceptance
+
+    greedy, sampled = acceptance.greedy, acceptance.sampled
+    with monkeypatch.context() as old:
+        verify_io = c.verify_step_io
+        old.setattr(c, "verify_step_io", lambda *a, **k: (
+            [s for s in verify_io(*a, **k)[0] if s.name not in (c.RELAXED_TOPK, c.RELAXED_DELTA, c.RELAXED_ROWS)],
+            verify_io(*a, **k)[1]))
+        old.setattr(acceptance, "greedy", lambda *a, relaxed=None: greedy(*a))
+        old.setattr(acceptance, "sampled", lambda *a, relaxed=None: sampled(*a))
+        build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "old", BuildOptions(
+            batch_sizes=(1, 2), spec_k=2, prefill_chunk=8, max_seq_len=128, page_size=4), show_progress=False)
+    prompts = [[5, 17, 33, 200, 7, 64, 91], [9, 120, 77, 301, 15]]
+    plain = LLM(tmp_path / "old", EngineConfig(speculative=False)).generate(prompts, GREEDY)
+    install_drafter(monkeypatch, "wrong")
+    llm = LLM(tmp_path / "old")
+    verify_files = [e["file"] for e in llm.manifest["engines"] if e["graph"].startswith("verify")]
+    assert verify_files and all(c.RELAXED_TOPK not in {i.name for i in onnx.load(tmp_path / "old" / f).graph.input}
+                                for f in verify_files)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True,
+                                                relaxed=RelaxedAcceptance(top_k=1 << 20, delta=1.0)))
+    assert [r.token_ids for r in outs] == [r.token_ids for r in plain]
+    assert all(r.metrics.accepted == 0 for r in outs)
