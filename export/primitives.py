@@ -36,14 +36,17 @@ class Weights:
         int8 / int4 form (export/quantize.py)."""
         if self.quant is None:
             return self.derived(b, name + ".T", lambda: self.raw(name).T.astype(self.np_dtype))
-        q_name, s_name = f"{name}.T.{self.quant.format}", f"{name}.T.{self.quant.format}.scale"
+        q_name = f"{name}.T.{self.quant.format}"
+        parts = (q_name, q_name + ".scale", q_name + ".zero")
         if q_name not in self._derived:
             wt = self.raw(name).T
             if not self.quant.applies(wt.shape):   # too few input rows for one block: stays float
                 return self.derived(b, name + ".T", lambda: wt.astype(self.np_dtype))
-            self._derived[q_name], self._derived[s_name] = self.quant.quantize(wt, self.np_dtype)
-        return b.op("DequantizeLinear", b.weight(q_name, self._derived[q_name]),
-                    b.weight(s_name, self._derived[s_name]), axis=0, block_size=self.quant.block)
+            for part, array in zip(parts, self.quant.quantize(wt, self.np_dtype)):
+                if array is not None:
+                    self._derived[part] = array
+        inputs = [b.weight(part, self._derived[part]) for part in parts if part in self._derived]
+        return b.op("DequantizeLinear", *inputs, axis=0, block_size=self.quant.block)
 
     def plus_one(self, b: GraphBuilder, name: str) -> str:
         """1 + w: zero-centred RMSNorm scale."""

@@ -25,12 +25,16 @@ def test_block_quantization_error_is_at_most_half_a_step(fmt):
     wt = (rng.standard_normal((128, 48)) * rng.uniform(0.01, 3, (1, 48))).astype(np.float32)
     wt[32:64, 5] = 0.0                                      # an all-zero block keeps a usable scale
     quant = WeightQuant(fmt, block=32)
-    q, scale = quant.quantize(wt, np.float32)
-    assert q.dtype == (np.int8 if fmt == "int8" else ml_dtypes.int4) and scale.shape == (4, 48)
-    assert np.abs(q.astype(np.int32)).max() <= quant.qmax
+    q, scale, zero = quant.quantize(wt, np.float32)
+    assert q.dtype == (np.int8 if fmt == "int8" else ml_dtypes.uint4) and scale.shape == (4, 48)
+    if fmt == "int8":
+        assert zero is None and np.abs(q.astype(np.int32)).max() <= 127
+    else:   # asymmetric: 16 levels over [min(w, 0), max(w, 0)], zero exactly representable
+        assert zero.shape == (4, 48) and q.astype(np.int32).max() <= 15
     step = np.repeat(scale, 32, axis=0)
-    assert np.all(np.abs(quant.dequantize(q, scale) - wt) <= step / 2 + 1e-7)
-    assert np.all(quant.dequantize(q, scale)[32:64, 5] == 0.0)
+    deq = quant.dequantize(q, scale, zero)
+    assert np.all(np.abs(deq - wt) <= step / 2 + 1e-6 * np.abs(wt).max())
+    assert np.all(deq[32:64, 5] == 0.0)
 
 
 def test_every_linear_layer_is_exported_as_blocked_dequantize_matmul(tiny_root, tmp_path):
