@@ -4,6 +4,7 @@ The exporter builds graphs from these specs and the runtime binds buffers by the
 module spells a tensor name. Bump CONTRACT_VERSION on any change.
 
 Symbolic dims: batch (B), rows (W: 1 decode, k+1 verify, a chunk for prefill; R for a head),
+drafts (k = W - 1: a unified round's next drafts),
 max_pages (P, block-table width), num_pages (N, pool pages), page_size (S), num_slots (state
 pool slots). Paged pools come in page groups, one per sliding window (None: full attention), each
 with its own pages and block table (`block_tables` for full attention, `block_tables.window{w}`
@@ -53,6 +54,7 @@ ACCEPTED = "accepted"
 NEXT_TOKEN = "next_token"
 DRAFT_TOKEN, DRAFT_PROB, HIDDEN_OUT = "draft_token", "draft_prob", "hidden_out"
 HIDDEN_ROWS = "hidden_rows"   # heads anchored on the previous head: every row's hidden
+NEXT_DRAFTS, DRAFT_PROBS, DRAFT_HIDDEN = "next_drafts", "draft_probs", "draft_hidden"   # unified round
 
 
 def block_tables(window: int | None) -> str:
@@ -197,7 +199,7 @@ def verify_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list
            TensorSpec(TOP_K, "int64", ("batch",), "top-k filter, 0 = off"),
            TensorSpec(TOP_P, "float32", ("batch",), "top-p filter, 1 = off"),
            TensorSpec(UNIFORMS, "float32", ("batch", "rows"), "uniform in [0,1) of the position row i's token fills"),
-           TensorSpec(RELAXED_TOPK, "int64", ("batch",), "relaxed acceptance: draft within the target's top-k, 0 = off"),
+           TensorSpec(RELAXED_TOPK, "int64", ("batch",), "relaxed acceptance: draft in the target's top-k, 0 = off"),
            TensorSpec(RELAXED_DELTA, "float32", ("batch",), "relaxed acceptance: draft prob >= top prob - delta"),
            TensorSpec(RELAXED_ROWS, "int64", ("batch", "rows"), "1 where row i may relax (judging d_{i+1}), else 0"),
            *layer_in]
@@ -226,12 +228,41 @@ def mtp_head_io(desc: ModelDescription, head: int, dtype: str = "float32") -> tu
     return ins, outs
 
 
+def round_heads(desc: ModelDescription, kind: GraphKind) -> tuple[int, ...]:
+    """The MTP heads a unified round graph re-anchors (and whose pools it reads): head 0 when
+    every draft step reuses it, else every head."""
+    return (0,) if kind.reused else tuple(range(desc.mtp.num_layers))
+
+
+def round_io(desc: ModelDescription, kind: GraphKind, dtype: str = "float32"
+             ) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """One speculative round (export/round_graph.py): verify [pending, d_1..d_k] with acceptance,
+    re-anchor the heads over the verified rows, draft the next k. Dim `drafts` = rows - 1 = k."""
+    verify_in, verify_out = graph_io(desc, GraphKind.verify(kind.sampling), dtype)
+    trunk = desc.layer_caches(mtp_layers=0)
+    caches = (*trunk, *(desc.head_cache(j) for j in round_heads(desc, kind)))
+    pool_in, pool_out = _pool_specs(caches, dtype)
+    paging = _paging_inputs(caches)
+    trunk_only = {s.name for s in (*_paging_inputs(trunk), *_pool_specs(trunk, dtype)[0])}
+    acceptance = [s for s in verify_in if s.name not in trunk_only]      # input_ids, sampling, ...
+    ins = [acceptance[0], *paging, *acceptance[1:], *pool_in]
+    outs = [*verify_out[:2],
+            TensorSpec(NEXT_DRAFTS, "int64", ("batch", "drafts"), "the next round's drafts d'_1..d'_k (greedy)"),
+            TensorSpec(DRAFT_PROBS, "float32", ("batch", "drafts"), "each head's probability of its draft"),
+            TensorSpec(DRAFT_HIDDEN, dtype, ("batch", "drafts", desc.hidden_size),
+                       "head hidden g_0..g_{k-1} at each draft's row: the chain a further draft step pairs with"),
+            *pool_out]
+    return ins, outs
+
+
 def graph_io(desc: ModelDescription, kind: GraphKind, dtype: str = "float32"
              ) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Inputs and outputs of a graph kind for engines of `dtype`; the greedy verify graph takes no
     sampling inputs."""
     if kind.is_target_step:
         return target_step_io(desc, dtype)
+    if kind.is_round:
+        return round_io(desc, kind, dtype)
     if kind.is_verify:
         ins, outs = verify_step_io(desc, dtype)
         if not kind.sampling:

@@ -6,6 +6,9 @@ sampled) and MTP head j. Every stage names graphs through it; nothing else parse
     verify          verify_greedy   one per verify width W      W = k + 1: [pending, d_1..d_k]
                     verify_sample
     MTP head j      mtp_head_{j}    one per build               1 .. max(prefill chunk, max W)
+    unified round   round_greedy_k{k}  one per k = W - 1        W: verify, re-anchor the heads,
+                    round_sample_k{k}                           the next k drafts, in one call
+                    (round_greedy_reused_k{k}: every draft step on head 0; else chained heads)
 
 `name` is the string in export file names, engine file names and manifests (unchanged, so
 existing engine directories stay valid). A verify engine is lowered for one width (the lowering
@@ -23,16 +26,20 @@ class Role(str, Enum):
     TARGET_STEP = "target_step"
     VERIFY = "verify"
     MTP_HEAD = "mtp_head"
+    ROUND = "round"
 
 
 _HEAD = re.compile(r"mtp_head_(0|[1-9][0-9]*)")
+_ROUND = re.compile(r"round_(greedy|sample)(_reused)?_k([1-9][0-9]*)")
 
 
 @dataclass(frozen=True)
 class GraphKind:
     role: Role
-    sampling: bool = False      # verify: sample-then-compare acceptance (else greedy)
+    sampling: bool = False      # verify / round: sample-then-compare acceptance (else greedy)
     head: int | None = None     # MTP head: which head layer
+    reused: bool = False        # round: every draft step on head 0 (else chained: head s % n)
+    drafts: int | None = None   # round: k, the drafts it verifies and the drafts it makes (its graph unrolls k)
 
     def __post_init__(self):
         if (self.head is not None) != (self.role == Role.MTP_HEAD):
@@ -40,8 +47,12 @@ class GraphKind:
                              f"(role {self.role.value}, head {self.head})")
         if self.head is not None and self.head < 0:
             raise ValueError(f"MTP head index must be >= 0, got {self.head}")
-        if self.sampling and self.role != Role.VERIFY:
-            raise ValueError(f"only a verify graph samples, not {self.role.value}")
+        if self.sampling and self.role not in (Role.VERIFY, Role.ROUND):
+            raise ValueError(f"only a verify or round graph samples, not {self.role.value}")
+        if (self.reused or self.drafts is not None) and self.role != Role.ROUND:
+            raise ValueError(f"only a round graph has a head mode and a draft count, not {self.role.value}")
+        if self.role == Role.ROUND and not (isinstance(self.drafts, int) and self.drafts >= 1):
+            raise ValueError(f"a round graph needs a draft count k >= 1, got {self.drafts}")
 
     @classmethod
     def verify(cls, sampling: bool) -> GraphKind:
@@ -52,6 +63,10 @@ class GraphKind:
         return cls(Role.MTP_HEAD, head=j)
 
     @classmethod
+    def round(cls, sampling: bool, reused: bool, drafts: int) -> GraphKind:
+        return cls(Role.ROUND, sampling=sampling, reused=reused, drafts=drafts)
+
+    @classmethod
     def parse(cls, name: str) -> GraphKind:
         """The kind a graph name (as `name` writes it) stands for; ValueError for any other string."""
         if name == "target_step":
@@ -60,8 +75,12 @@ class GraphKind:
             return cls.verify(sampling=name == "verify_sample")
         if isinstance(name, str) and _HEAD.fullmatch(name):
             return cls.mtp_head(int(name[len("mtp_head_"):]))
-        raise ValueError(f"{name!r} is not a graph kind: expected target_step, verify_greedy, verify_sample or "
-                         "mtp_head_<j>")
+        match = _ROUND.fullmatch(name) if isinstance(name, str) else None
+        if match:
+            return cls.round(sampling=match.group(1) == "sample", reused=bool(match.group(2)),
+                             drafts=int(match.group(3)))
+        raise ValueError(f"{name!r} is not a graph kind: expected target_step, verify_greedy, verify_sample, "
+                         "mtp_head_<j> or round_{greedy,sample}[_reused]_k<k>")
 
     @property
     def name(self) -> str:
@@ -69,6 +88,9 @@ class GraphKind:
             return "verify_sample" if self.sampling else "verify_greedy"
         if self.role == Role.MTP_HEAD:
             return f"mtp_head_{self.head}"
+        if self.role == Role.ROUND:
+            mode = ("sample" if self.sampling else "greedy") + ("_reused" if self.reused else "")
+            return f"round_{mode}_k{self.drafts}"
         return self.role.value
 
     @property
@@ -84,9 +106,13 @@ class GraphKind:
         return self.role == Role.MTP_HEAD
 
     @property
+    def is_round(self) -> bool:
+        return self.role == Role.ROUND
+
+    @property
     def per_width(self) -> bool:
-        """Whether engines of this kind are lowered for one rows count each (verify: W)."""
-        return self.is_verify
+        """Whether engines of this kind are lowered for one rows count each (verify, round: W)."""
+        return self.is_verify or self.is_round
 
     def engine_key(self, rows: int) -> str:
         """The engine of this kind serving `rows` rows: its file stem and the runtime's lookup key."""
@@ -101,6 +127,12 @@ VERIFY_GREEDY = GraphKind.verify(sampling=False)
 VERIFY_SAMPLE = GraphKind.verify(sampling=True)
 
 
-def exported_kinds(num_heads: int) -> list[GraphKind]:
-    """Every graph an export writes, in file order: target step, both verify graphs, the heads."""
-    return [TARGET_STEP, VERIFY_GREEDY, VERIFY_SAMPLE, *(GraphKind.mtp_head(j) for j in range(num_heads))]
+def round_kinds(reused: bool, widths) -> list[GraphKind]:
+    """The unified round graphs of one head mode for verify widths W (k = W - 1): greedy and sampled."""
+    return [GraphKind.round(sampling, reused, w - 1) for w in widths for sampling in (False, True)]
+
+
+def exported_kinds(num_heads: int, rounds: tuple[GraphKind, ...] = ()) -> list[GraphKind]:
+    """Every graph an export writes, in file order: target step, both verify graphs, the heads,
+    then the unified round graphs asked for."""
+    return [TARGET_STEP, VERIFY_GREEDY, VERIFY_SAMPLE, *(GraphKind.mtp_head(j) for j in range(num_heads)), *rounds]

@@ -7,6 +7,7 @@ Buckets per batch size B:
     prefill       target_step   rows = prefill chunk
     verify        verify_greedy / verify_sample at each verify width W = k+1 in use
     heads         mtp_head_j    rows 1 .. max(prefill chunk, max W)   (re-anchor and draft steps)
+    round         round_{greedy,sample}[_reused]_k{W-1}   rows W   (unified round, see unified_round_kinds)
 
 Default verify width per batch size (seed 003's idea): drafting pays off less as the batch
 grows, because the target's verify of W rows costs about W x the decode at large B. Until
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 from tandem import contract as c
 from tandem.checkpoint.description import ModelDescription
 from tandem.engines.options import BuildOptions
-from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, VERIFY_SAMPLE, GraphKind
+from tandem.export.round_graph import unified_refusal
+from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, VERIFY_SAMPLE, GraphKind, round_kinds
 
 
 @dataclass(frozen=True)
@@ -68,10 +70,26 @@ def verify_widths(options: BuildOptions) -> tuple[int, ...]:
     return tuple(range(2, options.spec_k + 2))
 
 
+def unified_round_kinds(desc: ModelDescription, options: BuildOptions) -> tuple[list[GraphKind], str | None]:
+    """The unified round graphs a build makes, and why there are none when there are none. One head
+    mode: the pipeline's default (chained with several heads, else reused); chained rounds draft at
+    most one token per head, so their widths stop at heads + 1."""
+    if options.no_mtp or not options.unified_round:
+        return [], "not asked for (--no-mtp or --no-unified-round)"
+    reason = unified_refusal(desc)
+    if reason:
+        return [], reason
+    heads = desc.mtp.num_layers
+    reused = heads == 1
+    widths = [w for w in verify_widths(options) if reused or w - 1 <= heads]
+    return round_kinds(reused, widths), None
+
+
 def plan(desc: ModelDescription, options: BuildOptions) -> list[Bucket]:
     out = []
     widths = verify_widths(options)
     heads = 0 if options.no_mtp or desc.mtp is None else desc.mtp.num_layers
+    rounds = unified_round_kinds(desc, options)[0]
     for b in options.batch_sizes:
         out.append(Bucket(TARGET_STEP, b, 1, role="decode"))
         if options.prefill_chunk > 1:
@@ -81,6 +99,8 @@ def plan(desc: ModelDescription, options: BuildOptions) -> list[Bucket]:
             out.append(Bucket(VERIFY_SAMPLE, b, w, role="verify"))
         for j in range(heads):
             out.append(Bucket(GraphKind.mtp_head(j), b, max([options.prefill_chunk, *widths]), min_rows=1, role="head"))
+        for kind in rounds:
+            out.append(Bucket(kind, b, kind.drafts + 1, role="round"))
     return out
 
 

@@ -44,7 +44,7 @@ from tandem.engines.progress import Progress
 from tandem.engines.verification import compare, fixed_inputs, timed
 from tandem.export.exporter import export_checkpoint
 
-_EXPORT_OPTIONS = ("dtype", "weights", "quant_block", "no_mtp", "page_size")  # change the graphs
+_EXPORT_OPTIONS = ("dtype", "weights", "quant_block", "no_mtp", "page_size", "unified_round")  # change the graphs
 _SAME_TOOLS = ("tandem", "backend", "contract_version")
 
 
@@ -93,7 +93,8 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
     with staged_directory(out, sources) as tmp:
         export_dir = tmp / "_export"
         with Progress("export", 1, show_progress) as bar:
-            export_checkpoint(ckpt, export_dir, dtype=options.dtype, quant=options.quant)
+            export_checkpoint(ckpt, export_dir, dtype=options.dtype, quant=options.quant,
+                              rounds=tuple(bucket_plan.unified_round_kinds(desc, options)[0]))
             bar.step()
         for name in {e["file"] for e in reusable.values()} | ({"weights.bin"} if reusable else set()):
             if (out / name).exists():
@@ -201,11 +202,21 @@ def _manifest(ckpt, options: BuildOptions, backend, fp: dict, records: list[dict
                     "spec_k": None if options.no_mtp else options.spec_k,
                     "verify_widths": list(bucket_plan.verify_widths(options)),
                     "verify_width_per_batch": {str(b): w for b, w in
-                                               bucket_plan.verify_width_per_batch(options).items()}},
+                                               bucket_plan.verify_width_per_batch(options).items()},
+                    "unified_round": _unified_round(desc, options)},
         "engines": records,
         "files": {name: file_sha256(folder / name) for name in files},
         "build_seconds": round(seconds, 2),
     }
+
+
+def _unified_round(desc, options: BuildOptions) -> dict:
+    """What the manifest says of the unified round graphs: their head mode and widths, or why none."""
+    kinds, reason = bucket_plan.unified_round_kinds(desc, options)
+    if not kinds:
+        return {"built": False, "reason": reason}
+    return {"built": True, "mode": "reused" if kinds[0].reused else "chained",
+            "widths": sorted({k.drafts + 1 for k in kinds})}
 
 
 def _dir_size(folder: Path) -> int:

@@ -34,6 +34,7 @@ class BuildOptions:
     quant_block: int = 32         # input rows per quantization scale
     draft: str | None = None
     no_mtp: bool = False
+    unified_round: bool = True    # also build the one-call round graph per (batch, verify width)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

@@ -25,6 +25,7 @@ from tandem import contract
 from tandem.checkpoint.reader import Checkpoint
 from tandem.export.graphs import mtp_head, target_step, verify_step
 from tandem.export.layers import Weights
+from tandem.export.round_graph import round_step
 from tandem.export.quantize import WeightQuant
 from tandem.graph_kinds import GraphKind, exported_kinds
 
@@ -78,13 +79,14 @@ EXPORT_DTYPES = ("float32", "float16")  # weights and activations; see export/la
 
 
 def build_graphs(ckpt: Checkpoint, dtype: str = "float32", gdn_chunk_size: int = 0,
-                 quant: WeightQuant | None = None) -> dict[str, onnx.ModelProto]:
-    """quant: weight-only int8 / int4 linear layers (export/quantize.py); None keeps them in `dtype`."""
+                 quant: WeightQuant | None = None, rounds: tuple[GraphKind, ...] = ()) -> dict[str, onnx.ModelProto]:
+    """quant: weight-only int8 / int4 linear layers (export/quantize.py); None keeps them in `dtype`.
+    rounds: the unified round graphs to add (export/round_graph.py)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     desc, w = ckpt.description, Weights(ckpt, dtype, quant)
     return {kind.name: _graph(desc, w, kind, gdn_chunk_size)
-            for kind in exported_kinds(desc.mtp.num_layers if desc.mtp else 0)}
+            for kind in exported_kinds(desc.mtp.num_layers if desc.mtp else 0, rounds)}
 
 
 def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int) -> onnx.ModelProto:
@@ -92,16 +94,18 @@ def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int) -> onnx.Model
         return target_step(desc, w, gdn_chunk_size)
     if kind.is_verify:
         return verify_step(desc, w, sampling=kind.sampling)
+    if kind.is_round:
+        return round_step(desc, w, kind)
     return mtp_head(desc, w, kind.head)
 
 
 def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float32",
-                      quant: WeightQuant | None = None) -> ExportResult:
+                      quant: WeightQuant | None = None, rounds: tuple[GraphKind, ...] = ()) -> ExportResult:
     """Export all graphs of `ckpt` into `out_dir` (created; existing graph files are replaced)."""
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    graphs = build_graphs(ckpt, dtype, quant=quant)
+    graphs = build_graphs(ckpt, dtype, quant=quant, rounds=rounds)
     shared = _SharedWeights(out / WEIGHTS_FILE)
     files, hashes = {}, {}
     try:

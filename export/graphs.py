@@ -20,6 +20,8 @@ float16); logits leave the lm_head as float32, so acceptance and drafting compar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import onnx
 from onnx import helper
@@ -146,6 +148,13 @@ def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.Mode
     kind = GraphKind.verify(sampling)
     ins, outs = c.graph_io(desc, kind, w.dtype)  # the greedy graph takes no sampling inputs
     b = GraphBuilder()
+    produced = verify_body(b, desc, w, sampling)
+    return _finish(b, kind.name, ins, outs, produced, _functions(row_states=True))
+
+
+def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: bool) -> dict[str, str]:
+    """The verify graph's outputs (contract name -> tensor) on the contract's input names: the
+    trunk over input_ids, acceptance, new K/V rows, states after the accepted row."""
     hidden, kv, gdn = _trunk(b, desc, w, verify=True)
     logits = _lm_head(b, w, hidden)
     relaxed = acceptance.Relaxed(c.RELAXED_TOPK, c.RELAXED_DELTA, c.RELAXED_ROWS)
@@ -163,18 +172,42 @@ def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.Mode
             produced[c.new_recurrent_state(i)] = b.op("GatherND", g.state, b.unsqueeze(accepted, [1]), batch_dims=1)
             produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, kept,
                                                                desc.layers[i].mixer.conv_kernel)
-    return _finish(b, kind.name, ins, outs, produced, _functions(row_states=True))
+    return produced
 
 
 def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
     ins, outs = c.mtp_head_io(desc, head, w.dtype)
     b = GraphBuilder()
+    run = head_pass(b, desc, w, head, c.INPUT_IDS, c.HIDDEN_IN, c.LAST_ROW)
+    layer_name = c.mtp_layer_name(head)
+    produced = {c.DRAFT_TOKEN: run.draft, c.DRAFT_PROB: run.prob, c.HIDDEN_OUT: run.hidden_last,
+                c.HIDDEN_ROWS: run.hidden_rows, c.new_key(layer_name): run.key, c.new_value(layer_name): run.value}
+    return _finish(b, GraphKind.mtp_head(head).name, ins, outs, produced, _functions(row_states=False, gdn=False))
+
+
+@dataclass(frozen=True)
+class HeadPass:
+    """One MTP head layer over R rows: the greedy draft at last_row [B], its probability [B], the
+    head hidden at last_row [B, H] and at every row [B, R, H], and the rows' new K/V."""
+
+    draft: str
+    prob: str
+    hidden_last: str
+    hidden_rows: str
+    key: str
+    value: str
+
+
+def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, ids: str, hidden: str,
+              last_row: str) -> HeadPass:
+    """Head `head` over rows (ids [B, R], hidden [B, R, H]) at positions context_lens + r, on top
+    of its committed pool (contract names key_pool.mtp{j}, the page group's block table)."""
     layer_name = c.mtp_layer_name(head)
     layer = desc.mtp.layers[head]
     p = f"mtp.layers.{head}."
-    paging = _paging(b, desc, (layer,), c.INPUT_IDS, w.dtype)
+    paging = _paging(b, desc, (layer,), ids, w.dtype)
     with b.scope(f"mtp/{layer_name}"):
-        x = _head_input(b, desc, w, head)
+        x = _head_input(b, desc, w, head, ids, hidden)
 
         def mixer(xn):
             out, k, v = attention(b, desc, layer.mixer, w, xn, p, paging, c.key_pool(layer_name),
@@ -185,19 +218,17 @@ def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
         nextn = desc.mtp.form == "nextn"
         g = rms_norm(b, x, w.plus_one(b, p + "shared_head.norm.weight" if nextn else "mtp.norm.weight"),
                      desc.rms_norm_eps, "norm")                                                     # [B, R, H]
-        g_last = b.op("GatherND", g, b.unsqueeze(c.LAST_ROW, [1]), batch_dims=1, name="last_row")   # [B, H]
+        g_last = b.op("GatherND", g, b.unsqueeze(last_row, [1]), batch_dims=1, name="last_row")    # [B, H]
     logits = _lm_head(b, w, g_last, p + "shared_head.head.weight" if desc.mtp.own_lm_head else "lm_head.weight")
     with b.scope("draft"):
         draft = b.op("ArgMax", logits, axis=-1, keepdims=0)
         top = b.op("ReduceMax", logits, b.const([-1], np.int64), keepdims=1)
         denom = b.op("ReduceSum", b.op("Exp", b.op("Sub", logits, top)), b.const([-1], np.int64), keepdims=0)
         prob = b.op("Reciprocal", denom)          # softmax probability of the argmax
-    produced = {c.DRAFT_TOKEN: draft, c.DRAFT_PROB: prob, c.HIDDEN_OUT: g_last, c.HIDDEN_ROWS: g,
-                c.new_key(layer_name): k, c.new_value(layer_name): v}
-    return _finish(b, GraphKind.mtp_head(head).name, ins, outs, produced, _functions(row_states=False, gdn=False))
+    return HeadPass(draft, prob, g_last, g, k, v)
 
 
-def _head_input(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int) -> str:
+def _head_input(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, ids: str, hidden: str) -> str:
     """The head layer's input [B, R, H] from the row tokens and their paired hidden, embedding first:
     fc form: mtp.fc(cat[pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)]) (shared by every head);
     nextn form: eh_proj(cat[enorm(e), hnorm(h)]) with head j's own mtp.layers.{j}.* weights."""
@@ -210,9 +241,9 @@ def _head_input(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int) 
                  "pre_fc_norm_embedding", "pre_fc_norm_hidden", "fc")
     e_norm, h_norm, proj, e_scope, h_scope, proj_scope = names
     with b.scope("embed_tokens"):
-        e = b.op("Gather", w.plain(b, "embed_tokens.weight"), c.INPUT_IDS, axis=0)
+        e = b.op("Gather", w.plain(b, "embed_tokens.weight"), ids, axis=0)
     e = rms_norm(b, e, w.plus_one(b, e_norm), eps, e_scope)
-    h = rms_norm(b, c.HIDDEN_IN, w.plus_one(b, h_norm), eps, h_scope)
+    h = rms_norm(b, hidden, w.plus_one(b, h_norm), eps, h_scope)
     return b.op("MatMul", b.concat([e, h], -1), w.matmul_t(b, proj), name=f"{proj_scope}/MatMul")
 
 

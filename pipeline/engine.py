@@ -36,6 +36,7 @@ from tandem.pipeline.sampler import sample, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import Sequence, Status
+from tandem.pipeline.unified_round import UnifiedRound
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -121,7 +122,7 @@ def _sampling_inputs(p: SamplingParams) -> dict:
 class Engine:
     def __init__(self, runner: ModelRunner, pools: Pools, scheduler: Scheduler, eos_ids: tuple[int, ...],
                  mtp_layers: int, chained: bool = True, synthetic_acceptance: float | None = None,
-                 width_per_batch: dict[int, int] | None = None):
+                 width_per_batch: dict[int, int] | None = None, unified: UnifiedRound | None = None):
         self.runner, self.pools, self.scheduler = runner, pools, scheduler
         self.eos_ids = set(eos_ids)
         self.mtp_layers, self.chained = mtp_layers, chained
@@ -130,6 +131,7 @@ class Engine:
         self.by_previous_head = chained and mtp is not None and mtp.anchor == "previous_head"
         self.synthetic_acceptance = synthetic_acceptance
         self.width_per_batch = dict(sorted((width_per_batch or {}).items()))
+        self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
         self.stats = EngineStats()
         self.relaxed = RelaxedRows()   # relaxed acceptance: LLM sets the engine's default and <think> markers
         self.trace: list[tuple[str, float, float]] | None = None  # (phase, start, end) when profiling
@@ -210,7 +212,13 @@ class Engine:
             drafts = self._draft(seqs)
         for width in sorted({len(d) + 1 for d in drafts.values()}):
             group = [s for s in seqs if len(drafts[s.request_id]) + 1 == width]
-            self._verify_and_commit(group, drafts, width)
+            sampling = any(not s.params.greedy for s in group)
+            if self.unified and self.synthetic_acceptance is None and self.unified.serves(width, sampling):
+                with self._phase("round"):
+                    self.unified.run(group, self._verify_rows(group, drafts, width), drafts, width, sampling)
+            else:
+                self._verify_and_commit(group, drafts, width)
+
 
     def round_k(self, seq: Sequence, batch: int) -> int:
         """Drafts this round: the request's (or global) k, else the verify width the manifest (or
@@ -231,11 +239,23 @@ class Engine:
                   for s in seqs}
         chains = {s.request_id: [s.chain_hidden] for s in seqs}
         limit = {s.request_id: self.round_k(s, len(seqs)) for s in seqs}
+        stopped = set()     # a unified round's draft below p_min ends the chain there
+        for s in seqs:      # drafts the last unified round made past d_1 (with their chain hidden)
+            for token, prob, hidden in s.ahead:
+                if len(drafts[s.request_id]) != len(chains[s.request_id]) or len(drafts[s.request_id]) >= limit[
+                        s.request_id]:
+                    break
+                if prob < s.params.p_min:
+                    stopped.add(s.request_id)
+                    break
+                drafts[s.request_id].append(token)
+                chains[s.request_id].append(hidden)
         for step in range(1, max(limit.values())):
-            active = [s for s in seqs if len(drafts[s.request_id]) == step < limit[s.request_id]]
+            active = [s for s in seqs if len(drafts[s.request_id]) == step < limit[s.request_id]
+                      and s.request_id not in stopped]
             head = step % self.mtp_layers if self.chained else 0
-            if not active:
-                break
+            if not active:      # (stored drafts: a sequence may start past this step)
+                continue
             rows = []
             for s in active:
                 # previous-head anchoring: head s's committed rows end s rows before head 0's
@@ -255,11 +275,7 @@ class Engine:
 
     def _verify_and_commit(self, seqs: list[Sequence], drafts: dict[str, list[int]], width: int) -> None:
         sampling = any(not s.params.greedy for s in seqs)
-        # row i decides the token at position len(tokens) + i: its uniform is that position's
-        u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
-        rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
-                     slot=s.slot, uniforms=u[i], **_sampling_inputs(s.params)) for i, s in enumerate(seqs)]
-        self.relaxed.fill(seqs, drafts, rows)
+        rows = self._verify_rows(seqs, drafts, width)
         with self._phase("verify"):
             if self.synthetic_acceptance is None:
                 outs = self.runner.verify(rows, sampling) if width > 1 else self.runner.target_step(rows)
@@ -282,6 +298,15 @@ class Engine:
             anchor.append((seq, new, out[c.HIDDEN][: a + 1]))
         with self._phase("reanchor"):
             self._reanchor(anchor)
+
+    def _verify_rows(self, seqs: list[Sequence], drafts: dict[str, list[int]], width: int) -> list[Rows]:
+        """[pending, d_1..d_k] per sequence with its sampling inputs (verify and unified rounds)."""
+        # row i decides the token at position len(tokens) + i: its uniform is that position's
+        u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
+        rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
+                     slot=s.slot, uniforms=u[i], **_sampling_inputs(s.params)) for i, s in enumerate(seqs)]
+        self.relaxed.fill(seqs, drafts, rows)
+        return rows
 
     def _synthetic_verify(self, seqs, rows, width):
         """Benchmark aid (explicit option, documented): accept each draft with the configured
@@ -334,6 +359,7 @@ class Engine:
                 for (seq, *_), out in zip(batch, outs.rows()):
                     seq.draft, seq.draft_prob = int(out[c.DRAFT_TOKEN]), float(out[c.DRAFT_PROB])
                     seq.chain_hidden = out[c.HIDDEN_OUT].copy()
+                    seq.ahead = []
         for seq, ids, _ in work:
             seq.head_committed += len(ids)
 

@@ -52,6 +52,8 @@ class EngineConfig:
     synthetic_acceptance: float | None = None  # benchmark aid only: accept drafts with this probability
     relaxed_acceptance: RelaxedAcceptance | None = None  # default for greedy requests (off: exact); pipeline/relaxed.py
     threads: int | None = None
+    device: str | None = None              # None: the backend's own (onnxruntime: "cpu", tensorrt: "cuda");
+                                           # "cuda" with onnxruntime engines: its CUDA provider and CUDA graphs
 
     def __post_init__(self):
         if self.mtp_mode not in (None, "chained", "reused"):
@@ -110,7 +112,8 @@ class LLM:
         sizes = plan_pools(self.desc, self.page_size, config.memory_budget_bytes, max_seqs, self.mtp_layers,
                            dtype_bytes=np.dtype(self.dtype).itemsize, rows=rows)
         files = {kind.engine_key(e["rows"]): e["file"] for kind, e in kinds}
-        runner = backend.Runner(self.engine_dir, sorted(set(files.values())), threads=config.threads)
+        runner = backend.Runner(self.engine_dir, sorted(set(files.values())), threads=config.threads,
+                                device=config.device)
         self.pools = Pools(self.desc, sizes, self.page_size, self.mtp_layers, self.dtype, memory=runner.memory)
         max_pages = -(-self.max_seq_len // self.page_size)
         self.runner = ModelRunner(self.desc, runner, self.pools, files, batch_sizes, max_pages, self.mtp_layers,

@@ -91,6 +91,10 @@ class ModelRunner:
     def verify(self, rows: list[Rows], sampling: bool) -> Outputs:
         return self._call(GraphKind.verify(sampling), rows, self.fixed)
 
+    def round(self, kind: GraphKind, rows: list[Rows]) -> Outputs:
+        """A unified round (export/round_graph.py): it reads the trunk's pools and every head's."""
+        return self._call(kind, rows, {**self.fixed, **{k: v for f in self.head_fixed.values() for k, v in f.items()}})
+
     def head(self, j: int, rows: list[Rows]) -> Outputs:
         return self._call(GraphKind.mtp_head(j), rows, self.head_fixed[j])
 
@@ -135,7 +139,7 @@ class ModelRunner:
         return binding
 
     def _new_binding(self, graph: GraphKind, batch, width, pages, fixed):
-        dims = {"batch": batch, "rows": width, "max_pages": pages}
+        dims = {"batch": batch, "rows": width, "drafts": width - 1, "max_pages": pages}
         shape = lambda spec: tuple(dims.get(d, d) if isinstance(d, str) else d for d in spec.shape)  # noqa: E731
         ins, outs = c.graph_io(self.desc, graph, self.dtype)
         ins = {s.name: shape(s) for s in ins if s.name not in fixed}

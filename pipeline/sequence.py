@@ -81,6 +81,7 @@ class Sequence:
     draft: int | None = None
     draft_prob: float = 1.0
     chain_hidden: np.ndarray | None = None
+    ahead: list = field(default_factory=list)  # unified round: (d_s, p_s, g_{s-1}) for s = 2..k, after draft
     carries: dict[int, np.ndarray] = field(default_factory=dict)  # previous-head anchoring: head j's hidden
                                                                    # at its last committed row
     emitted: int = -1           # tokens[:emitted] were handed out as outputs (-1: none yet, set to len(prompt))

@@ -3,6 +3,7 @@ rebuilds on change, and nothing valid-looking left behind by a failure."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 import errno
 import json
 import os
@@ -20,7 +21,7 @@ from tandem.engines.builder import BuildError, build_engines
 from tandem.engines.manifest import read_manifest
 from tandem.engines.options import BuildOptions
 
-SMALL = BuildOptions(batch_sizes=(1, 2), prefill_chunk=8, max_seq_len=256)
+SMALL = BuildOptions(batch_sizes=(1, 2), prefill_chunk=8, max_seq_len=256, unified_round=False)  # fast builds
 
 
 def leftovers(parent):
@@ -30,13 +31,13 @@ def leftovers(parent):
 @pytest.mark.parametrize("kind", ["qwen3_5_mtp3", "qwen3_next"])
 def test_build_lists_every_engine_with_its_verification(tiny_root, tmp_path, kind):
     out = tmp_path / "engines"
-    result = build_engines(tiny_root / kind, out, SMALL, show_progress=False)
+    result = build_engines(tiny_root / kind, out, replace(SMALL, unified_round=True), show_progress=False)
     assert result.status == "built" and not leftovers(tmp_path)
     m = read_manifest(out)
     heads = 3 if kind == "qwen3_5_mtp3" else 1
-    # per batch size: decode, prefill, verify greedy+sample at widths 2..4, and the heads
-    assert len(m["engines"]) == 2 * (2 + 2 * 3 + heads)
-    assert {e["role"] for e in m["engines"]} == {"decode", "prefill", "verify", "head"}
+    # per batch size: decode, prefill, verify and unified round greedy+sample at widths 2..4, and the heads
+    assert len(m["engines"]) == 2 * (2 + 2 * 3 + 2 * 3 + heads)
+    assert {e["role"] for e in m["engines"]} == {"decode", "prefill", "verify", "round", "head"}
     for e in m["engines"]:
         v = e["verification"]
         assert v["passed"] and v["tolerance"] == 1e-4 and max(v["max_abs_diff"].values()) <= 1e-4

@@ -11,7 +11,15 @@ import pytest
 from tandem.engines.buckets import plan
 from tandem.engines.manifest import ManifestError
 from tandem.engines.options import BuildOptions
-from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, VERIFY_SAMPLE, GraphKind, Role, exported_kinds
+from tandem.graph_kinds import (
+    TARGET_STEP,
+    VERIFY_GREEDY,
+    VERIFY_SAMPLE,
+    GraphKind,
+    Role,
+    exported_kinds,
+    round_kinds,
+)
 from tandem.pipeline.llm import LLM
 
 
@@ -21,6 +29,11 @@ def test_names_are_the_file_and_manifest_strings_and_parse_inverts_them():
                                        "mtp_head_0", "mtp_head_1", "mtp_head_2"]
     assert [GraphKind.parse(k.name) for k in kinds] == kinds
     assert GraphKind.parse("mtp_head_12") == GraphKind.mtp_head(12)
+    rounds = round_kinds(reused=True, widths=(2, 4))
+    assert [k.name for k in rounds] == ["round_greedy_reused_k1", "round_sample_reused_k1",
+                                        "round_greedy_reused_k3", "round_sample_reused_k3"]
+    assert [GraphKind.parse(k.name) for k in rounds] == rounds
+    assert rounds[3].engine_key(4) == "round_sample_reused_k3.w4"
 
 
 def test_properties_say_what_callers_ask():
@@ -52,7 +65,7 @@ def test_plan_buckets_carry_kinds(tiny_root):
 
     desc = open_checkpoint(tiny_root / "qwen3_5_mtp3").description
     buckets = plan(desc, BuildOptions(batch_sizes=(1,), spec_k=2))
-    assert {b.graph for b in buckets} == set(exported_kinds(3))
+    assert {b.graph for b in buckets} == set(exported_kinds(3, tuple(round_kinds(reused=False, widths=(2, 3)))))
     assert all(b.name.startswith(b.graph.name + ".b") for b in buckets)
 
 

@@ -229,14 +229,15 @@ def test_global_metrics(engine_dirs):
     assert len(st.acceptance_per_position()) >= 1 and set(llm.runner.seconds) >= {"target_step", "mtp_head_0"}
 
 
-def test_engines_of_a_backend_without_a_runner_are_refused_with_the_fix(engine_dirs, tmp_path):
+def test_engines_of_a_backend_that_cannot_run_here_are_refused_with_the_fix(engine_dirs, tmp_path):
     import json
     import shutil
+
+    from tandem.engines.backends.common import BackendUnavailable
 
     path = tmp_path / "engines"
     shutil.copytree(engine_dirs["qwen3_5_mtp3"], path)
     manifest = json.loads((path / "manifest.json").read_text())
     (path / "manifest.json").write_text(json.dumps({**manifest, "backend": "tensorrt"}))
-    with pytest.raises(ValueError, match="holds tensorrt engines, which the pipeline cannot serve yet.*"
-                                         "--backend onnxruntime"):
+    with pytest.raises(BackendUnavailable, match="holds TensorRT engines, which run only where.*--backend onnxruntime"):
         LLM(path)

@@ -14,6 +14,7 @@ vectors, O(batch x k) bytes; nothing pool-sized crosses per round. Knows no tens
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,9 +46,7 @@ class Transfers:
 
 def rows_view(array, leading: int):
     """`array` as [rows, row] with its first `leading` axes flattened into rows."""
-    shape = tuple(array.shape)
-    rows = int(np.prod(shape[:leading], dtype=np.int64))
-    return array.reshape(rows, -1)
+    return array.reshape(math.prod(array.shape[:leading]), -1)
 
 
 def aligned_zeros(shape, dtype, alignment: int = HOST_ALIGNMENT) -> np.ndarray:

@@ -124,7 +124,17 @@ class Checker:
         return reference, self.runner.run(self.engine_dir / engine[0], feeds)
 
 
-class Runner:
+def Runner(engine_dir: Path, files: list[str], threads: int | None = None,  # noqa: N802 (the protocol's name)
+           profile_prefix: str | None = None, device: str | None = None):
+    """The pipeline runner: host memory on the CPU provider (device None or "cpu", the default),
+    or "cuda": ONNX Runtime's CUDA provider with device pools and CUDA graphs (onnxruntime_device.py)."""
+    if device in (None, "cpu"):
+        return HostRunner(engine_dir, files, threads, profile_prefix)
+    from tandem.engines.backends.onnxruntime_device import DeviceRunner
+    return DeviceRunner(engine_dir, files, threads, device=device)
+
+
+class HostRunner:
     """The pipeline side: one session per engine file, and per (file, batch, rows, pages) a
     binding whose input and output buffers are allocated once, through `memory`, and reused
     every round.

@@ -11,8 +11,9 @@ Custom ops: where Triton and `tensorrt.plugin` (TensorRT >= 10.8) are importable
 stored in the plan; no Python at run time). Otherwise the parser imports each node's function
 body, the portable fallback. The manifest's versions say which one an engine dir holds.
 
-CUDA graphs: the runtime runs enqueueV3 once per (context, shapes) after a shape change, then
-captures one graph per bucket with fixed input/output addresses and replays it every round.
+The pipeline runner (tensorrt_runner.py): device pools, one execution context and buffer plan
+per bucket, commits by a device kernel, and one CUDA graph per bucket: enqueueV3 runs once per
+(context, shapes), then the bucket's call sequence is captured with fixed addresses and replayed.
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ import numpy as np
 
 from tandem.engines.backends.common import BackendUnavailable, link_or_copy
 from tandem.engines.backends.onnxruntime_backend import ReferenceRunner
+from tandem.engines.backends.tensorrt_runner import Runner
 from tandem.engines.buckets import Bucket, profile_shapes
 
 NAME = "tensorrt"
-__all__ = ["NAME", "Checker", "build", "engine_file", "link_or_copy", "versions"]
+__all__ = ["NAME", "Checker", "Runner", "build", "engine_file", "link_or_copy", "versions"]
 _WORKSPACE = 4 << 30
 
 
