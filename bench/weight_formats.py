@@ -79,6 +79,7 @@ def main() -> None:
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-weights-"))
+    work.mkdir(parents=True, exist_ok=True)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"machine: {machine()}; plain greedy decoding, {args.tokens} tokens, prompt 32")
     for model in args.models.split(","):

@@ -3,11 +3,11 @@ rebuilds on change, and nothing valid-looking left behind by a failure."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 import errno
 import json
 import os
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -69,7 +69,7 @@ def test_second_run_is_a_noop_and_a_changed_weight_rebuilds(tiny_copy, tmp_path)
 def test_a_new_option_rebuilds_only_what_changed(tiny_root, tmp_path):
     out = tmp_path / "engines"
     first = build_engines(tiny_root / "qwen3_5_mtp1", out, SMALL, show_progress=False)
-    wider = BuildOptions(batch_sizes=(1, 2, 4), prefill_chunk=8, max_seq_len=256)
+    wider = replace(SMALL, batch_sizes=(1, 2, 4))
     second = build_engines(tiny_root / "qwen3_5_mtp1", out, wider, show_progress=False)
     assert sorted(second.reused) == sorted(first.rebuilt)
     assert second.rebuilt and all(".b4." in n for n in second.rebuilt)
