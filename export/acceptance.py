@@ -87,20 +87,24 @@ def _compare(b: GraphBuilder, tokens: str, ids: str, also: str | None = None) ->
 
 
 def _relaxed_ok(b: GraphBuilder, logits: str, ids: str, r: Relaxed) -> str:
-    """[B, W-1] bool: row i's draft d_{i+1} passes the relaxed rule (module docstring)."""
+    """[B, W-1] bool: row i's draft d_{i+1} passes the relaxed rule (module docstring). Every row is
+    computed (the last one against the pending token, then dropped) so the [B, W, V] logits are not copied;
+    ranks count in float32 (exact below 2^24 tokens), which ONNX Runtime sums ~25x faster than int64."""
     with b.scope("relaxed"):
-        rows = b.slice(logits, [0], [-1], [1])                                    # [B, W-1, V]: rows with a draft
-        drafted = b.op("GatherElements", rows, b.unsqueeze(_drafts(b, ids), [2]), axis=2)      # [B, W-1, 1]
-        top = b.op("ReduceMax", rows, b.const([-1], np.int64), keepdims=1)
-        total = b.op("ReduceSum", b.op("Exp", b.op("Sub", rows, top)), b.const([-1], np.int64), keepdims=1)
+        axis = b.const([-1], np.int64)
+        padded = b.concat([_drafts(b, ids), b.slice(ids, [0], [1], [1])], 1)   # last row: any valid id
+        drafted = b.op("GatherElements", logits, b.unsqueeze(padded, [2]), axis=2)      # [B, W, 1]
+        top = b.op("ReduceMax", logits, axis, keepdims=1)
+        total = b.op("ReduceSum", b.op("Exp", b.op("Sub", logits, top)), axis, keepdims=1)
         p_top = b.op("Reciprocal", total)                                         # softmax at the argmax
         p_draft = b.op("Div", b.op("Exp", b.op("Sub", drafted, top)), total)
         close = b.op("GreaterOrEqual", p_draft, b.op("Sub", p_top, b.unsqueeze(r.delta, [1, 2])))
-        rank = b.op("ReduceSum", b.op("Cast", b.op("Greater", rows, drafted), to=TensorProto.INT64),
-                    b.const([-1], np.int64), keepdims=1)
-        in_top = b.op("Less", rank, b.unsqueeze(r.topk, [1, 2]))
+        rank = b.op("ReduceSum", b.op("Cast", b.op("Greater", logits, drafted), to=TensorProto.FLOAT), axis,
+                    keepdims=1)
+        in_top = b.op("Less", rank, b.unsqueeze(b.op("Cast", r.topk, to=TensorProto.FLOAT), [1, 2]))
+        ok = b.slice(b.squeeze(b.op("And", close, in_top), [2]), [0], [-1], [1])   # [B, W-1]
         allowed = b.op("Not", b.op("Equal", b.slice(r.rows, [0], [-1], [1]), b.const(0, np.int64)))
-        return b.op("And", b.squeeze(b.op("And", close, in_top), [2]), allowed)
+        return b.op("And", ok, allowed)
 
 
 def greedy(b: GraphBuilder, logits: str, ids: str, relaxed: Relaxed | None = None) -> tuple[str, str]:
