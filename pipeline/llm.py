@@ -37,6 +37,7 @@ from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_s
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import RequestMetrics, Sequence
+from tandem.pipeline.unified_round import UnifiedRound
 
 RUNTIME_SETTINGS = "runtime_settings.json"  # tuned settings `tandem profile` writes into an engine dir
 
@@ -54,8 +55,13 @@ class EngineConfig:
     threads: int | None = None
     device: str | None = None              # None: the backend's own (onnxruntime: "cpu", tensorrt: "cuda");
                                            # "cuda" with onnxruntime engines: its CUDA provider and CUDA graphs
+    round: str = "unified"                 # "unified": one engine call per round where the engine dir has the
+                                           # round graph (its head mode and widths); "multi": verify, re-anchor
+                                           # and draft calls
 
     def __post_init__(self):
+        if self.round not in ("unified", "multi"):
+            raise ValueError(f"round must be 'unified' or 'multi', got {self.round!r}")
         if self.mtp_mode not in (None, "chained", "reused"):
             raise ValueError(f"mtp_mode must be 'chained' or 'reused', got {self.mtp_mode!r}")
         if self.synthetic_acceptance is not None and not 0.0 <= self.synthetic_acceptance <= 1.0:
@@ -126,10 +132,18 @@ class LLM:
                                    head_lag=self.mtp_layers)
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
                              chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
-                             width_per_batch=self.width_per_batch)
+                             width_per_batch=self.width_per_batch,
+                             unified=self._unified_round([kind for kind, _ in kinds]))
         self.engine.relaxed = RelaxedRows(config.relaxed_acceptance, think_markers(self.tokenizer),
                                           str(self.engine_dir / "tokenizer.json"))
         self._ids = itertools.count()
+
+    def _unified_round(self, kinds: list[GraphKind]) -> UnifiedRound | None:
+        """One-call rounds where the engine dir has round graphs of the head mode drafting uses."""
+        rounds = [k for k in kinds if k.is_round and k.reused == (self.mtp_mode == "reused")]
+        if self.config.round != "unified" or not rounds:
+            return None
+        return UnifiedRound(self.desc, self.runner, self.pools, list(dict.fromkeys(rounds)))
 
     def _widths(self, runtime: dict) -> dict[int, int]:
         """Verify width per batch size: runtime_settings.json (written by `tandem profile`)

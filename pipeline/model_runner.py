@@ -119,6 +119,9 @@ class ModelRunner:
             parts.append({name: arr[: len(part)] for name, arr in outputs.items()})
         if len(parts) == 1:
             return Outputs(parts[0])
+        if not all(isinstance(a, np.ndarray) for a in parts[0].values()):
+            raise ValueError(f"{len(rows)} sequences in one call, more than the largest built batch ({largest}): "
+                             "outputs kept in device memory are not joined; set max_num_seqs <= the largest batch")
         # more sequences than the largest batch: parts reused one binding, so join copies
         return Outputs({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
 

@@ -149,8 +149,10 @@ class HostRunner:
                  profile_prefix: str | None = None):
         """profile_prefix: profile every session with ONNX Runtime's profiler, one file per engine
         file named `<profile_prefix><engine file stem>_<date>.json` (bench/where_time_goes.py)."""
-        self.sessions = {f: session(Path(engine_dir) / f, threads,
-                                    f"{profile_prefix}{Path(f).stem}" if profile_prefix else None) for f in files}
+        # sessions open on first use: an engine dir holds graphs a run may never call (other widths, the
+        # multi-call round's next to the unified one), and each costs ~0.3 s to open
+        self.sessions = _Sessions(files, lambda f: session(Path(engine_dir) / f, threads,
+                                                           f"{profile_prefix}{Path(f).stem}" if profile_prefix else None))
         self.memory = HostMemory()
         self._bindings: dict[tuple, _Binding] = {}
 
@@ -173,6 +175,20 @@ class HostRunner:
 
     def capture(self, binding: _Binding):
         return binding.run
+
+
+class _Sessions(dict):
+    """Engine file -> its session, opened when first asked for; only the files given exist."""
+
+    def __init__(self, files: list[str], open_session):
+        super().__init__()
+        self.files, self._open = frozenset(files), open_session
+
+    def __missing__(self, file: str):
+        if file not in self.files:
+            raise KeyError(file)
+        self[file] = self._open(file)
+        return self[file]
 
 
 _NUMPY_TYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(float16)": np.float16}
