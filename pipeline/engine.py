@@ -29,13 +29,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem import contract as c
-from tandem.pipeline.model_runner import ModelRunner, Rows
+from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.relaxed import RelaxedRows
 from tandem.pipeline.sampler import sample, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import Sequence, Status
+from tandem.pipeline.width_control import WidthController
 from tandem.pipeline.unified_round import UnifiedRound
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -122,7 +123,8 @@ def _sampling_inputs(p: SamplingParams) -> dict:
 class Engine:
     def __init__(self, runner: ModelRunner, pools: Pools, scheduler: Scheduler, eos_ids: tuple[int, ...],
                  mtp_layers: int, chained: bool = True, synthetic_acceptance: float | None = None,
-                 width_per_batch: dict[int, int] | None = None, unified: UnifiedRound | None = None):
+                 width_per_batch: dict[int, int] | None = None, width_control: WidthController | None = None,
+                 unified: UnifiedRound | None = None):
         self.runner, self.pools, self.scheduler = runner, pools, scheduler
         self.eos_ids = set(eos_ids)
         self.mtp_layers, self.chained = mtp_layers, chained
@@ -132,6 +134,11 @@ class Engine:
         self.synthetic_acceptance = synthetic_acceptance
         self.width_per_batch = dict(sorted((width_per_batch or {}).items()))
         self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
+        self.width_control, self._width = width_control, None     # _width: this round's, when adaptive
+        # drafting off: heads catch up later in one call; a window page group cannot wait (its pools
+        # hold only head_lag rows of lag), so there they catch up every round
+        self.lag_rows = 1 if scheduler.windowed else max(1, scheduler.prefill_chunk)
+        self._lagging: dict[Sequence, tuple[int, list[int], list[np.ndarray]]] = {}  # seq -> head_committed, rows
         self.stats = EngineStats()
         self.relaxed = RelaxedRows()   # relaxed acceptance: LLM sets the engine's default and <think> markers
         self.trace: list[tuple[str, float, float]] | None = None  # (phase, start, end) when profiling
@@ -161,7 +168,7 @@ class Engine:
         spec = [s for s in decoding if s.speculative]
         plain = [s for s in decoding if not s.speculative]
         if spec:
-            self._speculative_round(spec)
+            self._adaptive_round(spec) if self.width_control else self._speculative_round(spec)
         if plain:
             with self._phase("decode"):
                 self._plain_round(plain)
@@ -196,7 +203,7 @@ class Engine:
         return [s for s, _, _ in work]
 
     # ---- decode rounds -----------------------------------------------------------------
-    def _plain_round(self, seqs: list[Sequence]) -> None:
+    def _plain_round(self, seqs: list[Sequence]) -> Outputs:
         rows = [Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot) for s in seqs]
         outs = self.runner.target_step(rows)
         n = len(seqs)
@@ -206,6 +213,7 @@ class Engine:
         for seq, out in zip(seqs, outs.rows()):
             seq.committed += 1
             seq.tokens.append(_next_token(seq, out[c.LOGITS][0]))
+        return outs
 
     def _speculative_round(self, seqs: list[Sequence]) -> None:
         with self._phase("draft"):
@@ -221,14 +229,66 @@ class Engine:
 
 
     def round_k(self, seq: Sequence, batch: int) -> int:
-        """Drafts this round: the request's (or global) k, else the verify width the manifest (or
-        `tandem profile`) chose for this batch size, minus one."""
-        if seq.k_fixed or not self.width_per_batch:
+        """Drafts this round: the request's (or global) k, else the width the controller picked this
+        round (adaptive), else the verify width the manifest (or `tandem profile`) chose for this
+        batch size, minus one."""
+        if seq.k_fixed or (self._width is None and not self.width_per_batch):
             k = seq.k
+        elif self._width is not None:
+            k = min(seq.k, self._width - 1)
         else:
             bucket = next((b for b in self.width_per_batch if b >= batch), max(self.width_per_batch))
             k = min(seq.k, self.width_per_batch[bucket] - 1)
         return min(k, self.mtp_layers) if self.chained else k
+
+    # ---- adaptive width (pipeline/width_control.py) --------------------------------------
+    def _adaptive_round(self, seqs: list[Sequence]) -> None:
+        """The controller picks the round's width and is told what it gave: drafts and accepted
+        counts per sequence, and the round's time (not the heads' catch-up; none when the round
+        mixed widths). Width 1: plain decode steps, the heads' re-anchor deferred (_off_round)."""
+        for s in [s for s in self._lagging if s.status == Status.FINISHED]:
+            del self._lagging[s]
+        batch = len(seqs)
+        self._width = self.width_control.width(batch)
+        try:
+            off = [s for s in seqs if self.round_k(s, batch) == 0]
+            on = [s for s in seqs if self.round_k(s, batch) > 0]
+            self._catch_up([s for s in on if s in self._lagging])
+            before = {s: (s.metrics.drafted, s.metrics.accepted) for s in on}
+            t = time.perf_counter()
+            if on:
+                self._speculative_round(on)
+            if off:
+                with self._phase("decode"):
+                    self._off_round(off)
+            mixed = (on and off) or any(s.k_fixed for s in seqs)
+            self.width_control.observe(batch, self._width, None if mixed else time.perf_counter() - t,
+                                       [s.metrics.drafted - before[s][0] for s in on],
+                                       [s.metrics.accepted - before[s][1] for s in on])
+        finally:
+            self._width = None
+
+    def _off_round(self, seqs: list[Sequence]) -> None:
+        """A plain decode step; the (new token, hidden) row the heads would re-anchor over is kept
+        until drafting resumes or lag_rows rows wait (rows kept since a preemption are dropped)."""
+        outs = self._plain_round(seqs)
+        for seq, out in zip(seqs, outs.rows()):
+            start, ids, hidden = self._lagging.get(seq, (seq.head_committed, [], []))
+            if start != seq.head_committed:     # preempted and prefilled again: the heads are current
+                start, ids, hidden = seq.head_committed, [], []
+            self._lagging[seq] = (start, [*ids, seq.tokens[-1]], [*hidden, out[c.HIDDEN][0].copy()])
+        self._catch_up([s for s in seqs if len(self._lagging[s][1]) >= self.lag_rows])
+
+    def _catch_up(self, seqs: list[Sequence]) -> None:
+        """Re-anchor the heads over every row kept while drafting was off, one call per head."""
+        work = []
+        for s in seqs:
+            start, ids, hidden = self._lagging.pop(s)
+            if start == s.head_committed:
+                work.append((s, ids, np.stack(hidden)))
+        if work:
+            with self._phase("reanchor"):
+                self._reanchor(work)
 
     def _draft(self, seqs: list[Sequence]) -> dict[str, list[int]]:
         """d_1 comes from the last re-anchor; steps s = 1..k-1 extend the chain. Head s drafts over

@@ -37,6 +37,7 @@ from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_s
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import RequestMetrics, Sequence
+from tandem.pipeline.width_control import WidthController
 from tandem.pipeline.unified_round import UnifiedRound
 
 RUNTIME_SETTINGS = "runtime_settings.json"  # tuned settings `tandem profile` writes into an engine dir
@@ -52,6 +53,8 @@ class EngineConfig:
     speculative: bool = True               # global switch; requests can also turn it off
     synthetic_acceptance: float | None = None  # benchmark aid only: accept drafts with this probability
     relaxed_acceptance: RelaxedAcceptance | None = None  # default for greedy requests (off: exact); pipeline/relaxed.py
+    adaptive_width: bool = True            # pick the verify width per batch size at run time (1: drafting off)
+                                           # from observed acceptance and round times; False: tuned/global only
     threads: int | None = None
     device: str | None = None              # None: the backend's own (onnxruntime: "cpu", tensorrt: "cuda");
                                            # "cuda" with onnxruntime engines: its CUDA provider and CUDA graphs
@@ -132,7 +135,7 @@ class LLM:
                                    head_lag=self.mtp_layers)
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
                              chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
-                             width_per_batch=self.width_per_batch,
+                             width_per_batch=self.width_per_batch, width_control=self._width_control(batch_sizes),
                              unified=self._unified_round([kind for kind, _ in kinds]))
         self.engine.relaxed = RelaxedRows(config.relaxed_acceptance, think_markers(self.tokenizer),
                                           str(self.engine_dir / "tokenizer.json"))
@@ -144,6 +147,14 @@ class LLM:
         if self.config.round != "unified" or not rounds:
             return None
         return UnifiedRound(self.desc, self.runner, self.pools, list(dict.fromkeys(rounds)))
+
+    def _width_control(self, batch_sizes: list[int]) -> WidthController | None:
+        """The adaptive width controller over the widths a round can use (k + 1 at most, and chained
+        heads' n + 1), starting from the tuned widths; None when nothing is adaptive."""
+        if not (self.config.adaptive_width and self.mtp_layers and self.spec_k):
+            return None
+        top = self.spec_k + 1 if self.mtp_mode == "reused" else min(self.spec_k, self.mtp_layers) + 1
+        return WidthController([w for w in self.verify_widths if w <= top], batch_sizes, self.width_per_batch)
 
     def _widths(self, runtime: dict) -> dict[int, int]:
         """Verify width per batch size: runtime_settings.json (written by `tandem profile`)

@@ -42,7 +42,7 @@ def install_drafter(monkeypatch, kind: str, reference: dict[str, list[int]] | No
             if kind == "wrong":
                 d = [(t + 1) % vocab for t in truth[:k]]
             elif kind == "oracle":
-                d = truth[:k]
+                d = ref[start : start + k]   # right as far as the reference goes (no guesses past its end)
             elif kind == "random":
                 d = [int(x) for x in rng.integers(0, vocab, k)]
             else:

@@ -1,0 +1,188 @@
+"""Adaptive verify width: per batch-size bucket, the width that maximises expected tokens per
+second, from the acceptance the engine observes and the round times it measures.
+
+Plain Python over numbers the engine hands in (no engines, no runtime imports). The engine asks
+`width(batch)` once per speculative round and reports the round back with `observe(...)`.
+
+    expected tokens per sequence at width w      E(w) = 1 + alpha_1 + ... + alpha_{w-1}
+        alpha_i = P(at least i drafts accepted | at least i drafted), decayed counts per position
+    rate(w) = E(w) / cost(w)                      cost(w): least of the last round times at w
+                                                  (interference only ever adds time)
+    width 1 is speculation off (plain decode steps): E(1) = 1
+
+A width not measured yet is judged optimistically (cost: the largest measured cost of a narrower
+width, else 0; alpha_i unseen: alpha_{i-1}), so it is tried once it might beat the best measured
+one; its first round is not kept (it builds the bucket's bindings). Every `probe_every` rounds
+(doubling up to `probe_max` while the choice holds) one round runs a width next to the choice, above
+and below in turn: above, acceptance at the next position is seen again and the width can climb
+back (from off too); below, that width's cost is measured again.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class WidthPolicy:
+    probe_every: int = 8        # rounds between probes after the choice changed
+    probe_max: int = 128        # the interval doubles after each probe that changed nothing, up to this
+    decay: float = 0.9          # acceptance counts are multiplied by this each observed round
+    samples: int = 8            # round times kept per width (their least is the cost)
+    min_samples: int = 2        # a width counts as measured with this many kept round times
+
+    def __post_init__(self):
+        if not 1 <= self.probe_every <= self.probe_max:
+            raise ValueError(f"need 1 <= probe_every <= probe_max, got {self.probe_every}, {self.probe_max}")
+        if not 0.0 < self.decay <= 1.0:
+            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if not 1 <= self.min_samples <= self.samples:
+            raise ValueError(f"need 1 <= min_samples <= samples, got {self.min_samples}, {self.samples}")
+
+
+@dataclass(frozen=True)
+class WidthEstimate:
+    """One width's figures in a bucket: expected tokens per sequence, seconds per round (None:
+    not measured), and the rate used to choose (optimistic where not measured)."""
+
+    width: int
+    expected_tokens: float
+    cost: float | None
+    rate: float
+
+
+@dataclass
+class _Bucket:
+    key: int                             # the batch-size bucket
+    choice: int
+    drafted: list[float]                 # per draft position, decayed
+    accepted: list[float]
+    times: dict[int, deque] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)   # widths whose first (binding-building) round passed
+    rounds: int = 0
+    next_probe: int = 0
+    interval: int = 0
+    probes: int = 0
+    probing: int | None = None           # the width this round probes
+
+
+class WidthController:
+    """widths: the verify widths rounds may use, 1 (off) included; start: the tuned width per
+    batch size (manifest / `tandem profile`), else the widest."""
+
+    def __init__(self, widths: list[int], batch_sizes: list[int], start: dict[int, int] | None = None,
+                 policy: WidthPolicy | None = None):
+        self.widths = sorted(set(widths) | {1})
+        self.batch_sizes = sorted(batch_sizes)
+        if not self.batch_sizes:
+            raise ValueError("WidthController needs at least one batch size")
+        self.policy = policy or WidthPolicy()
+        self.start = dict(sorted((start or {}).items()))
+        self._buckets: dict[int, _Bucket] = {}
+
+    def bucket(self, batch: int) -> int:
+        return next((b for b in self.batch_sizes if b >= batch), self.batch_sizes[-1])
+
+    def _state(self, batch: int) -> _Bucket:
+        b = self.bucket(batch)
+        st = self._buckets.get(b)
+        if st is None:
+            # the tuned width of the smallest tuned batch size >= b, else of the largest (as round_k reads it)
+            tuned = next((w for bs, w in self.start.items() if bs >= b), self.start[max(self.start)]) \
+                if self.start else None
+            choice = tuned if tuned in self.widths else self.widths[-1]
+            n = self.widths[-1] - 1
+            st = self._buckets[b] = _Bucket(b, choice, [0.0] * n, [0.0] * n,
+                                            interval=self.policy.probe_every)
+            st.next_probe = st.interval
+        return st
+
+    # ---- the round's width -------------------------------------------------------------
+    def width(self, batch: int) -> int:
+        """The verify width for this round at `batch` sequences (1: plain decode steps)."""
+        st = self._state(batch)
+        st.rounds += 1
+        best = self._best(st)
+        if best != st.choice:
+            st.choice, st.interval = best, self.policy.probe_every
+            st.next_probe = st.rounds + st.interval
+        if st.rounds >= st.next_probe:
+            st.interval = min(2 * st.interval, self.policy.probe_max)
+            st.next_probe = st.rounds + st.interval
+            st.probes += 1
+            above = [w for w in self.widths if w > st.choice]
+            below = [w for w in self.widths if w < st.choice]
+            if above and (st.probes % 2 or not below):
+                st.probing = above[0]
+            elif below:
+                st.probing = below[-1]
+            return st.probing or st.choice
+        return st.choice
+
+    def observe(self, batch: int, width: int, seconds: float | None, drafted: list[int],
+                accepted: list[int]) -> None:
+        """One round at `batch` sequences: per sequence its drafts and how many were accepted;
+        `seconds` the round's wall time at `width` (None: not attributable to one width)."""
+        st = self._state(batch)
+        if st.probing is not None and st.probing == width > st.choice:
+            self._promising(st, width - 2, drafted, accepted)
+        st.probing = None
+        deepest = min(max(drafted, default=0), len(st.drafted))
+        for i in range(deepest):   # only positions drafted this round age: an unseen one keeps its estimate
+            st.drafted[i] *= self.policy.decay
+            st.accepted[i] *= self.policy.decay
+        for d, a in zip(drafted, accepted):
+            for i in range(min(d, len(st.drafted))):
+                st.drafted[i] += 1
+                st.accepted[i] += i < a
+        if seconds is None:
+            return
+        if width not in st.seen:
+            st.seen.add(width)     # the first round at a width builds its bindings: not its cost
+            return
+        st.times.setdefault(width, deque(maxlen=self.policy.samples)).append(seconds)
+
+    def _promising(self, st: _Bucket, i: int, drafted: list[int], accepted: list[int]) -> None:
+        """An upward probe that saw position i accepted more often than estimated is followed by
+        another soon (no back-off): old evidence of a bad position fades only where it is drafted."""
+        n = sum(d > i for d in drafted)
+        hits = sum(a > i for d, a in zip(drafted, accepted) if d > i)
+        known = st.drafted[i] > 1e-9
+        if n and hits and (not known or hits / n > st.accepted[i] / st.drafted[i]):
+            st.interval = self.policy.probe_every
+            st.next_probe = st.rounds + st.interval
+
+    # ---- the estimates -----------------------------------------------------------------
+    def acceptance(self, batch: int) -> list[float | None]:
+        """alpha_i per draft position (None: never drafted there)."""
+        st = self._state(batch)
+        return [a / d if d > 1e-9 else None for a, d in zip(st.accepted, st.drafted)]
+
+    def estimates(self, batch: int) -> list[WidthEstimate]:
+        st = self._state(batch)
+        alpha, prev = [], 1.0
+        for a in self.acceptance(batch):
+            prev = prev if a is None else min(a, prev)   # unseen: as good as the position before
+            alpha.append(prev)
+        out, floor = [], 0.0
+        for w in self.widths:
+            expected = 1.0 + sum(alpha[: w - 1])
+            times = st.times.get(w, ())
+            cost = min(times) if len(times) >= self.policy.min_samples else None
+            if cost is not None:
+                floor = max(floor, cost)
+            bound = cost if cost is not None else floor
+            out.append(WidthEstimate(w, expected, cost, expected / bound if bound > 0 else float("inf")))
+        return out
+
+    def _best(self, st: _Bucket) -> int:
+        """The start width until it is measured; then the best rate (ties: the narrower width)."""
+        if len(st.times.get(st.choice, ())) < self.policy.min_samples:
+            return st.choice
+        best = max(self.estimates(st.key), key=lambda e: (e.rate, -e.width))
+        return best.width
+
+    def choice(self, batch: int) -> int:
+        """The width the bucket runs between probes."""
+        return self._state(batch).choice

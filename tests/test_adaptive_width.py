@@ -1,0 +1,239 @@
+"""Adaptive verify width (pipeline/width_control.py and its hook in the engine).
+
+The controller's choice with synthetic round costs and acceptance (milliseconds, no engines); then
+on tiny engines: heads that are always wrong turn drafting off after a short warm-up and probe
+again later, an oracle climbs to the widest built width, outputs stay plain greedy's, and the
+heads' deferred catch-up leaves them exactly where a per-round re-anchor would."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.sampling_params import SamplingParams
+from tandem.pipeline.sequence import Status
+from tandem.pipeline.width_control import WidthController, WidthPolicy
+
+from .pipeline_fixtures import install_drafter, run
+
+KIND = "qwen3_5_mtp3"
+PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3]]
+LONG = SamplingParams(max_tokens=96, ignore_eos=True)
+COST = {1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9}     # ms per round at each width: a plain step, then drafting
+
+
+def simulate(ctl: WidthController, rounds: int, accepted_at, batch: int = 1, cost=COST) -> list[int]:
+    """Run `rounds` rounds; accepted_at(round, drafts) -> accepted count per sequence."""
+    widths = []
+    for r in range(rounds):
+        w = ctl.width(batch)
+        widths.append(w)
+        per_seq = accepted_at(r, w - 1)
+        ctl.observe(batch, w, cost[w], [w - 1] * len(per_seq), per_seq)
+    return widths
+
+
+# ---- the controller alone --------------------------------------------------------------
+def test_never_accepted_turns_drafting_off_then_probes_with_growing_gaps():
+    ctl = WidthController([2, 3, 4], [1, 8])
+    widths = simulate(ctl, 300, lambda r, d: [0])
+    assert widths[:3] == [4, 4, 4]       # the start (no tuned settings: the widest) until measured
+    off_from = widths.index(1)
+    assert off_from == 3 and ctl.choice(1) == 1
+    probes = [i for i, w in enumerate(widths) if i > off_from and w > 1]
+    assert len(probes) >= 3 and all(widths[i] == 2 for i in probes)    # one width up from off
+    gaps = np.diff(probes)
+    assert list(gaps) == sorted(gaps) and gaps[-1] == ctl.policy.probe_max
+    assert widths.count(1) >= 0.95 * len(widths)
+
+
+def test_always_accepted_climbs_from_off_to_the_widest():
+    ctl = WidthController([2, 3, 4], [1], start={1: 1})
+    widths = simulate(ctl, 60, lambda r, d: [d])
+    assert widths[0] == 1 and ctl.choice(1) == 4
+    assert widths[-20:].count(4) >= 19                # a probe below now and then
+
+
+def test_picks_the_width_with_the_most_tokens_per_second():
+    # 20 sequences: 12 accept >= 1 draft, 2 accept >= 2, 1 accepts 3 (alpha = 0.6, 0.1, 0.05):
+    # tokens/ms at widths 1..4 = 1/1, 1.6/1.3, 1.7/1.6, 1.75/1.9: width 2
+    def accepted(r, d):
+        return [min(d, a) for a in [0] * 8 + [1] * 10 + [2] + [3]]
+    ctl = WidthController([2, 3, 4], [32])
+    simulate(ctl, 40, accepted, batch=20)
+    assert ctl.choice(20) == 2
+    rates = {e.width: e.rate for e in ctl.estimates(20)}
+    assert max(rates, key=rates.get) == 2
+    # the same acceptance on rounds four times as dear as a plain step: off
+    ctl = WidthController([2, 3, 4], [32])
+    simulate(ctl, 40, accepted, batch=20, cost={1: 1.0, 2: 4.0, 3: 4.3, 4: 4.6})
+    assert ctl.choice(20) == 1
+
+
+def test_climbs_back_when_acceptance_rises():
+    ctl = WidthController([2, 3, 4], [1])
+    widths = simulate(ctl, 400, lambda r, d: [0] if r < 100 else [d])
+    assert widths[50:100].count(1) >= 48               # off while nothing is accepted (a probe or two)
+    assert ctl.choice(1) == 4 and widths[-50:].count(4) >= 48
+
+
+def test_first_round_at_a_width_is_not_its_cost_and_buckets_are_separate():
+    ctl = WidthController([2, 3, 4], [1, 8], start={1: 2, 8: 4})
+    assert ctl.width(1) == 2 and ctl.width(5) == 4        # 5 sequences run at the 8 bucket's tuned width
+    ctl.observe(1, 2, 50.0, [1], [1])                      # building the bindings: not a round's cost
+    ctl.observe(1, 2, 1.4, [1], [1])
+    assert next(e for e in ctl.estimates(1) if e.width == 2).cost is None     # one kept time: not yet
+    ctl.observe(1, 2, 1.3, [1], [1])
+    assert next(e for e in ctl.estimates(1) if e.width == 2).cost == 1.3
+    assert all(e.cost is None for e in ctl.estimates(8))
+    assert ctl.acceptance(1)[:2] == [1.0, None] and ctl.acceptance(8) == [None] * 3
+
+
+def test_policy_refuses_nonsense():
+    with pytest.raises(ValueError, match="probe_every"):
+        WidthPolicy(probe_every=0)
+    with pytest.raises(ValueError, match="min_samples"):
+        WidthPolicy(min_samples=9)
+    with pytest.raises(ValueError, match="decay"):
+        WidthPolicy(decay=0.0)
+    with pytest.raises(ValueError, match="batch size"):
+        WidthController([2], [])
+
+
+# ---- in the engine ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plain(engine_dirs):
+    return run(engine_dirs[KIND], PROMPTS, LONG, EngineConfig(speculative=False))[0]
+
+
+@pytest.fixture
+def widths(monkeypatch) -> list[int]:
+    """Every width the controller hands out, in order."""
+    seen, original = [], WidthController.width
+
+    def width(self, batch):
+        seen.append(original(self, batch))
+        return seen[-1]
+
+    monkeypatch.setattr(WidthController, "width", width)
+    return seen
+
+
+def generate(llm: LLM, prompts, params=LONG) -> dict[int, list[int]]:
+    seqs = [llm.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    while any(s.finish_reason is None for s in seqs):
+        llm.step()
+    return {i: s.output_ids() for i, s in enumerate(seqs)}
+
+
+def test_wrong_heads_turn_drafting_off_and_probe_again(engine_dirs, plain, monkeypatch, widths):
+    install_drafter(monkeypatch, "wrong")
+    outputs, llm = run(engine_dirs[KIND], PROMPTS, LONG)
+    assert outputs == plain
+    off_from = widths.index(1)
+    assert off_from <= 4                            # warm-up: the start width measured, then off
+    after = widths[off_from:]
+    assert after.count(1) >= 0.8 * len(after) and any(w > 1 for w in after)   # off, with probes
+    assert llm.engine.width_control.choice(len(PROMPTS)) == 1
+    assert llm.runner.calls.get("target_step", 0) >= 0.8 * len(widths)       # off rounds are plain steps
+
+
+class ModeledCost(WidthController):
+    """The engine's round times replaced by COST: on tiny engines a round is all per-call overhead
+    (and the test machine's load adds its own), so whether drafting pays there is not the point."""
+
+    def observe(self, batch, width, seconds, drafted, accepted):
+        super().observe(batch, width, None if seconds is None else COST[width], drafted, accepted)
+
+
+def test_oracle_climbs_from_off_to_the_widest_built_width(engine_dirs, plain, monkeypatch, widths):
+    install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
+    llm = LLM(engine_dirs[KIND])
+    top = max(llm.verify_widths)
+    llm.engine.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8], start={8: 1})
+    assert generate(llm, PROMPTS) == plain
+    assert widths[0] == 1 and llm.engine.width_control.choice(len(PROMPTS)) == top
+    assert widths.count(top) >= 0.6 * len(widths)   # (the last sequence alone climbs again in bucket 1)
+
+
+def test_adaptive_width_off_keeps_the_tuned_width(engine_dirs, plain, monkeypatch):
+    install_drafter(monkeypatch, "wrong")
+    outputs, llm = run(engine_dirs[KIND], PROMPTS, LONG, EngineConfig(adaptive_width=False))
+    assert outputs == plain and llm.engine.width_control is None
+    metrics = [s.metrics for s in llm.test_sequences]
+    assert sum(m.drafted for m in metrics) == 3 * sum(m.rounds for m in metrics)
+
+
+class Scripted:
+    """A stand-in controller: the widths to run, in order (then the widest)."""
+
+    def __init__(self, widths):
+        self.widths = list(widths)
+
+    def width(self, batch):
+        return self.widths.pop(0) if self.widths else 4
+
+    def observe(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["chained", "reused"])
+def test_deferred_catch_up_equals_reanchoring_every_round(engine_dirs, mode):
+    """The real heads, drafting off for 11 rounds (the lag passes lag_rows once) then on: each
+    step's drafts and hidden are those of a run whose heads re-anchor every round."""
+    schedule = [4, 4] + [1] * 11 + [4] * 3 + [1] * 3 + [4] * 10
+    traces = []
+    for lag_rows in (None, 1):
+        llm = LLM(engine_dirs[KIND], EngineConfig(mtp_mode=mode))
+        llm.engine.width_control = Scripted(schedule)
+        if lag_rows:
+            llm.engine.lag_rows = lag_rows
+        seqs = [llm.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS]
+        trace = []
+        while any(s.finish_reason is None for s in seqs):
+            llm.step()
+            trace.append([(s.num_generated, s.head_committed, s.draft, s.draft_prob, s.chain_hidden) for s in seqs])
+        traces.append((trace, [s.output_ids() for s in seqs]))
+    (deferred, out_a), (every, out_b) = traces
+    assert out_a == out_b and len(deferred) == len(every)
+    synced = 0
+    for a, b in zip(deferred, every):
+        for (n, hc, d, p, h), (n2, hc2, d2, p2, h2) in zip(a, b):
+            assert n == n2
+            if hc == hc2:       # rows the deferred run has caught up on: same heads
+                synced += 1
+                assert d == d2 and p == pytest.approx(p2, rel=1e-4, abs=1e-6)
+                np.testing.assert_allclose(h, h2, rtol=1e-4, atol=1e-5)
+    assert synced >= len(deferred)
+    assert any(hc < hc2 for a, b in zip(deferred, every) for (_, hc, *_), (_, hc2, *_) in zip(a, b))
+
+
+def test_deferred_rows_are_dropped_after_preemption(engine_dirs, plain, monkeypatch):
+    """Drafting off under memory pressure: a preempted sequence's kept rows are stale (it is
+    prefilled again, heads included) and outputs still equal plain greedy's."""
+    install_drafter(monkeypatch, "wrong")
+    llm = LLM(engine_dirs[KIND], EngineConfig(memory_budget_bytes=230_000, max_num_seqs=8))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    seqs, steps = [], 0
+    while len(seqs) < 6 or any(s.finish_reason is None for s in seqs):
+        if len(seqs) < 6 and steps % 2 == 0:
+            seqs.append(llm.add_request(PROMPTS[len(seqs) % 2], params))
+        llm.step()
+        steps += 1
+        for s in seqs:   # the heads plus the rows kept for them cover exactly what the target committed
+            if s.status == Status.DECODE:
+                kept = llm.engine._lagging.get(s, (0, []))[1]
+                assert s.head_committed + len(kept) == s.committed
+    assert [s.output_ids() for s in seqs] == [plain[i % 2][:40] for i in range(6)]
+    assert sum(s.metrics.preemptions for s in seqs) > 0
+
+
+def test_a_fixed_k_is_respected(engine_dirs, plain, monkeypatch, widths):
+    """A global spec_k (as a request's) fixes the drafts per round: wrong heads still draft k."""
+    install_drafter(monkeypatch, "wrong")
+    outputs, llm = run(engine_dirs[KIND], PROMPTS, LONG, EngineConfig(spec_k=3))
+    assert outputs == plain
+    for s in llm.test_sequences:   # every token after the first from a verify round: none from drafting off
+        m = s.metrics
+        assert m.drafted == 3 * m.rounds and m.rounds + m.accepted + 1 >= len(s.output_ids())
