@@ -36,8 +36,8 @@ from tandem.pipeline.sampler import sample, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import Sequence, Status
-from tandem.pipeline.width_control import WidthController
 from tandem.pipeline.unified_round import UnifiedRound
+from tandem.pipeline.width_control import WidthController
 
 _F32_MAX = float(np.finfo(np.float32).max)
 
@@ -133,12 +133,12 @@ class Engine:
         self.by_previous_head = chained and mtp is not None and mtp.anchor == "previous_head"
         self.synthetic_acceptance = synthetic_acceptance
         self.width_per_batch = dict(sorted((width_per_batch or {}).items()))
-        self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
         self.width_control, self._width = width_control, None     # _width: this round's, when adaptive
         # drafting off: heads catch up later in one call; a window page group cannot wait (its pools
         # hold only head_lag rows of lag), so there they catch up every round
         self.lag_rows = 1 if scheduler.windowed else max(1, scheduler.prefill_chunk)
         self._lagging: dict[Sequence, tuple[int, list[int], list[np.ndarray]]] = {}  # seq -> head_committed, rows
+        self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
         self.stats = EngineStats()
         self.relaxed = RelaxedRows()   # relaxed acceptance: LLM sets the engine's default and <think> markers
         self.trace: list[tuple[str, float, float]] | None = None  # (phase, start, end) when profiling
@@ -226,7 +226,6 @@ class Engine:
                     self.unified.run(group, self._verify_rows(group, drafts, width), drafts, width, sampling)
             else:
                 self._verify_and_commit(group, drafts, width)
-
 
     def round_k(self, seq: Sequence, batch: int) -> int:
         """Drafts this round: the request's (or global) k, else the width the controller picked this

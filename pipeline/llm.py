@@ -37,8 +37,8 @@ from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_s
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import RequestMetrics, Sequence
-from tandem.pipeline.width_control import WidthController
 from tandem.pipeline.unified_round import UnifiedRound
+from tandem.pipeline.width_control import WidthController
 
 RUNTIME_SETTINGS = "runtime_settings.json"  # tuned settings `tandem profile` writes into an engine dir
 
