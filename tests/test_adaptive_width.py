@@ -124,6 +124,7 @@ def generate(llm: LLM, prompts, params=LONG) -> dict[int, list[int]]:
     seqs = [llm.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
     while any(s.finish_reason is None for s in seqs):
         llm.step()
+    llm.test_sequences = seqs
     return {i: s.output_ids() for i, s in enumerate(seqs)}
 
 
@@ -232,8 +233,9 @@ def test_deferred_rows_are_dropped_after_preemption(engine_dirs, plain, monkeypa
 def test_a_fixed_k_is_respected(engine_dirs, plain, monkeypatch, widths):
     """A global spec_k (as a request's) fixes the drafts per round: wrong heads still draft k."""
     install_drafter(monkeypatch, "wrong")
-    outputs, llm = run(engine_dirs[KIND], PROMPTS, LONG, EngineConfig(spec_k=3))
-    assert outputs == plain
+    llm = LLM(engine_dirs[KIND], EngineConfig(spec_k=3))
+    llm.engine.width_control = Scripted([1] * 1000)         # a controller that would turn drafting off
+    assert generate(llm, PROMPTS) == plain
     for s in llm.test_sequences:   # every token after the first from a verify round: none from drafting off
         m = s.metrics
         assert m.drafted == 3 * m.rounds and m.rounds + m.accepted + 1 >= len(s.output_ids())
