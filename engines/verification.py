@@ -5,8 +5,10 @@ checks the same thing. Backend-neutral: a backend supplies `run(bucket, feeds) -
 A float output passes when max |engine - reference| <= tolerance x scale, scale = max(1, max
 |reference|): absolute for small tensors, relative to the tensor's range for large ones (keys and
 logits of real models reach tens). Integer outputs (tokens, accept counts) must be equal, except
-that a float16 build tolerates one differing entry per output: both graphs round logits through
-fp16, and an argmax whose top two logits are within an ulp can go either way."""
+that a float16 build tolerates one differing sequence per output: both graphs round logits through
+fp16, and an argmax whose top two logits are within an ulp can go either way; in a sequence whose
+decisions differ, the float outputs are not compared (a unified round's later draft steps run on
+the other token)."""
 
 from __future__ import annotations
 
@@ -80,18 +82,29 @@ def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) 
 def compare(reference: dict[str, np.ndarray], engine: dict[str, np.ndarray], dtype: str,
             seconds: float) -> Verification:
     tol, allowed = TOLERANCE[dtype], INTEGER_MISMATCHES[dtype]
+    flipped = _flipped(reference, engine) if allowed else np.zeros(0, bool)
     diffs, scales, passed = {}, {}, True
     for name, ref in reference.items():
         got = engine[name]
         if ref.dtype.kind in "iub":
-            diffs[name] = float((ref != got).sum())
+            diffs[name] = float((ref != got).reshape(len(ref), -1).any(axis=1).sum() if ref.ndim else ref != got)
             passed &= diffs[name] <= allowed
         else:
-            ref64, got64 = ref.astype(np.float64), got.astype(np.float64)
+            keep = ~flipped if ref.ndim and len(ref) == len(flipped) else slice(None)
+            ref64, got64 = ref[keep].astype(np.float64), got[keep].astype(np.float64)
             diffs[name] = float(np.abs(ref64 - got64).max()) if ref.size else 0.0
             scales[name] = max(1.0, float(np.abs(ref64).max()) if ref.size else 0.0)
             passed &= diffs[name] <= tol * scales[name]  # NaN fails
     return Verification(bool(passed), tol, diffs, round(seconds, 4), scales, allowed)
+
+
+def _flipped(reference: dict[str, np.ndarray], engine: dict[str, np.ndarray]) -> np.ndarray:
+    """[B] sequences (outputs are batch-first) where an integer decision differs: what a graph
+    computes after it (a unified round's next draft steps) follows the other token, so their float
+    outputs are not compared; the decisions themselves are, within the allowance."""
+    rows = [(ref != engine[n]).reshape(len(ref), -1).any(axis=1) for n, ref in reference.items()
+            if ref.dtype.kind in "iu" and ref.ndim]
+    return np.logical_or.reduce(rows) if rows and len({len(r) for r in rows}) == 1 else np.zeros(0, bool)
 
 
 def timed(fn):

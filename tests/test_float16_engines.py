@@ -18,6 +18,7 @@ from tandem.engines.manifest import read_manifest
 from tandem.engines.options import BuildOptions, OptionsError
 from tandem.export.builder import ONNX_DTYPES
 from tandem.export.ops import paged_sparse_attention
+from tandem.graph_kinds import GraphKind
 from tandem.pipeline.llm import LLM
 from tandem.pipeline.model_runner import Rows
 from tandem.pipeline.pools import plan_pools
@@ -69,12 +70,7 @@ def test_build_records_float16_and_every_engine_passes_its_check(fp16_dirs, kind
 
 
 def _contract_dtypes(desc, file: str) -> dict[str, int]:
-    if file.startswith("target_step"):
-        ins, outs = c.target_step_io(desc, "float16")
-    elif file.startswith("verify"):
-        ins, outs = c.verify_step_io(desc, "float16")
-    else:
-        ins, outs = c.mtp_head_io(desc, int(file.split(".")[0].rsplit("_", 1)[1]), "float16")
+    ins, outs = c.graph_io(desc, GraphKind.parse(file.split(".")[0]), "float16")
     return {s.name: ONNX_DTYPES[s.dtype] for s in ins + outs}
 
 
