@@ -1,6 +1,7 @@
 """Adaptive verify width against plain decoding, in the same run (ONNX Runtime CPU).
 
     .venv/bin/python bench/adaptive_width.py [--kinds qwen3_5_mtp3,qwen3_5_150m] [--workdir DIR] [--repeats 3]
+                                             [--acceptance 0,1] [--batches 1,8] [--max-tokens N]
 
 Random weights accept nothing, so acceptance is the documented synthetic aid
 (EngineConfig.synthetic_acceptance): 0.0, drafts never accepted, and 1.0, always accepted. The
@@ -84,6 +85,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=12, help="decode rounds not timed")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default=None)
+    parser.add_argument("--acceptance", default="0,1", help="synthetic acceptance values, comma-separated")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--max-tokens", type=int, default=None, help="per request (default: 160 for 150m, else 400)")
     args = parser.parse_args()
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bench-"))
     print(f"machine: {machine()}; k = {args.k}, warm-up {args.warmup} rounds, best of {args.repeats}")
@@ -96,10 +100,10 @@ def main() -> None:
         built = build_engines(src, engines, BuildOptions(batch_sizes=(1, 8), spec_k=args.k, prefill_chunk=64,
                                                          max_seq_len=1024), show_progress=False)
         print(f"\n{kind}: build {built.status} in {built.seconds:.1f} s")
-        max_tokens = 160 if "150m" in kind else 400
+        max_tokens = args.max_tokens or (160 if "150m" in kind else 400)
         print("  acceptance batch | plain tok/s | fixed k/plain | adaptive/plain | adaptive widths (rounds), end")
-        for acceptance in (0.0, 1.0):
-            for batch in (1, 8):
+        for acceptance in [float(a) for a in args.acceptance.split(",")]:
+            for batch in [int(b) for b in args.batches.split(",")]:
                 best: dict[str, dict] = {}
                 for _ in range(args.repeats):
                     for mode in MODES:
