@@ -75,6 +75,7 @@ def test_rss_flat_over_thousands_of_engine_calls(engine_dirs, small_os_pages):
     # what handing out never-used pages would fault in over the second half: every request's pages
     page_bytes = sum(a[0].nbytes for pools in llm.pools.paged.values() for a in (pools["key"], pools["value"]))
     fresh = half * batch * -(-(prompt_len + params.max_tokens + llm.spec_k + 1) // llm.page_size) * page_bytes
-    assert calls >= 1500 and fresh >= 8 << 20                    # the test can see the bug it guards
+    # the test can see the bug it guards (unified rounds: one engine call per decode step, ~900 here)
+    assert calls >= 500 and fresh >= 8 << 20
     assert grown < fresh / 8, (f"RSS grew {grown / 2**20:.1f} MiB over the last {calls // 2} engine calls "
                                f"(never-used pages would add {fresh / 2**20:.1f} MiB)")
