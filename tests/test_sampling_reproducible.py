@@ -113,8 +113,11 @@ def test_under_preemption(engine_dirs, plain):
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "prefix:1", "random"])
-def test_whatever_the_drafts(llm, plain, monkeypatch, drafter):
-    # oracle drafts are the sampled tokens themselves: every row's uniform must be its position's
+def test_whatever_the_drafts(engine_dirs, plain, monkeypatch, drafter):
+    # oracle drafts are the sampled tokens themselves: every row's uniform must be its position's.
+    # A fixed width: the adaptive controller of a shared LLM may have turned drafting off after the
+    # random heads of earlier tests, and this test is about what happens to the drafts it makes.
+    llm = LLM(engine_dirs[KIND], EngineConfig(adaptive_width=False))
     install_drafter(monkeypatch, drafter, {"me": plain})
     seq = llm.add_request(PROMPT, SAMPLED, request_id="me")
     while seq.finish_reason is None:
