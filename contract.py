@@ -9,9 +9,10 @@ max_pages (P, block-table width), num_pages (N, pool pages), page_size (S), num_
 pool slots). Paged pools come in page groups, one per sliding window (None: full attention), each
 with its own pages and block table (`block_tables` for full attention, `block_tables.window{w}`
 for window w): a window group's pages that fall out of the window are released while the
-sequence runs, their table entries pointing at the scratch page (never read: masked). Each layer's pools come from its cache specs (checkpoint/cache_specs.py): paged
-rows live in pools [N, S, *row] (row w of sequence b at position context_lens[b] + w), states in
-[num_slots, *state]. Engines are pure: they read pools and states and output new rows and new
+sequence runs, their table entries pointing at the scratch page (never read: masked). Each
+layer's pools come from its cache specs (checkpoint/cache_specs.py): paged rows live in pools
+[N, S, *row] (row w of sequence b at position context_lens[b] + w), states in [num_slots, *state].
+Engines are pure: they read pools and states and output new rows and new
 states; the runtime commits what was accepted.
 """
 
@@ -220,7 +221,8 @@ def mtp_head_io(desc: ModelDescription, head: int, dtype: str = "float32") -> tu
            *kv_in]
     outs = [TensorSpec(DRAFT_TOKEN, "int64", ("batch",), "greedy draft at last_row"),
             TensorSpec(DRAFT_PROB, "float32", ("batch",), "the head's probability of that draft"),
-            TensorSpec(HIDDEN_OUT, dtype, ("batch", desc.hidden_size), "head hidden (after its final norm) at last_row"),
+            TensorSpec(HIDDEN_OUT, dtype, ("batch", desc.hidden_size),
+                       "head hidden (after its final norm) at last_row"),
             *kv_out]
     if desc.mtp.anchor == "previous_head":  # the next head's rows pair with this head's hidden of every row
         outs.insert(3, TensorSpec(HIDDEN_ROWS, dtype, ("batch", "rows", desc.hidden_size),

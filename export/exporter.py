@@ -25,8 +25,8 @@ from tandem import contract
 from tandem.checkpoint.reader import Checkpoint
 from tandem.export.graphs import mtp_head, target_step, verify_step
 from tandem.export.layers import Weights
-from tandem.export.round_graph import round_step
 from tandem.export.quantize import WeightQuant
+from tandem.export.round_graph import round_step
 from tandem.graph_kinds import GraphKind, exported_kinds
 
 WEIGHTS_FILE = "weights.bin"

@@ -151,8 +151,8 @@ class HostRunner:
         file named `<profile_prefix><engine file stem>_<date>.json` (bench/where_time_goes.py)."""
         # sessions open on first use: an engine dir holds graphs a run may never call (other widths, the
         # multi-call round's next to the unified one), and each costs ~0.3 s to open
-        self.sessions = _Sessions(files, lambda f: session(Path(engine_dir) / f, threads,
-                                                           f"{profile_prefix}{Path(f).stem}" if profile_prefix else None))
+        prefix = (lambda f: f"{profile_prefix}{Path(f).stem}") if profile_prefix else (lambda f: None)
+        self.sessions = _Sessions(files, lambda f: session(Path(engine_dir) / f, threads, prefix(f)))
         self.memory = HostMemory()
         self._bindings: dict[tuple, _Binding] = {}
 
