@@ -103,6 +103,7 @@ class ModelRunner:
         """Outputs as views of the bound buffers (valid until the same bucket runs again)."""
         parts = []
         largest = self.batch_sizes[-1]
+        split = len(rows) > largest   # parts may share one binding: keep copies, not views
         for start in range(0, len(rows), largest):
             part = rows[start : start + largest]
             batch = next(b for b in self.batch_sizes if b >= len(part))
@@ -116,13 +117,14 @@ class ModelRunner:
             self.engine_seconds += elapsed
             self.seconds[graph.name] = self.seconds.get(graph.name, 0.0) + elapsed
             self.calls[graph.name] = self.calls.get(graph.name, 0) + 1
-            parts.append({name: arr[: len(part)] for name, arr in outputs.items()})
-        if len(parts) == 1:
+            if split and not all(isinstance(a, np.ndarray) for a in outputs.values()):
+                raise ValueError(f"{len(rows)} sequences in one call, more than the largest built batch ({largest}): "
+                                 "outputs kept in device memory are not joined; set max_num_seqs <= the largest batch")
+            part_out = {name: arr[: len(part)] for name, arr in outputs.items()}
+            parts.append({name: a.copy() for name, a in part_out.items()} if split else part_out)
+        if not split:
             return Outputs(parts[0])
-        if not all(isinstance(a, np.ndarray) for a in parts[0].values()):
-            raise ValueError(f"{len(rows)} sequences in one call, more than the largest built batch ({largest}): "
-                             "outputs kept in device memory are not joined; set max_num_seqs <= the largest batch")
-        # more sequences than the largest batch: parts reused one binding, so join copies
+        # more sequences than the largest batch: the parts are copies (a later part may rerun the same binding)
         return Outputs({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
 
     def _table_names(self, graph: GraphKind) -> tuple[str, ...]:

@@ -241,3 +241,16 @@ def test_engines_of_a_backend_that_cannot_run_here_are_refused_with_the_fix(engi
     (path / "manifest.json").write_text(json.dumps({**manifest, "backend": "tensorrt"}))
     with pytest.raises(BackendUnavailable, match="holds TensorRT engines, which run only where.*--backend onnxruntime"):
         LLM(path)
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_more_sequences_than_the_largest_batch_equal_smaller_batches(engine_dirs, speculative):
+    """16 sequences decode in two calls of the largest batch (8) on one binding: the first part's
+    outputs must survive the second part's run (they are copied before it)."""
+    rng = np.random.default_rng(0)
+    prompts = [[int(x) for x in rng.integers(3, 300, 6)] for _ in range(16)]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, speculative=speculative)
+    path = engine_dirs["qwen3_5_mtp3"]
+    wide = LLM(path, EngineConfig(max_num_seqs=16)).generate(prompts, params)
+    narrow = LLM(path, EngineConfig(max_num_seqs=8)).generate(prompts, params)
+    assert [o.token_ids for o in wide] == [o.token_ids for o in narrow]
