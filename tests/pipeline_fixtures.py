@@ -70,3 +70,18 @@ def run(engine_dir, prompts, params=GREEDY, config=None, stagger: int = 0):
         steps += 1
     llm.test_sequences = list(seqs.values())
     return {i: s.output_ids() for i, s in seqs.items()}, llm
+
+
+def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
+    """Wrap Engine._draft (the real drafter still runs): every round's (tokens when it drafted,
+    ending with the pending token; its drafts), per sequence."""
+    rounds = []
+    real = Engine._draft
+
+    def draft(self, seqs):
+        out = real(self, seqs)
+        rounds.extend((list(s.tokens), out[s.request_id]) for s in seqs)
+        return out
+
+    monkeypatch.setattr(Engine, "_draft", draft)
+    return rounds

@@ -12,7 +12,7 @@ from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
-from .pipeline_fixtures import install_drafter
+from .pipeline_fixtures import install_drafter, record_drafts
 
 PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3], [44, 3]]
 
@@ -157,20 +157,11 @@ def test_drafts_match_the_reference_drafter(engine_dirs, tiny_root, monkeypatch,
     """The real heads inside the pipeline draft what the torch reference drafts from the same
     committed tokens: re-anchoring uses the target's hidden, chaining the heads' own."""
     pytest.importorskip("torch")
-    from tandem.pipeline.engine import Engine
     from tandem.testing.mtp_reference import MTPReference, greedy_draft, load_target
 
     text_model, lm_head, cfg = load_target(tiny_root / "qwen3_5_mtp3")
     ref = MTPReference.from_checkpoint(tiny_root / "qwen3_5_mtp3", text_model, lm_head, cfg)
-    seen = []
-    real = Engine._draft
-
-    def record(self, seqs):
-        drafts = real(self, seqs)
-        seen.extend((list(s.tokens), drafts[s.request_id]) for s in seqs)
-        return drafts
-
-    monkeypatch.setattr(Engine, "_draft", record)
+    seen = record_drafts(monkeypatch)
     llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(mtp_mode=mode))
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=10, ignore_eos=True))
     assert len(seen) >= 6

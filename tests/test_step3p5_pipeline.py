@@ -13,12 +13,11 @@ import pytest
 
 from tandem.engines.builder import build_engines
 from tandem.pipeline import engine as engine_module
-from tandem.pipeline.engine import Engine
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
-from .pipeline_fixtures import OPTIONS, install_drafter, run
+from .pipeline_fixtures import OPTIONS, install_drafter, record_drafts, run
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -54,20 +53,6 @@ def plain(step):
     return run(step["step3p5"][1], PROMPTS, PLAIN)[0]
 
 
-def _recording_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    """(tokens when the round drafted, ending with the pending token; its drafts), every round."""
-    rounds = []
-    real = Engine._draft
-
-    def draft(self, seqs):
-        out = real(self, seqs)
-        rounds.extend((list(s.tokens), out[s.request_id]) for s in seqs)
-        return out
-
-    monkeypatch.setattr(Engine, "_draft", draft)
-    return rounds
-
-
 def test_plain_greedy_tokens_and_logits_equal_transformers_past_the_window(step, target, monkeypatch):
     logits = []
     real = engine_module._next_token
@@ -86,7 +71,7 @@ def test_drafts_of_every_round_equal_the_nextn_reference_with_own_heads(step, ta
     with its own final norm and lm head, on every round of a generation that passes the window."""
     folder, engines = step["step3p5"]
     nextn = ref.NextNReference(target, folder)
-    rounds = _recording_drafts(monkeypatch)
+    rounds = record_drafts(monkeypatch)
     llm = LLM(engines, EngineConfig(spec_k=k))
     llm.generate([PROMPTS[0], PROMPTS[3]], SamplingParams(max_tokens=20 if k == 3 else 10, ignore_eos=True))
     assert len(rounds) >= 6
@@ -104,7 +89,7 @@ def test_drafts_equal_transformers_generate_use_mtp_rounds(step, monkeypatch):
     target = ref.load_target(folder)
     mtp = ref.load_mtp_model(target, folder)
     tokens, theirs = ref.mtp_generate(target, mtp, PROMPTS[0], 24)
-    rounds = _recording_drafts(monkeypatch)
+    rounds = record_drafts(monkeypatch)
     out = LLM(engines, EngineConfig(spec_k=3)).generate([PROMPTS[0]], SamplingParams(max_tokens=24, ignore_eos=True))
     assert out[0].token_ids == tokens
     ours = {tuple(t): d for t, d in rounds}
