@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from enum import Enum
+from functools import cached_property
 
 
 class Role(str, Enum):
@@ -54,6 +55,13 @@ class GraphKind:
         if self.role == Role.ROUND and not (isinstance(self.drafts, int) and self.drafts >= 1):
             raise ValueError(f"a round graph needs a draft count k >= 1, got {self.drafts}")
 
+    def __hash__(self) -> int:   # kept: the runner's per-call lookups key by kind (the dataclass one rehashes)
+        return self._hash
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash((self.role, self.sampling, self.head, self.reused, self.drafts))
+
     @classmethod
     def verify(cls, sampling: bool) -> GraphKind:
         return cls(Role.VERIFY, sampling=sampling)
@@ -82,8 +90,8 @@ class GraphKind:
         raise ValueError(f"{name!r} is not a graph kind: expected target_step, verify_greedy, verify_sample, "
                          "mtp_head_<j> or round_{greedy,sample}[_reused]_k<k>")
 
-    @property
-    def name(self) -> str:
+    @cached_property
+    def name(self) -> str:       # cached: the runner keys its per-call counters by it
         if self.role == Role.VERIFY:
             return "verify_sample" if self.sampling else "verify_greedy"
         if self.role == Role.MTP_HEAD:

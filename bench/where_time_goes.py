@@ -14,8 +14,10 @@ make the op and layer tables. Prints, per batch size:
       lowered ai.tandem ops (`.../<Op>/lowered/...`) count under `<Op> (body)`;
   (c) per layer (`layers.N` in the exporter's scopes, export/builder.py) the share of node time;
       nodes without a scope (inlined bodies) count for the layer of the node run before them;
-  (d) the host loop: wall per step - engine time per step = host µs per step, the engine's phase
-      timers, and cProfile's top functions per step by cumulative and by own time.
+  (d) the host loop: wall per step - engine time per step = host µs per step, the host work alone
+      (engine calls replayed: each returns its binding's last outputs without running, best of 5
+      windows; free of the engine's noise), the engine's phase timers, and cProfile's top
+      functions per step by cumulative and by own time.
 """
 
 from __future__ import annotations
@@ -122,29 +124,58 @@ def _finish(llm: LLM, seqs) -> None:
         llm.step()
 
 
-def _timed_capture(backend) -> dict[str, list]:
+def _timed_capture(backend) -> tuple[dict[str, list], dict]:
     """Engine file -> [calls, seconds], by wrapping the backend runner's run of each binding (the
-    wrapper sits inside ModelRunner's engine timer, so host time is unchanged)."""
-    files = {id(s): f for f, s in backend.sessions.items()}
+    wrapper sits inside ModelRunner's engine timer, so host time is unchanged). The second dict
+    switches replay on: a call then returns the binding's last outputs without running it, so a
+    step costs only its host work (timed without the engine's noise)."""
     per_file: dict[str, list] = defaultdict(lambda: [0, 0.0])
-    plain = backend.capture
+    plain, stems, replay, last = backend.capture, {}, {"on": False}, {}
 
     def capture(binding):
-        run, acc = plain(binding), per_file[Path(files[id(binding.sess)]).stem]
+        # sessions open on first use, so a binding's file is looked up on its first run (then kept:
+        # this wrapper's own cost counts as host time)
+        if id(binding) not in stems:
+            file = next(f for f, s in backend.sessions.items() if s is binding.sess)
+            stems[id(binding)] = (binding, Path(file).stem)
+        run, acc = plain(binding), per_file[stems[id(binding)][1]]
 
         def timed():
+            if replay["on"] and id(binding) in last:
+                return last[id(binding)]
             t = time.perf_counter()
-            out = run()
+            out = last[id(binding)] = run()
             acc[0] += 1
             acc[1] += time.perf_counter() - t
             return out
         return timed
     backend.capture = capture
-    return per_file
+    return per_file, replay
 
 
-def host_loop(llm: LLM, batch: int, steps: int, prompt_len: int, top: int, per_file: dict) -> dict:
-    """Unprofiled: wall, engine and host time per step, per graph kind, phases, then cProfile."""
+def host_alone(llm: LLM, batch: int, steps: int, prompt_len: int, replay: dict, windows: int = 5) -> float:
+    """Host µs per step with every engine call replayed (its last outputs, no run): the best of
+    `windows` windows of steps / windows steps. Replayed outputs repeat the same tokens; the host work per
+    step is the same as with real outputs (the same commits, fills, sampling and detokenizing)."""
+    rng = np.random.default_rng(batch)
+    seqs = _decode(llm, batch, steps, prompt_len, rng)
+    best, per_window = float("inf"), max(1, steps // windows)
+    replay["on"] = True
+    try:
+        for _ in range(windows):
+            t = time.perf_counter()
+            for _ in range(per_window):
+                llm.engine.step()
+            best = min(best, (time.perf_counter() - t) / per_window * 1e6)
+    finally:
+        replay["on"] = False
+    _finish(llm, seqs)
+    return best
+
+
+def host_loop(llm: LLM, batch: int, steps: int, prompt_len: int, top: int, per_file: dict, replay: dict) -> dict:
+    """Unprofiled: wall, engine and host time per step, per graph kind, phases, then cProfile,
+    then the host work alone (engine calls replayed)."""
     rng = np.random.default_rng(batch)
     runner, engine = llm.runner, llm.engine
     _finish(llm, _decode(llm, batch, 4, prompt_len, rng))  # warm-up: binds this batch's buckets
@@ -171,6 +202,7 @@ def host_loop(llm: LLM, batch: int, steps: int, prompt_len: int, top: int, per_f
         engine.step()
     prof.disable()
     _finish(llm, seqs)
+    alone = host_alone(llm, batch, steps, prompt_len, replay)
     functions = [{"function": f"{Path(f).name}:{line}({fn})", "calls_per_step": nc / steps,
                   "tottime_us_per_step": tt / steps * 1e6, "cumtime_us_per_step": ct / steps * 1e6}
                  for (f, line, fn), (_, nc, tt, ct, _) in pstats.Stats(prof).stats.items()]
@@ -180,6 +212,7 @@ def host_loop(llm: LLM, batch: int, steps: int, prompt_len: int, top: int, per_f
     return {"graphs": graphs, "host": {
         "wall_us_per_step": wall / steps * 1e6, "engine_us_per_step": engine_s / steps * 1e6,
         "host_us_per_step": (wall - engine_s) / steps * 1e6, "host_share": 1 - engine_s / wall,
+        "host_alone_us_per_step": alone,
         "tokens_per_step": tokens / steps, "tok_s": tokens / wall, "phase_us_per_step": phases,
         "cprofile_top": functions, "cprofile_self": by_self}}
 
@@ -207,16 +240,16 @@ def run(engine_dir: Path, batches: list[int], steps: int, spec: bool, prompt_len
     llm = LLM(engine_dir, config)
     report = {"engine_dir": str(engine_dir), "machine": machine(), "spec": spec, "steps": steps,
               "prompt_len": prompt_len, "load_s": time.perf_counter() - t, "batches": {}}
-    per_file = _timed_capture(llm.runner.runner)
-    timings = {b: host_loop(llm, b, steps, prompt_len, top, per_file) for b in batches}
+    per_file, replay = _timed_capture(llm.runner.runner)
+    timings = {b: host_loop(llm, b, steps, prompt_len, top, per_file, replay) for b in batches}
     del llm
     prefix = tempfile.mkdtemp(prefix="tandem-ortprof-") + "/"
     profiled = functools.partial(onnxruntime_backend.Runner, profile_prefix=prefix)
     with mock.patch.object(onnxruntime_backend, "Runner", profiled):  # LLM builds its backend Runner inside
         llm = LLM(engine_dir, config)
     backend = llm.runner.runner
-    starts = {f: s.get_profiling_start_time_ns() for f, s in backend.sessions.items()}
     windows = {b: profiled_window(llm, b, steps, prompt_len) for b in batches}
+    starts = {f: s.get_profiling_start_time_ns() for f, s in backend.sessions.items()}  # those opened
     files = backend.end_profiling()
     for b in batches:
         per_session = {f: read_events(p, starts[f], windows[b]) for f, p in files.items()}
@@ -234,7 +267,8 @@ def show(report: dict, top: int) -> None:
         h = r["host"]
         print(f"\n== batch {b}: {h['tok_s']:.0f} tok/s, {h['tokens_per_step']:.2f} tokens/step, "
               f"wall {h['wall_us_per_step']:.0f} µs/step = engine {h['engine_us_per_step']:.0f} + "
-              f"host {h['host_us_per_step']:.0f} µs (host share {h['host_share']:.0%})")
+              f"host {h['host_us_per_step']:.0f} µs (host share {h['host_share']:.0%}); host work alone "
+              f"(engine calls replayed, best of 5) {h['host_alone_us_per_step']:.0f} µs/step")
         print("(a) graph kind (unprofiled) calls   total ms   ms/call")
         for f, g in r["graphs"].items():
             print(f"    {f:<24}{g['calls']:>6} {g['total_ms']:>10.2f} {g['ms_per_call']:>9.3f}")

@@ -25,11 +25,13 @@ apart (pipeline/pools.py plan_pools).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from tandem.contract import block_tables
 
 SCRATCH = 0
+_versions = itertools.count(1)   # table versions are unique over the process: a version names one table's state
 
 
 class OutOfMemory(Exception):
@@ -151,6 +153,7 @@ class PageTables:
         self.page_size = page_size
         self.groups = {w: BlockTable(page_size, w) for w in windows}
         self.pages = Pages({block_tables(w): t.pages for w, t in self.groups.items()})
+        self.version = next(_versions)   # new on every change: the decode path refills a table row only then
 
     def capacity(self) -> int:
         return len(self.pages) * self.page_size
@@ -169,15 +172,20 @@ class PageTables:
                 raise OutOfMemory(f"need {need} {lists[w].what}(s), {lists[w].num_free} free")
         for w, t in self.groups.items():
             t.ensure(positions, lists[w])
+        self.version = next(_versions)
 
     def release_out_of_window(self, min_context: int, lists: dict[int | None, FreeList]) -> int:
         """Free every window group's pages that no query from position `min_context` on reads
         (all positions below min_context - w + 1); returns how many pages went back."""
-        return sum(t.release_below(min_context - w + 1, lists[w]) for w, t in self.groups.items() if w is not None)
+        freed = sum(t.release_below(min_context - w + 1, lists[w]) for w, t in self.groups.items() if w is not None)
+        if freed:
+            self.version = next(_versions)
+        return freed
 
     def release(self, lists: dict[int | None, FreeList]) -> None:
         for w, t in self.groups.items():
             t.release(lists[w])
+        self.version = next(_versions)
 
 
 class PageGroups:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
+_MAX_CHARACTER_TOKENS = 4
+
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = ()):
@@ -30,7 +32,11 @@ class IncrementalDetokenizer:
             self.ids.append(t)
             prefix_text = self._decode(self.ids[self._prefix : self._read])
             full = self._decode(self.ids[self._prefix :])
-            if len(full) > len(prefix_text) and not full.endswith("\ufffd"):
+            # a UTF-8 character spans at most 4 bytes and each byte-level token holds at least one: a
+            # tail of more tokens still ending in U+FFFD holds invalid bytes, not a split character,
+            # and is released as decoded (else every later token would decode the growing tail again)
+            split = full.endswith("\ufffd") and len(self.ids) - self._read <= _MAX_CHARACTER_TOKENS
+            if len(full) > len(prefix_text) and not split:
                 self.text += full[len(prefix_text) :]
                 self._prefix, self._read = self._read, len(self.ids)
 

@@ -112,6 +112,12 @@ def _next_token(seq: Sequence, logits: np.ndarray) -> int:
     return sample(logits, seq.params, float(uniforms([seq.seed], np.array([len(seq.tokens)]))[0]))
 
 
+def _next_tokens(seqs: list[Sequence], logits: np.ndarray) -> list[int]:
+    """_next_token for each sequence's row of logits [n, V]: greedy rows by one argmax over the batch."""
+    greedy = np.argmax(logits, axis=-1).tolist()
+    return [t if s.params.greedy else _next_token(s, row) for s, t, row in zip(seqs, greedy, logits)]
+
+
 def _sampling_inputs(p: SamplingParams) -> dict:
     """The verify graph's sampling inputs: greedy rows as temperature 0, a temperature past
     float32's range as its largest (still near-uniform, and no overflow filling the buffer)."""
@@ -204,15 +210,19 @@ class Engine:
 
     # ---- decode rounds -----------------------------------------------------------------
     def _plain_round(self, seqs: list[Sequence]) -> Outputs:
-        rows = [Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot) for s in seqs]
-        outs = self.runner.target_step(rows)
+        """One token per sequence: the hot loop of plain decoding (the runner's and pools' lean
+        decode paths; greedy rows take one argmax over the batch)."""
+        outs, inputs = self.runner.decode(seqs)
         n = len(seqs)
-        self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(n), np.ones(n, int),
-                              np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
-        self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
-        for seq, out in zip(seqs, outs.rows()):
+        if inputs is not None:
+            self.pools.commit_decode(self.runner.trunk_kv, outs.arrays, inputs, n)
+        else:   # more sequences than the largest batch: the call was split, its inputs are gone
+            self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(n), np.ones(n, int),
+                                  np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
+            self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
+        for seq, token in zip(seqs, _next_tokens(seqs, outs.arrays[c.LOGITS][:, 0])):
             seq.committed += 1
-            seq.tokens.append(_next_token(seq, out[c.LOGITS][0]))
+            seq.tokens.append(token)
         return outs
 
     def _speculative_round(self, seqs: list[Sequence]) -> None:

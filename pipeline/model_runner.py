@@ -83,6 +83,9 @@ class ModelRunner:
         self.engine_seconds = 0.0
         self._bindings: dict[tuple, object] = {}   # (graph kind, batch, width, pages) -> backend binding
         self._tables: dict[GraphKind, tuple[str, ...]] = {}
+        self._views: dict[tuple, tuple] = {}       # (binding key, n) -> (outputs, their first n rows)
+        self._decode_fills: dict[tuple, list] = {}  # binding key -> what decode() last wrote per batch row
+        self._batch_for = [next((b for b in self.batch_sizes if b >= n), None) for n in range(self.batch_sizes[-1] + 1)]
 
     # ---- public calls ------------------------------------------------------------------
     def target_step(self, rows: list[Rows]) -> Outputs:
@@ -98,6 +101,40 @@ class ModelRunner:
     def head(self, j: int, rows: list[Rows]) -> Outputs:
         return self._call(GraphKind.mtp_head(j), rows, self.head_fixed[j])
 
+    def decode(self, seqs: list) -> tuple[Outputs, dict[str, np.ndarray]]:
+        """The target step of plain decoding, one new token per sequence (its last), and the inputs
+        it ran with (block tables and context lengths, for the commit). The lean path of the hot
+        loop: while the same sequences decode in the same bucket, a step writes only each row's
+        token and context, and a block-table row only when that sequence's tables changed (a new
+        page, a window release, a preemption); no per-sequence objects are made."""
+        n = len(seqs)
+        if n > self.batch_sizes[-1]:        # split over several calls: the general path
+            out = self.target_step([Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot)
+                                    for s in seqs])
+            return out, None
+        pages = min(self.max_pages, _pow2(max(1, max(len(s.table.pages) for s in seqs))))
+        key = (TARGET_STEP, self._batch_for[n], 1, pages)
+        binding = self._binding(*key, self.fixed)
+        buf, tables = binding.inputs, self._table_names(TARGET_STEP)
+        # per batch row: (table version, state slot) last written; versions are unique to one table's
+        # state in the process, so a row written for another sequence never matches
+        written = self._decode_fills.get(key)
+        if written is None or len(written) != n:
+            self._fill(buf, [Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot)
+                             for s in seqs], key[1], 1, pages, tables)
+            self._decode_fills[key] = [(s.table.version, s.slot) for s in seqs]
+        else:
+            buf[c.INPUT_IDS][:n, 0] = [s.tokens[-1] for s in seqs]
+            buf[c.CONTEXT_LENS][:n] = [s.committed for s in seqs]
+            for b, (s, w) in enumerate(zip(seqs, written)):
+                if s.table.version != w[0] or s.slot != w[1]:
+                    self._fill_table_row(buf, b, s.table.pages, pages, tables)
+                    if c.STATE_SLOTS in buf:
+                        buf[c.STATE_SLOTS][b] = s.slot
+                    written[b] = (s.table.version, s.slot)
+        outputs = self._run(TARGET_STEP, binding)
+        return self._first_rows(key, outputs, n), buf
+
     # ---- machinery ---------------------------------------------------------------------
     def _call(self, graph: GraphKind, rows: list[Rows], fixed: dict) -> Outputs:
         """Outputs as views of the bound buffers (valid until the same bucket runs again)."""
@@ -110,22 +147,34 @@ class ModelRunner:
             width = max(len(r.ids) for r in part)
             pages = min(self.max_pages, _pow2(max(1, max(len(r.pages) for r in part))))
             binding = self._binding(graph, batch, width, pages, fixed)
+            self._decode_fills.pop((graph, batch, width, pages), None)   # decode() must refill it
             self._fill(binding.inputs, part, batch, width, pages, self._table_names(graph))
-            t = time.perf_counter()
-            outputs = self.runner.capture(binding)()
-            elapsed = time.perf_counter() - t
-            self.engine_seconds += elapsed
-            self.seconds[graph.name] = self.seconds.get(graph.name, 0.0) + elapsed
-            self.calls[graph.name] = self.calls.get(graph.name, 0) + 1
-            if split and not all(isinstance(a, np.ndarray) for a in outputs.values()):
+            outputs = self._run(graph, binding)
+            if not split:
+                return self._first_rows((graph, batch, width, pages), outputs, len(part))
+            if not all(isinstance(a, np.ndarray) for a in outputs.values()):
                 raise ValueError(f"{len(rows)} sequences in one call, more than the largest built batch ({largest}): "
                                  "outputs kept in device memory are not joined; set max_num_seqs <= the largest batch")
-            part_out = {name: arr[: len(part)] for name, arr in outputs.items()}
-            parts.append({name: a.copy() for name, a in part_out.items()} if split else part_out)
-        if not split:
-            return Outputs(parts[0])
+            parts.append({name: arr[: len(part)].copy() for name, arr in outputs.items()})
         # more sequences than the largest batch: the parts are copies (a later part may rerun the same binding)
         return Outputs({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
+
+    def _run(self, graph: GraphKind, binding) -> dict:
+        t = time.perf_counter()
+        outputs = self.runner.capture(binding)()
+        elapsed = time.perf_counter() - t
+        self.engine_seconds += elapsed
+        self.seconds[graph.name] = self.seconds.get(graph.name, 0.0) + elapsed
+        self.calls[graph.name] = self.calls.get(graph.name, 0) + 1
+        return outputs
+
+    def _first_rows(self, key: tuple, outputs: dict, n: int) -> Outputs:
+        """The outputs' first n rows, as views made once per bucket and n (the buffers are fixed)."""
+        source, views = self._views.get((key, n), (None, None))
+        if source is not outputs:   # a backend that hands back new arrays per call gets new views
+            views = Outputs({name: arr[:n] for name, arr in outputs.items()})
+            self._views[(key, n)] = (outputs, views)
+        return views
 
     def _table_names(self, graph: GraphKind) -> tuple[str, ...]:
         """The block-table inputs of `graph`, one per page group of its pools."""
@@ -168,10 +217,7 @@ class ModelRunner:
             n = len(r.ids)
             ids[b, :n] = r.ids
             buf[c.CONTEXT_LENS][b] = r.context
-            by_name = group_tables(r.pages)
-            for name in tables:
-                table = r.pages if by_name is None else by_name[name]
-                buf[name][b, : min(len(table), pages)] = table[:pages]
+            self._fill_table_row(buf, b, r.pages, pages, tables)
             if c.STATE_SLOTS in buf:
                 buf[c.STATE_SLOTS][b] = r.slot
             if c.STATE_ROWS in buf:
@@ -185,3 +231,13 @@ class ModelRunner:
             if c.RELAXED_TOPK in buf and r.relaxed_topk:   # engines built before relaxed acceptance lack it
                 buf[c.RELAXED_TOPK][b], buf[c.RELAXED_DELTA][b] = r.relaxed_topk, r.relaxed_delta
                 buf[c.RELAXED_ROWS][b, :n] = r.relaxed_rows
+
+    @staticmethod
+    def _fill_table_row(buf: dict[str, np.ndarray], b: int, pages, width: int, tables: tuple[str, ...]) -> None:
+        """Batch row b of every block-table input: the sequence's pages, SCRATCH past them."""
+        by_name = group_tables(pages)
+        for name in tables:
+            table = pages if by_name is None else by_name[name]
+            row = buf[name][b]
+            row.fill(SCRATCH)
+            row[: min(len(table), width)] = table[:width]

@@ -29,7 +29,7 @@ import numpy as np
 from tandem import contract as c
 from tandem.checkpoint.cache_specs import LayerCache, page_bytes, slot_bytes
 from tandem.checkpoint.description import ModelDescription
-from tandem.engines.backends.memory import HostMemory
+from tandem.engines.backends.memory import HostMemory, rows_view
 from tandem.pipeline.allocator import group_tables
 
 
@@ -104,6 +104,7 @@ class Pools:
         self.paged: dict[int | str, dict[str, np.ndarray]] = {}
         self.states: dict[int | str, dict[str, np.ndarray]] = {}
         self._specs = {}  # layer -> its cache specs, for the contract names
+        self._decode_plans: dict[tuple, _DecodeCommit] = {}   # (layers, n) -> the last bucket's plan
         pages = sizes.pages()  # per page group
         for cache in desc.layer_caches(mtp_layers):
             layer = c.layer_id(cache)
@@ -165,6 +166,28 @@ class Pools:
                 out = outputs[c.pool_output(p, layer)]        # [B, W, *row]
                 self.memory.scatter(self.paged[layer][p.name], 2, dst[name], out, 2, b_idx * out.shape[1] + w_idx)
 
+    def commit_decode(self, layers, outputs: dict, inputs: dict, n: int) -> None:
+        """Plain decoding's commit, from the call's own inputs: each of its n sequences wrote one
+        row at position context_lens[b], into the page its block table holds there, and its
+        states go to state_slots[b]. The index work is a few vector ops for the whole batch, and
+        the pools and outputs come as [rows, row] views made once per bucket (_DecodeCommit)."""
+        plan = self._decode_plans.get((tuple(layers), n))
+        if plan is None or plan.outputs is not outputs:
+            plan = self._decode_plans[(tuple(layers), n)] = _DecodeCommit(self, layers, outputs, n)
+        size = self.page_size
+        if n == 1:      # batch 1: integer arithmetic into a kept index array, no array temporaries
+            logical, offset = divmod(int(inputs[c.CONTEXT_LENS][0]), size)
+            for table, pairs in plan.paged.items():
+                plan.dst[0] = inputs[table][0, logical] * size + offset
+                self.memory.scatter_many(pairs, plan.dst, plan.rows)
+        else:
+            positions = inputs[c.CONTEXT_LENS][:n]
+            logical, offsets = positions // size, positions % size
+            for table, pairs in plan.paged.items():
+                self.memory.scatter_many(pairs, inputs[table][plan.rows, logical] * size + offsets, plan.rows)
+        if plan.states:
+            self.memory.scatter_many(plan.states, inputs[c.STATE_SLOTS][:n], plan.rows)
+
     def commit_states(self, outputs: dict, batch_rows: np.ndarray, slots: np.ndarray) -> None:
         slots, batch_rows = np.asarray(slots, np.int64), np.asarray(batch_rows, np.int64)
         for layer, pools in self.states.items():
@@ -175,3 +198,22 @@ class Pools:
         for pools in self.states.values():
             for pool in pools.values():
                 self.memory.zero_row(pool, slot)
+
+
+class _DecodeCommit:
+    """commit_decode's pairs for one call's outputs (one bucket, n sequences): per block-table
+    name, (pool as [pages x S, row], output as [n, row]) for each paged pool of the layers in that
+    page group; (pool as [slots, row], output as [n, row]) per state pool. Kept while the same
+    outputs come back."""
+
+    def __init__(self, pools: Pools, layers, outputs: dict, n: int):
+        self.outputs, self.rows = outputs, np.arange(n, dtype=np.int64)
+        self.dst = np.zeros(1, np.int64)    # batch 1's pool row, rewritten per page group
+        specs = pools._specs
+        self.paged: dict[str, list] = {}
+        for layer in layers:
+            for p in specs[layer].paged:
+                self.paged.setdefault(c.block_tables(p.window), []).append(
+                    (rows_view(pools.paged[layer][p.name], 2), rows_view(outputs[c.pool_output(p, layer)], 2)))
+        self.states = [(rows_view(pool[s.name], 1), rows_view(outputs[c.pool_output(s, layer)], 1))
+                       for layer, pool in pools.states.items() for s in specs[layer].states]

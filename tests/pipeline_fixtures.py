@@ -85,3 +85,16 @@ def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
 
     monkeypatch.setattr(Engine, "_draft", draft)
     return rounds
+
+
+def record_logits(monkeypatch) -> list[np.ndarray]:
+    """Wrap the engine's token choice (the real one still runs): the logits row behind every token
+    a sequence appends outside verify rounds (a prompt's first token, plain decode steps)."""
+    from tandem.pipeline import engine as engine_module
+
+    rows = []
+    one, batch = engine_module._next_token, engine_module._next_tokens
+    monkeypatch.setattr(engine_module, "_next_token", lambda seq, row: rows.append(row.copy()) or one(seq, row))
+    monkeypatch.setattr(engine_module, "_next_tokens",
+                        lambda seqs, logits: rows.extend(logits.copy()) or batch(seqs, logits))
+    return rows

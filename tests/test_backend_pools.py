@@ -54,6 +54,19 @@ class _NumpyShadow:
                         pos = start + w
                         self.paged[layer][p.name][table[pos // size], pos % size] = out[b, w]
 
+    def commit_decode(self, layers, outputs, inputs, n):
+        """Plain decoding: row b went to position context_lens[b] through its bound block table."""
+        size = self.pools.page_size
+        for layer in layers:
+            for p in self.pools._specs[layer].paged:
+                table = inputs[c.block_tables(p.window)]
+                out = outputs[c.pool_output(p, layer)]
+                for b in range(n):
+                    pos = int(inputs[c.CONTEXT_LENS][b])
+                    self.paged[layer][p.name][table[b, pos // size], pos % size] = out[b, 0]
+        if self.states:
+            self.commit_states(outputs, range(n), inputs[c.STATE_SLOTS][:n])
+
     def commit_states(self, outputs, batch_rows, slots):
         for layer, pools in self.states.items():
             for s in self.pools._specs[layer].states:
@@ -74,7 +87,7 @@ class _NumpyShadow:
 def _shadowed(llm: LLM) -> _NumpyShadow:
     """Every commit also runs on the shadow, before the backend commit (same outputs)."""
     pools, shadow = llm.pools, _NumpyShadow(llm.pools)
-    for name in ("write_rows", "commit_states", "clear_slot"):
+    for name in ("write_rows", "commit_states", "commit_decode", "clear_slot"):
         real, ref = getattr(pools, name), getattr(shadow, name)
 
         def both(*args, _real=real, _ref=ref):

@@ -85,8 +85,9 @@ def _container_sizes(llm: LLM) -> dict[str, int]:
             if isinstance(v, (dict, list, set)) and f"{o}.{k}" not in _PER_BUCKET}
 
 
-# one entry per (graph, batch, width, pages) bucket that has run: bounded by the engine dir, not by requests
-_PER_BUCKET = {"runner._bindings"}
+# one entry per (graph, batch, width, pages) bucket that has run (and per batch row count, for the
+# outputs' views): bounded by the engine dir, not by requests
+_PER_BUCKET = {"runner._bindings", "runner._views", "runner._decode_fills"}
 
 
 def test_ended_requests_leave_no_per_request_state(llm):

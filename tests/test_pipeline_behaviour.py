@@ -145,6 +145,26 @@ def test_incremental_detokenizer_never_splits_characters(tiny_root):
     assert not any("\ufffd" in p for p in pieces)
 
 
+def test_incremental_detokenizer_releases_invalid_bytes_and_keeps_its_window_small(tiny_root):
+    """A byte that never completes a character (0xFF is never valid UTF-8) is released as U+FFFD
+    once more tokens than a character can span follow; the decode window stays bounded, so a
+    generation of such tokens costs O(1) per token, not O(length)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_root / "qwen3_5_mtp1" / "tokenizer.json"))
+    invalid = tok.token_to_id("\u00ff")          # byte-level BPE's character for the byte 0xFF
+    assert invalid is not None and tok.decode([invalid]) == "\ufffd"
+    ids = [invalid] * 40 + tok.encode(" ok é").ids
+    detok = IncrementalDetokenizer(tok)
+    pieces = []
+    for t in ids:
+        detok.add([t])
+        assert len(detok.ids) - detok._prefix <= 10
+        pieces.append(detok.take(final=False))
+    pieces.append(detok.take(final=True))
+    assert "".join(pieces) == tok.decode(ids)
+
+
 def test_generate_cli(engine_dirs, capsys):
     assert main(["generate", str(engine_dirs["qwen3_5_mtp3"]), "--prompt", "def add(a, b):", "--max-tokens", "8",
                  "--ignore-eos"]) == 0

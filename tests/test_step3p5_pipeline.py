@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 
 from tandem.engines.builder import build_engines
-from tandem.pipeline import engine as engine_module
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
-from .pipeline_fixtures import OPTIONS, install_drafter, record_drafts, run
+from .pipeline_fixtures import OPTIONS, install_drafter, record_drafts, record_logits, run
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -54,9 +53,7 @@ def plain(step):
 
 
 def test_plain_greedy_tokens_and_logits_equal_transformers_past_the_window(step, target, monkeypatch):
-    logits = []
-    real = engine_module._next_token
-    monkeypatch.setattr(engine_module, "_next_token", lambda seq, row: logits.append(row.copy()) or real(seq, row))
+    logits = record_logits(monkeypatch)
     prompt = PROMPTS[0]                        # 14 tokens > window 8
     llm = LLM(step["step3p5"][1])
     out = llm.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True, speculative=False))[0]

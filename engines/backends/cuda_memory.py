@@ -38,6 +38,15 @@ class DeviceArray:
     def __len__(self) -> int:
         return self.shape[0]
 
+    def reshape(self, *shape) -> DeviceArray:
+        """The same buffer under another shape (one -1 inferred), as numpy's reshape of a contiguous array."""
+        size = int(np.prod(self.shape, dtype=np.int64))
+        known = int(np.prod([d for d in shape if d != -1], dtype=np.int64))
+        shape = tuple(size // known if d == -1 else d for d in shape)
+        if int(np.prod(shape, dtype=np.int64)) != size:
+            raise ValueError(f"cannot view {self.shape} as {shape}")
+        return DeviceArray(self.ptr, shape, self.dtype)
+
     def __getitem__(self, key):
         stride = self.row_bytes(1)
         if isinstance(key, slice):
@@ -95,6 +104,30 @@ class DeviceMemory:
                              f"{src.row_bytes(src_leading)}")
         if n == 0:
             return
+        idx = self._stage(dst_rows, src_rows)
+        self.kernels(self.cuda, n, row, src.ptr, idx, pool.ptr)
+        self.transfers.to_backend += 16 * n
+        self.transfers.commits += 1
+
+    def scatter_many(self, pairs, dst_rows: np.ndarray, src_rows: np.ndarray) -> None:
+        """Each (pool, src) [rows, row] pair scattered under one index pair, staged and sent once."""
+        n = len(dst_rows)
+        if n == 0 or not pairs:
+            return
+        for pool, src in pairs:
+            if src.row_bytes(1) != pool.row_bytes(1):
+                raise ValueError(f"commit rows differ in size: pool rows of {pool.row_bytes(1)} bytes, output rows "
+                                 f"of {src.row_bytes(1)}")
+        idx = self._stage(dst_rows, src_rows)
+        for pool, src in pairs:
+            self.kernels(self.cuda, n, pool.row_bytes(1), src.ptr, idx, pool.ptr)
+        self.transfers.to_backend += 16 * n
+        self.transfers.commits += len(pairs)
+
+    def _stage(self, dst_rows: np.ndarray, src_rows: np.ndarray) -> int:
+        """Copy one index pair into the staging ring and on to the device; returns its device address
+        (dst rows, then src rows)."""
+        n = len(dst_rows)
         if self._staged + 2 * n > self._host_staging.size:
             self.synchronize()                    # the ring is full: let the queued copies finish first
         at = self._staged
@@ -103,9 +136,7 @@ class DeviceMemory:
         self._staged += 2 * n
         idx = self._device_staging + 8 * at
         self.cuda.copy_to_device(idx, self._host_staging.ctypes.data + 8 * at, 16 * n)
-        self.kernels(self.cuda, n, row, src.ptr, idx, pool.ptr)
-        self.transfers.to_backend += 16 * n
-        self.transfers.commits += 1
+        return idx
 
     def zero_row(self, pool: DeviceArray, row: int) -> None:
         size = pool.row_bytes(1)

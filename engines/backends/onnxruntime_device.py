@@ -108,6 +108,11 @@ class OrtMemory:
         self.transfers.to_backend += 16 * len(dst_rows)
         self.transfers.commits += 1
 
+    def scatter_many(self, pairs, dst_rows, src_rows) -> None:
+        """Each (pool, src) [rows, row] pair scattered under one index pair (one commit-graph run each)."""
+        for pool, src in pairs:
+            self.scatter(pool, 1, dst_rows, src, 1, src_rows)
+
     def zero_row(self, pool: DeviceArray, row: int) -> None:
         key = (pool.dtype, pool.shape[1:])
         if key not in self._zeros:
