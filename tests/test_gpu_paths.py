@@ -79,6 +79,26 @@ def test_tensorrt_engine_dirs_serve_through_the_runner_like_onnxruntime(engine_d
     assert "commit" in cuda.log and llm.runner.runner.transfers.commits > 0
 
 
+@pytest.mark.parametrize("prompts", [PROMPTS[:1], PROMPTS], ids=["batch1", "batch3"])
+def test_plain_decoding_commits_on_the_device_like_the_host(engine_dirs, fake_gpu, monkeypatch, prompts):
+    """Plain decoding's lean commit (Pools.commit_decode -> memory.scatter_many: one index pair per
+    page group, batch 1 by integer index) on CUDA device memory and on ONNX Runtime's device
+    runner: tokens and every pool equal the host runner's, bitwise."""
+    path, _ = fake_gpu
+    config = EngineConfig(max_num_seqs=4, memory_budget_bytes=2 << 20)
+    plain = SamplingParams(max_tokens=12, ignore_eos=True, speculative=False)
+    host = LLM(engine_dirs[KIND], config)
+    want = [r.token_ids for r in host.generate(prompts, plain)]
+    trt = LLM(path, config)
+    assert [r.token_ids for r in trt.generate(prompts, plain)] == want
+    assert _device_pools(trt) == _device_pools(host)
+    device = lambda *a, **k: DeviceRunner(*a, **{**k, "device": "cpu", "cuda_graph": False})  # noqa: E731
+    monkeypatch.setattr(onnxruntime_backend, "Runner", device)
+    ort_device = LLM(engine_dirs[KIND], config)
+    assert [r.token_ids for r in ort_device.generate(prompts, plain)] == want
+    assert _device_pools(ort_device) == _device_pools(host)
+
+
 def test_bucket_buffers_follow_their_plan_and_keep_their_addresses(fake_gpu):
     path, cuda = fake_gpu
     llm = LLM(path, EngineConfig(max_num_seqs=2, memory_budget_bytes=2 << 20))
