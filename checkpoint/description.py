@@ -5,8 +5,10 @@ headers (validation.py). Nothing here reads weights. Every trunk layer and every
 carries its own mixer spec (a family with one shape for all its attention layers shares one spec
 object between them), and each mixer spec declares the pools its layer keeps (cache_specs.py):
 attention paged K and V rows [Hkv, head_dim] (with its sliding window, if any); Gated DeltaNet a
-recurrent state [Hv, dk, dv] in fp32 and a conv window [conv_dim, K-1] in the activation dtype.
-Every later size and shape is derived from these declarations.
+recurrent state [Hv, dk, dv] in fp32 and a conv window [conv_dim, K-1] in the activation dtype;
+multi-head latent attention (mla_specs.py) one latent row [kv_lora_rank + rope] and, with a
+lightning indexer, one indexer key row [index_head_dim]. Every later size and shape is derived
+from these declarations.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tandem.checkpoint.cache_specs import (
     page_bytes,
     slot_bytes,
 )
+from tandem.checkpoint.mla_specs import MLASpec
 
 
 class LayerKind(str, Enum):
@@ -124,7 +127,10 @@ class MoESpec:
     norm_topk_prob). router "sigmoid" (Step-3.5, DeepSeek-V3): s = sigmoid(gate(x)); top-k of
     s + e_score_correction_bias when score_correction_bias; weights s[top] (renormalised when
     norm_topk_prob). Either way the routed sum is multiplied by routed_scaling_factor. The shared
-    expert's output is multiplied by sigmoid(shared_expert_gate(x)) when shared_expert_gate."""
+    expert's output is multiplied by sigmoid(shared_expert_gate(x)) when shared_expert_gate.
+    Group-limited routing (DeepSeek-V3): experts form n_group equal groups; a group scores the sum
+    of its two best choice scores, only the topk_group best groups stay eligible for the top-k.
+    n_group 1: no grouping."""
 
     num_experts: int
     top_k: int
@@ -135,15 +141,28 @@ class MoESpec:
     score_correction_bias: bool = False
     routed_scaling_factor: float = 1.0
     shared_expert_gate: bool = True
+    n_group: int = 1
+    topk_group: int = 1
 
     def __post_init__(self):
         if not 0 < self.top_k <= self.num_experts:
             raise ValueError(f"num_experts_per_tok {self.top_k} must be in 1..num_experts {self.num_experts}")
         if self.router not in MOE_ROUTERS:
             raise ValueError(f"MoE router {self.router!r} is not one of {MOE_ROUTERS}")
+        if self.n_group < 1 or self.num_experts % self.n_group:
+            raise ValueError(f"n_group {self.n_group} must be a positive divisor of num_experts {self.num_experts}")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group {self.topk_group} must be in 1..n_group {self.n_group}")
+        per_group = self.num_experts // self.n_group
+        if self.n_group > 1 and per_group < 2:
+            raise ValueError(f"n_group {self.n_group} leaves {per_group} expert per group; group scores sum each "
+                             "group's two best experts, so every group needs at least 2")
+        if self.top_k > self.topk_group * per_group:
+            raise ValueError(f"num_experts_per_tok {self.top_k} exceeds the {self.topk_group} x {per_group} experts "
+                             "the topk_group best groups hold")
 
 
-Mixer = AttentionSpec | LinearAttentionSpec
+Mixer = AttentionSpec | MLASpec | LinearAttentionSpec
 
 
 @dataclass(frozen=True)
@@ -165,7 +184,8 @@ class LayerSpec:
 
     @property
     def kind(self) -> LayerKind:
-        return LayerKind.FULL_ATTENTION if isinstance(self.mixer, AttentionSpec) else LayerKind.LINEAR_ATTENTION
+        full = isinstance(self.mixer, (AttentionSpec, MLASpec))
+        return LayerKind.FULL_ATTENTION if full else LayerKind.LINEAR_ATTENTION
 
 
 MTP_FORMS = ("fc", "nextn")
@@ -331,7 +351,9 @@ def _layer_from_dict(d: dict, shared: dict, cache: dict) -> LayerSpec:
         raise ValueError(f"a {kind.value} layer has no mixer spec in the description")
     key = (kind, repr(sorted(spec.items())))
     if key not in cache:
-        if kind == LayerKind.FULL_ATTENTION:
+        if kind == LayerKind.FULL_ATTENTION and "kv_lora_rank" in spec:
+            cache[key] = MLASpec.from_dict(spec)
+        elif kind == LayerKind.FULL_ATTENTION:
             spec = {**spec, "mrope_section": tuple(spec["mrope_section"]) if spec.get("mrope_section") else None}
             cache[key] = AttentionSpec(**spec)
         else:

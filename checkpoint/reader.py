@@ -114,15 +114,15 @@ def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: 
         layout = family.mtp_layout(text_cfg)
     except (ConfigError, ValueError, TypeError) as e:
         raise CheckpointError(f"{path / 'config.json'}: {e}. Fix config.json.") from e
-    index = TensorIndex.open(path)
-    problems = v.check_quantization(config, text_cfg, index)
-    if problems:
-        raise CheckpointError(problems)
+    block_fp8 = getattr(family, "BLOCK_FP8", False)
+    index = _dequantized(TensorIndex.open(path), config, text_cfg, block_fp8)
+
+    problems = []
 
     mtp_index, mtp_cfg = None, text_cfg
     if speculative:
         problems += v.check_spec_k(spec_k)
-        mtp_index, mtp_cfg, mtp_problems = _mtp_source(path, index, text_cfg, draft, layout)
+        mtp_index, mtp_cfg, mtp_problems = _mtp_source(path, index, text_cfg, draft, layout, block_fp8)
         problems += mtp_problems
     declared = mtp_cfg.get(layout.count_key)
     present = v.mtp_layers_present(mtp_index, layout) if mtp_index else set()
@@ -141,10 +141,12 @@ def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: 
     if speculative and desc.mtp is not None:
         problems += v.check_spec_k_heads(spec_k, desc.mtp)
 
+    unused = family.unused_tensors(desc) if hasattr(family, "unused_tensors") else frozenset()  # never read
     problems += v.check_tensors(v.expected_tensors(sources, mtp=False), index,
                                 owned=lambda n: not n.startswith(family.IGNORED_PREFIXES) and not layout.owns(n))
     if mtp_index is not None and (not count_problems or heads == declared):
-        problems += v.check_tensors(v.expected_tensors(sources, mtp=True), mtp_index, owned=layout.owns)
+        problems += v.check_tensors(v.expected_tensors(sources, mtp=True), mtp_index,
+                                    owned=lambda n: layout.owns(n) and n not in unused)
     problems += v.check_tokenizer(path)
     if problems:
         raise CheckpointError(problems)
@@ -152,7 +154,16 @@ def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: 
     return Checkpoint(path, config, desc, sources, index, mtp_index, draft_used)
 
 
-def _mtp_source(path: Path, index: TensorIndex, text_cfg: dict, draft, layout) -> tuple:
+def _dequantized(index: TensorIndex, config: dict, text_cfg: dict, block_fp8: bool) -> TensorIndex:
+    """`index`, reading fp8 block-quantized weights dequantized; raises when quantized otherwise."""
+    problems = v.check_quantization(config, text_cfg, index, block_fp8)
+    if problems:
+        raise CheckpointError(problems)
+    scales, _ = v.block_fp8_scales(config.get("quantization_config") or text_cfg.get("quantization_config"), index)
+    return index.dequantizing(scales, v.FP8_BLOCK) if scales else index
+
+
+def _mtp_source(path: Path, index: TensorIndex, text_cfg: dict, draft, layout, block_fp8: bool = False) -> tuple:
     """(index holding the MTP tensors, the config declaring them, problems) for speculative decoding."""
     if draft is None:
         if v.has_mtp(index, layout):
@@ -182,8 +193,11 @@ def _mtp_source(path: Path, index: TensorIndex, text_cfg: dict, draft, layout) -
             if key in draft_cfg and draft_cfg[key] != text_cfg.get(key):
                 return None, text_cfg, [f"draft {draft_path}/config.json: {key}={draft_cfg[key]} but the target has "
                                         f"{text_cfg.get(key)}. The draft must come from the same model."]
-    problems = v.check_quantization(draft_cfg, draft_cfg, draft_index)
-    return (None if problems else draft_index), {**text_cfg, **draft_cfg}, problems
+    try:
+        draft_index = _dequantized(draft_index, draft_cfg, draft_cfg, block_fp8)
+    except CheckpointError as e:
+        return None, text_cfg, e.problems
+    return draft_index, {**text_cfg, **draft_cfg}, []
 
 
 def _with_generation_config(desc: ModelDescription, path: Path) -> ModelDescription:

@@ -8,6 +8,10 @@ Headers are checked in full before anything uses them: every dtype tag known, sh
 non-negative ints, offsets inside the data section and spanning exactly numel x itemsize bytes,
 and no two tensors sharing bytes (a hostile or corrupt header must not build engines from the
 wrong weights). Each problem names the file and the tensor.
+
+FP8 block-quantized weights (DeepSeek's format, checked by validation.block_fp8_scales) are read
+dequantized: float8_e4m3fn values (ml_dtypes decodes them exactly) times their `weight_scale_inv`
+entry, one float32 scale per block x block tile, edge tiles partial.
 """
 
 from __future__ import annotations
@@ -165,6 +169,8 @@ class TensorIndex:
         self.files = files
         self.index_file = index_file  # model.safetensors.index.json when sharded
         self._maps: dict[Path, np.memmap] = {}
+        self._scales: dict[str, TensorEntry] = {}  # fp8 weight -> its weight_scale_inv (see dequantizing)
+        self.block: tuple[int, int] | None = None
 
     @classmethod
     def open(cls, folder: Path) -> TensorIndex:
@@ -185,9 +191,26 @@ class TensorIndex:
     def names(self) -> list[str]:
         return list(self.entries)
 
+    def dequantizing(self, scales: dict[str, str], block: tuple[int, int]) -> TensorIndex:
+        """This index with each fp8 weight in `scales` (weight -> its weight_scale_inv) read as float32
+        and the scale tensors gone from `entries` (they belong to their weights, not to the layout)."""
+        scale_names = set(scales.values())
+        out = TensorIndex({n: e for n, e in self.entries.items() if n not in scale_names}, self.files, self.index_file)
+        out._scales, out.block = {w: self.entries[s] for w, s in scales.items()}, block
+        return out
+
     def read(self, name: str) -> np.ndarray:
-        """The tensor as stored (bf16 as ml_dtypes.bfloat16), a read-only memory-mapped view."""
-        e = self.entries[name]
+        """The tensor as stored (bf16 as ml_dtypes.bfloat16), a read-only memory-mapped view; an fp8
+        block-quantized weight as a float32 array dequantized with its scales."""
+        if name in self._scales:
+            try:
+                return dequantize_fp8_blocks(self._view(name, self.entries[name]),
+                                             self._view(name + "_scale_inv", self._scales[name]), self.block)
+            except ValueError as e:
+                raise CheckpointError(f"{self.entries[name].file}: tensor {name}: {e}. {_FIX}") from e
+        return self._view(name, self.entries[name])
+
+    def _view(self, name: str, e: TensorEntry) -> np.ndarray:
         dtype = _DTYPES.get(e.dtype)
         if dtype is None:
             raise CheckpointError(f"{e.file}: tensor {name} has dtype {e.dtype}, which tandem cannot read.")
@@ -195,6 +218,22 @@ class TensorIndex:
         if mm is None:
             mm = self._maps[e.file] = np.memmap(e.file, dtype=np.uint8, mode="r")
         return mm[e.begin : e.end].view(dtype).reshape(e.shape)
+
+
+def fp8_scale_shape(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int]:
+    """[ceil(rows / block rows), ceil(cols / block cols)]: one scale per tile, edge tiles partial."""
+    return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+def dequantize_fp8_blocks(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """float32 weight[r, c] * scale_inv[r // block rows, c // block cols] (one rounding: exact as torch's
+    reference dequantization)."""
+    rows, cols = weight.shape
+    if scale_inv.shape != fp8_scale_shape(weight.shape, block):
+        raise ValueError(f"scale shape {list(scale_inv.shape)} does not tile a {rows}x{cols} weight in "
+                         f"{block[0]}x{block[1]} blocks")
+    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), block[0], axis=0), block[1], axis=1)
+    return weight.astype(np.float32) * scale[:rows, :cols]
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -1,10 +1,13 @@
 """What `tandem inspect` reports about a checkpoint: a plain dict (for --json and tests) and
 its aligned text form, with one row per run of identical layers (mixer, window, heads, RoPE, MLP,
-SwiGLU clamps), trunk then MTP heads."""
+SwiGLU clamps), trunk then MTP heads. Latent attention (MLA) reports its dims and indexer, and its
+cache bytes per token against the plain per-head K/V cache the same heads would need."""
 
 from __future__ import annotations
 
+from tandem.checkpoint.cache_specs import DTYPE_BYTES
 from tandem.checkpoint.description import AttentionSpec, LayerKind, LayerSpec, LinearAttentionSpec, MLPKind
+from tandem.checkpoint.mla_specs import INDEX_KEYS, LATENT, MLASpec
 from tandem.checkpoint.reader import Checkpoint
 
 
@@ -26,14 +29,16 @@ def summarize(ckpt: Checkpoint, spec_k: int | None) -> dict:
         "layer_table": [_layer_row(f"layer {i}", layer) for i, layer in enumerate(d.layers)]
         + [_layer_row(f"mtp {j}", layer) for j, layer in enumerate(d.mtp.layers if d.mtp else ())],
         "mlp_kinds": mlps,
-        "attention": _attention(d.attention),
+        "attention": _attention(next((x.mixer for x in d.all_layers if isinstance(x.mixer, AttentionSpec)), None)),
+        "mla": _mla(d),
         "gated_deltanet": _gdn(d.linear_attention),
         "moe": None if d.moe is None else {"experts": d.moe.num_experts, "top_k": d.moe.top_k,
                                            "expert_intermediate": d.moe.expert_intermediate_size,
                                            "shared_expert_intermediate": d.moe.shared_expert_intermediate_size,
                                            "router": d.moe.router, "score_correction_bias": d.moe.score_correction_bias,
                                            "routed_scaling_factor": d.moe.routed_scaling_factor,
-                                           "shared_expert_gate": d.moe.shared_expert_gate},
+                                           "shared_expert_gate": d.moe.shared_expert_gate,
+                                           "n_group": d.moe.n_group, "topk_group": d.moe.topk_group},
         "parameters": {"trunk": ckpt.parameter_count(), "mtp": ckpt.parameter_count(mtp=True) if d.mtp else 0},
         "mtp": None if d.mtp is None else {"layers": d.mtp.num_layers, "source": d.mtp.source,
                                            "mlp": d.mtp.layer.mlp.value, "form": d.mtp.form,
@@ -49,17 +54,27 @@ def summarize(ckpt: Checkpoint, spec_k: int | None) -> dict:
 
 
 def _letter(layer: LayerSpec) -> str:
-    """A: full attention, S: sliding-window attention, L: Gated DeltaNet."""
+    """A: full attention, S: sliding-window attention, L: Gated DeltaNet, M: latent attention (MLA)."""
     if layer.kind == LayerKind.LINEAR_ATTENTION:
         return "L"
+    if isinstance(layer.mixer, MLASpec):
+        return "M"
     return "S" if layer.mixer.window else "A"
 
 
 def _layer_row(name: str, layer: LayerSpec) -> dict:
     m = layer.mixer
-    row = {"layer": name, "mixer": "gated_deltanet" if isinstance(m, LinearAttentionSpec) else "attention",
-           "mlp": layer.mlp.value, "swiglu_limit": layer.swiglu_limit, "shared_swiglu_limit": layer.shared_swiglu_limit}
-    if isinstance(m, AttentionSpec):
+    mixer = {LinearAttentionSpec: "gated_deltanet", MLASpec: "mla"}.get(type(m), "attention")
+    row = {"layer": name, "mixer": mixer, "mlp": layer.mlp.value, "swiglu_limit": layer.swiglu_limit,
+           "shared_swiglu_limit": layer.shared_swiglu_limit}
+    if isinstance(m, MLASpec):
+        i = m.indexer
+        row.update(heads=m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                   qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                   scale=m.scale, indexer=None if i is None else {
+                       "heads": i.num_heads, "head_dim": i.head_dim, "topk": i.topk,
+                       "reuse_previous": i.reuse_previous, "rope_interleave": i.rope_interleave})
+    elif isinstance(m, AttentionSpec):
         row.update(window=m.window, heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=m.head_dim,
                    rotary_dim=m.rotary_dim, rope_theta=m.rope_theta,
                    gate="output" if m.output_gate else "head" if m.head_gate else None, scale=m.scale)
@@ -71,6 +86,11 @@ def _layer_row(name: str, layer: LayerSpec) -> dict:
 def _row_text(r: dict) -> str:
     if r["mixer"] == "gated_deltanet":
         text = f"Gated DeltaNet, {r['heads']} value heads x {r['head_dim']}"
+    elif r["mixer"] == "mla":
+        i = r["indexer"]
+        text = (f"MLA, {r['heads']} heads, latent {r['kv_lora_rank']} + rope {r['qk_rope_head_dim']}"
+                + ("" if i is None else f", reuses the previous layer's top-{i['topk']}" if i["reuse_previous"]
+                   else f", indexer {i['heads']} x {i['head_dim']} top-{i['topk']}"))
     else:
         text = ((f"sliding window {r['window']}" if r["window"] else "full attention")
                 + f", {r['heads']}/{r['kv_heads']} heads x {r['head_dim']}"
@@ -93,8 +113,32 @@ def _runs(table: list[dict]) -> list[tuple[str, str]]:
     return [(names[0] if len(names) == 1 else f"{names[0]}-{names[-1].split()[1]}", text) for names, text in out]
 
 
-def _attention(a: AttentionSpec) -> dict:
+def _mla(d) -> dict | None:
+    """The first MLA layer's dims, and one token's cache bytes over the trunk: latent rows, indexer
+    keys, and the per-head K [H, nope + rope] and V [H, v] rows plain attention would keep instead."""
+    layers = [x.mixer for x in d.layers if isinstance(x.mixer, MLASpec)]
+    if not layers:
+        return None
+    m, size = layers[0], DTYPE_BYTES[d.dtype]
+    pools = [p for x in layers for p in x.cache_specs()]
+    y = m.yarn
+    return {"heads": m.num_heads, "q_lora_rank": m.q_lora_rank, "kv_lora_rank": m.kv_lora_rank,
+            "qk_nope_head_dim": m.qk_nope_head_dim, "qk_rope_head_dim": m.qk_rope_head_dim,
+            "v_head_dim": m.v_head_dim, "rope_theta": m.rope_theta, "yarn_factor": y.factor if y else None,
+            "scale": m.scale, "indexer": None if m.indexer is None else {
+                "heads": m.indexer.num_heads, "head_dim": m.indexer.head_dim, "topk": m.indexer.topk,
+                "reuse_layers": [i for i, x in enumerate(d.layers) if isinstance(x.mixer, MLASpec)
+                                 and x.mixer.indexer and x.mixer.indexer.reuse_previous]},
+            "bytes_per_token": {
+                "latent": sum(p.row_bytes(size) for p in pools if p.name == LATENT),
+                "indexer": sum(p.row_bytes(size) for p in pools if p.name == INDEX_KEYS),
+                "per_head_kv": sum(x.num_heads * (x.qk_head_dim + x.v_head_dim) for x in layers) * size}}
+
+
+def _attention(a: AttentionSpec | None) -> dict | None:
     """The first attention layer's spec (the one every Qwen attention layer shares)."""
+    if a is None:
+        return None
     return {"heads": a.num_heads, "kv_heads": a.num_kv_heads, "head_dim": a.head_dim, "rotary_dim": a.rotary_dim,
             "rope_theta": a.rope_theta, "output_gate": a.output_gate, "window": a.window}
 
@@ -113,13 +157,19 @@ def format_summary(s: dict) -> str:
         ("vocab / hidden", f"{s['vocab_size']} / {s['hidden_size']}"),
         ("layers", f"{s['num_layers']}: " + ", ".join(
             f"{s['layer_pattern'].count(c)} {what}" for c, what in (("L", "Gated DeltaNet"), ("A", "full attention"),
-                                                                    ("S", "sliding-window attention"))
+                                                                    ("S", "sliding-window attention"),
+                                                                    ("M", "latent attention (MLA)"))
             if c in s["layer_pattern"]) + f"  [{s['layer_pattern']}]"),
         ("mlp", ", ".join(f"{n} {k}" for k, n in s["mlp_kinds"].items() if n)),
-        ("attention", f"{a['heads']} query / {a['kv_heads']} KV heads x {a['head_dim']}, rotary {a['rotary_dim']} "
-                      f"dims (theta {a['rope_theta']:g})" + (", output gate" if a["output_gate"] else "")
-                      + (f", sliding window {a['window']}" if a["window"] else "") + "  (the first layer's)"),
     ]
+    if a:
+        rows.append(("attention", f"{a['heads']} query / {a['kv_heads']} KV heads x {a['head_dim']}, rotary "
+                                  f"{a['rotary_dim']} dims (theta {a['rope_theta']:g})"
+                                  + (", output gate" if a["output_gate"] else "")
+                                  + (f", sliding window {a['window']}" if a["window"] else "")
+                                  + "  (the first layer's)"))
+    if s["mla"]:
+        rows += _mla_rows(s["mla"], s["dtype"])
     rows += [(f"  {names}", text) for names, text in _runs(s["layer_table"])]
     if g:
         rows.append(("gated deltanet", f"{g['key_heads']} key heads x {g['key_head_dim']}, {g['value_heads']} value "
@@ -129,6 +179,7 @@ def format_summary(s: dict) -> str:
         rows.append(("moe", f"{m['experts']} experts, top-{m['top_k']} ({m['router']} router"
                             + (", score correction bias" if m["score_correction_bias"] else "")
                             + (f", routed x {m['routed_scaling_factor']:g}" if m["routed_scaling_factor"] != 1 else "")
+                            + (f", best {m['topk_group']} of {m['n_group']} groups" if m["n_group"] > 1 else "")
                             + f"), expert {m['expert_intermediate']}, shared expert "
                             f"{m['shared_expert_intermediate']}" + (" (gated)" if m["shared_expert_gate"] else "")))
     p = s["parameters"]
@@ -152,3 +203,20 @@ def format_summary(s: dict) -> str:
                                       else "ready for plain decoding")))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _mla_rows(m: dict, dtype: str) -> list[tuple[str, str]]:
+    i, b = m["indexer"], m["bytes_per_token"]
+    rows = [("mla", f"{m['heads']} heads, q LoRA {m['q_lora_rank']}, kv LoRA {m['kv_lora_rank']}, "
+                    f"qk {m['qk_nope_head_dim']} nope + {m['qk_rope_head_dim']} rope, v {m['v_head_dim']}, "
+                    f"RoPE theta {m['rope_theta']:g}"
+                    + (f" YaRN x{m['yarn_factor']:g}" if m["yarn_factor"] else "") + f", scale {m['scale']:.4g}")]
+    if i:
+        rows.append(("indexer", f"{i['heads']} heads x {i['head_dim']}, top-{i['topk']} positions per query"
+                                + (f"; layers {i['reuse_layers']} reuse the previous layer's selection"
+                                   if i["reuse_layers"] else "")))
+    cached = b["latent"] + b["indexer"]
+    kv = b["per_head_kv"]
+    rows.append(("MLA cache/token", f"{b['latent']:,} latent + {b['indexer']:,} indexer = {cached:,} bytes ({dtype}, "
+                                    f"trunk) vs {kv:,} for per-head K/V ({kv / cached:.1f}x)"))
+    return rows

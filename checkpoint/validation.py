@@ -15,12 +15,15 @@ from pathlib import Path
 
 from tandem.checkpoint.description import MTPSpec
 from tandem.checkpoint.families.qwen_hybrid import MTPLayout, Source
-from tandem.checkpoint.safetensors_files import FLOAT_DTYPES, TensorIndex
+from tandem.checkpoint.safetensors_files import FLOAT_DTYPES, TensorIndex, fp8_scale_shape
 
 MIN_SPEC_K, MAX_SPEC_K = 1, 8
 # Tensor-name suffixes that only quantized checkpoints carry (fp8 block, NVFP4, compressed-tensors...).
 _QUANT_SUFFIXES = ("weight_scale", "weight_scale_inv", "weight_scale_2", "input_scale", "weight_packed",
                    "weight_zero_point", "qweight", "scales", "qzeros", "g_idx")
+FP8_BLOCK = (128, 128)  # the one quantized format tandem reads: DeepSeek's fp8 block quantization
+FP8_FORMAT = ("quant_method 'fp8', weight_block_size [128, 128], 2-D float8_e4m3fn weights each with a float32 "
+              "`<name>_scale_inv` of [ceil(rows/128), ceil(cols/128)]")
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
 
 
@@ -38,13 +41,52 @@ def missing_path_message(path: str, role: str) -> str:
     return f"{role} '{path}' does not exist. Pass the folder that holds config.json and the safetensors files."
 
 
-def check_quantization(config: dict, text_cfg: dict, index: TensorIndex) -> list[str]:
-    """Quantized formats are not supported yet: name the tensors that make it so."""
+def block_fp8_scales(quant: dict | None, index: TensorIndex) -> tuple[dict[str, str], list[str]]:
+    """(fp8 weight -> its weight_scale_inv, []) when `index` is in DeepSeek's fp8 block format as
+    `quant` (config.json's quantization_config) declares it, else ({}, what differs from it)."""
+    quant = quant or {}
+    declared = (quant.get("quant_method") == "fp8" and list(quant.get("weight_block_size") or ()) == list(FP8_BLOCK)
+                and quant.get("fmt", "e4m3") == "e4m3" and quant.get("activation_scheme", "dynamic") == "dynamic")
+    if not declared:
+        return {}, [f"config.json's quantization_config {quant or None} does not declare it"]
+    problems, scales = [], {}
+    for name, e in index.entries.items():
+        if e.dtype in FLOAT_DTYPES or name.endswith(".weight_scale_inv"):
+            continue
+        scale = index.entries.get(name + "_scale_inv")
+        if e.dtype != "F8_E4M3" or len(e.shape) != 2 or not name.endswith(".weight"):
+            problems.append(f"tensor {name} is {e.dtype} {list(e.shape)}, not a 2-D F8_E4M3 .weight")
+        elif scale is None:
+            problems.append(f"fp8 tensor {name} has no {name}_scale_inv")
+        elif scale.dtype not in FLOAT_DTYPES or scale.shape != fp8_scale_shape(e.shape, FP8_BLOCK):
+            problems.append(f"{name}_scale_inv is {scale.dtype} {list(scale.shape)} but {name} {list(e.shape)} needs "
+                            f"a float scale of {list(fp8_scale_shape(e.shape, FP8_BLOCK))}")
+        else:
+            scales[name] = name + "_scale_inv"
+    used = set(scales.values())
+    for name in index.entries:
+        if name.rsplit(".", 1)[-1] in _QUANT_SUFFIXES and name not in used:
+            weight = index.entries.get(name.removesuffix("_scale_inv"))
+            if not name.endswith("_scale_inv") or weight is None or weight.dtype in FLOAT_DTYPES:
+                problems.append(f"tensor {name} is the scale of no fp8 weight")
+    return ({}, problems) if problems else (scales, [])
+
+
+def check_quantization(config: dict, text_cfg: dict, index: TensorIndex, block_fp8: bool = False) -> list[str]:
+    """Quantized formats are not supported, except DeepSeek's fp8 block format in a family that
+    declares it (`block_fp8`): name the tensors that make it so, and what differs from that format."""
     quant = config.get("quantization_config") or text_cfg.get("quantization_config")
     odd = {n for n, e in index.entries.items() if e.dtype not in FLOAT_DTYPES}
     scales = {n for n in index.entries if n.rsplit(".", 1)[-1] in _QUANT_SUFFIXES}
     if not quant and not odd and not scales:
         return []
+    if block_fp8:
+        found, why = block_fp8_scales(quant, index)
+        if found or not why:
+            return []
+        listed = "; ".join(why[:4]) + (f" (and {len(why) - 4} more)" if len(why) > 4 else "")
+        return [f"{index.files[0].parent}: this quantized checkpoint is not in the one quantized format tandem reads "
+                f"({FP8_FORMAT}): {listed}. Use a checkpoint in that format or the bf16 release."]
     method = (quant or {}).get("quant_method") or (quant or {}).get("quant_algo")
     fmt = (quant or {}).get("fmt") or (quant or {}).get("weight_block_size")
     what = f"quant_method={method!r}" + (f", {fmt}" if fmt else "") if quant else "no quantization_config"

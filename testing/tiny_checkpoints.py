@@ -13,6 +13,10 @@ Step-3.5 kinds (STEP3P5_KINDS) are the Hub layout of stepfun-ai/Step-3.5-Flash (
 `transformer.shared_head.{norm,output}`), written from the step3p5 family's `sources()` too;
 `step3p5_tied_heads` makes every head's own lm head a copy of `lm_head.weight`, so drafting with the
 heads' own lm heads must equal transformers' drafts (which use the target's).
+
+DeepSeek-V3.2 / GLM-5 kinds (tiny_dsa.DSA_KINDS: deepseek_v32, glm_moe_dsa, deepseek_v32_fp8) are the
+Hub layout too (per-expert MoE, NextN at `model.layers.{N}`), written from the deepseek_dsa family's
+`sources()` with tiny_dsa's finishing touches (plain-RMSNorm weights, fp8 blocks).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from tandem.checkpoint.families import FAMILIES
+from tandem.testing.tiny_dsa import DSA_KINDS, dsa_config, finish_tensors
 from tandem.testing.tokenizer_files import SPECIAL_TOKENS, save_tokenizer, train_byte_level_bpe
 
 _TEXT = dict(
@@ -243,6 +248,9 @@ def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype
     if kind in STEP3P5_KINDS or BENCH_KINDS.get(kind, ("",))[0] in STEP3P5_KINDS:
         config, per_expert, shards = step3p5_config(dtype, kind), False, 1
         shapes = stored_shapes(config)
+    elif kind in DSA_KINDS:  # the Hub's per-expert tensors
+        config, shards = dsa_config(kind, dtype), 1
+        shapes = stored_shapes(config, per_expert=True)
     else:
         _, _, per_expert, shards = TINY_KINDS[BENCH_KINDS.get(kind, (kind,))[0]]
         config = tiny_config(kind, dtype)
@@ -251,6 +259,8 @@ def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype
     rng = np.random.default_rng(seed)
     tensors = {name: _init(name, shape, rng).astype(np.float32).astype(np_dtype)
                for name, shape in sorted(shapes.items())}
+    if kind in DSA_KINDS:
+        tensors = finish_tensors(kind, tensors, rng)
     if STEP3P5_KINDS.get(kind):  # each NextN head's own lm head := the target's
         for canonical, src in _family_sources(config).items():
             if canonical.endswith(".shared_head.head.weight"):
@@ -271,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description="Write a tiny random checkpoint (no download).")
     parser.add_argument("out", help="folder to write")
-    parser.add_argument("--kind", choices=sorted(TINY_KINDS) + sorted(STEP3P5_KINDS) + sorted(BENCH_KINDS),
+    parser.add_argument("--kind", choices=sorted(TINY_KINDS) + sorted(STEP3P5_KINDS) + sorted(DSA_KINDS)
+                        + sorted(BENCH_KINDS),
                         default="qwen3_5_mtp3")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)

@@ -3,8 +3,9 @@ module. Each family module exports the same names: FAMILY, ARCHITECTURES (archit
 (model_type, text-weight prefix, text-config key)), IGNORED_PREFIXES, text_config(),
 mtp_layout(text_cfg), describe(), sources(desc, per_expert)."""
 
-from tandem.checkpoint.families import qwen3_5, qwen3_5_moe, qwen3_next, step3p5
+from tandem.checkpoint.families import deepseek_dsa, qwen3_5, qwen3_5_moe, qwen3_next, step3p5
 
-FAMILIES = {arch: module for module in (qwen3_5, qwen3_5_moe, qwen3_next, step3p5) for arch in module.ARCHITECTURES}
+FAMILIES = {arch: module for module in (qwen3_5, qwen3_5_moe, qwen3_next, step3p5, deepseek_dsa)
+            for arch in module.ARCHITECTURES}
 # model_type -> architecture, for configs without an `architectures` list
 MODEL_TYPES = {spec[0]: arch for arch, module in FAMILIES.items() for spec in [module.ARCHITECTURES[arch]]}
