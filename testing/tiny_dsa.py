@@ -21,7 +21,7 @@ _DSA = dict(
     num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
     routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
     qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=4,
-    num_nextn_predict_layers=1, rms_norm_eps=1e-6, max_position_embeddings=2048, hidden_act="silu",
+    num_nextn_predict_layers=1, rms_norm_eps=1e-6, max_position_embeddings=4096, hidden_act="silu",
     tie_word_embeddings=False, attention_bias=False, bos_token_id=0,
 )
 _DEEPSEEK = dict(n_group=2, topk_group=1, topk_method="noaux_tc", scoring_func="sigmoid", rope_theta=10000.0,

@@ -263,3 +263,11 @@ def test_inspect_reports_mla_indexer_and_cache_bytes(dsa_root, capsys):
     assert report["mla"]["bytes_per_token"] == {"latent": 3 * 40 * 4, "indexer": 3 * 16 * 4,
                                                 "per_head_kv": 3 * 4 * (24 + 16) * 4}
     assert report["moe"]["n_group"] == 2 and report["mla"]["yarn_factor"] == 4.0 and report["attention"] is None
+
+
+def test_engines_are_refused_early_until_mla_is_exported(dsa_root, tmp_path):
+    from tandem.engines.builder import build_engines
+
+    with pytest.raises(ValueError, match="layer 0: MLA attention is not exported yet"):
+        build_engines(dsa_root / "glm_moe_dsa", tmp_path / "engines", show_progress=False)
+    assert not (tmp_path / "engines").exists()
