@@ -32,7 +32,7 @@ def gated_deltanet(q, k, v, g, beta, state, state_rows=None, scale=1.0):
 
 
 def paged_attention(q, k, v, key_cache, value_cache, block_tables, context_lens, scale,
-                    sliding_window=0, selected=None):
+                    sliding_window=0, selected=None, select_new_rows=False):
     """Dense masked attention over [committed (gathered by pages), new rows]; see the op doc."""
     bsz, w, hq, _ = q.shape
     hkv, page = k.shape[2], key_cache.shape[1]
@@ -45,13 +45,15 @@ def paged_attention(q, k, v, key_cache, value_cache, block_tables, context_lens,
         keys, vals = np.concatenate([ck, k[b]]), np.concatenate([cv, v[b]])
         for i in range(w):
             pos = n + i
+            sparse = selected is not None and selected.shape[-1]
+            listed = selected[min(b, len(selected) - 1), min(i, selected.shape[1] - 1)] if sparse else None
             visible = []
             for j in range(n + w):
                 if j >= n and j - n > i:
                     continue  # a later new row
                 if sliding_window and pos - j >= sliding_window:
                     continue
-                if j < n and selected is not None and selected.shape[-1] and j not in selected[b, i]:
+                if sparse and (j < n or select_new_rows) and j not in listed:
                     continue
                 visible.append(j)
             for h in range(hq):

@@ -3,16 +3,19 @@ paged pool plus the W new rows (causal), with GQA, sliding window and optional t
 
 Inputs   query [B, W, Hq, D], key [B, W, Hkv, D], value [B, W, Hkv, Dv] (new rows, post-RoPE),
          key_cache [N, S, Hkv, D], value_cache [N, S, Hkv, Dv], block_tables [B, P] int64,
-         context_lens [B] int64, selected [B|1, W|1, K] int64 (committed positions each row may
-         see, -1 padded; K = 0 means dense)
+         context_lens [B] int64, selected [B|1, W|1, K] int64 (positions each row may see, -1
+         padded; K = 0 means dense)
 Output   [B, W, Hq, Dv], the query's dtype
-Attrs    scale (float), sliding_window (int, 0 = none)
+Attrs    scale (float), sliding_window (int, 0 = none), select_new_rows (int, default 0: the
+         selection filters committed positions only; 1: also the new rows, at positions
+         context_lens[b] + w', as a top-k indexer over all visible positions gives them)
 Types    query, key, value and the caches share one float type (float32 or float16); scores,
          softmax and the weighted sum are float32 (K/V cast after the gather, so only the pages
          in use are widened, never the pool).
 
 Row w sits at position p = context_lens[b] + w. It sees committed position j < context_lens[b]
-when p - j < window (if any) and j is selected (if any), and new row w' <= w when w - w' < window.
+when p - j < window (if any) and j is selected (if any), and new row w' <= w when w - w' < window
+(and, with select_new_rows, position context_lens[b] + w' is selected).
 Committed slot j of a sequence is page block_tables[b, j // S], offset j % S.
 
     key_cache --Gather(block_tables)--> [B, P*S, Hkv, D] --Cast fp32, Concat(new rows)--> [B, T+W, Hkv, D]
@@ -28,7 +31,8 @@ from tandem.export.builder import OPSET, TANDEM_DOMAIN, GraphBuilder
 
 OP_TYPE = "PagedSparseAttention"
 ATTRIBUTES = ("scale", "sliding_window")
-_NEG = -1e30  # finite: every row sees at least itself, so no row is all-masked
+DEFAULTS = {"select_new_rows": 0}  # optional attributes: absent on a node means this value
+_NEG = -1e30  # finite: every row sees itself (or, with select_new_rows, its >= 1 selected positions)
 
 
 def make_function():
@@ -71,8 +75,15 @@ def make_function():
     dw = b.op("Sub", b.unsqueeze(w, [1]), b.unsqueeze(w, [0]))                      # [W, W] = w - w'
     mask_n = b.op("And", b.op("GreaterOrEqual", dw, i64(0)), b.op("Or", b.op("Less", dw, window), no_window))
     bw = b.concat([b.shape_of(q, 0, 2), w_len], 0)
+    # new row w' is selected for row w when position ctx + w' is listed: [B, W|1, W]
+    pos_n = b.op("Add", ctx3, b.unsqueeze(w, [0, 1]))                               # [B, 1, W]
+    hits_n = b.op("ReduceSum", b.op("Cast", b.op("Equal", b.unsqueeze(sel, [3]), b.unsqueeze(pos_n, [2])),
+                                    to=TensorProto.FLOAT), i64([2]), keepdims=0)
+    filter_new = b.op("And", b.op("Greater", b.attr_const("select_new_rows", "int"), i64(0)), b.op("Not", dense))
+    sel_n = b.op("Or", b.op("Greater", hits_n, b.const(0.0, np.float32)), b.op("Not", filter_new))
+    mask_n = b.op("And", b.op("Expand", b.unsqueeze(mask_n, [0]), bw), sel_n)      # [B, W, W]
     mask_c = b.op("Expand", mask_c, b.concat([b.shape_of(q, 0, 2), t_len], 0))
-    mask = b.concat([mask_c, b.op("Expand", b.unsqueeze(mask_n, [0]), bw)], 2)    # [B, W, T+W]
+    mask = b.concat([mask_c, mask_n], 2)                                            # [B, W, T+W]
     masked = b.op("Where", b.unsqueeze(mask, [1, 2]), scores, b.const(_NEG, np.float32))
     probs = b.op("Softmax", masked, axis=-1)
     out5 = b.op("MatMul", probs, v5)                                                # [B, Hkv, G, W, Dv]
@@ -80,4 +91,5 @@ def make_function():
     out = b.reshape(out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
     b.op("CastLike", out, q, outputs=["output"])
     return helper.make_function(TANDEM_DOMAIN, OP_TYPE, [q, k, v, kc, vc, tables, ctx, sel], ["output"], b.nodes,
-                                [helper.make_opsetid("", OPSET)], attributes=list(ATTRIBUTES))
+                                [helper.make_opsetid("", OPSET)], attributes=list(ATTRIBUTES),
+                                attribute_protos=[helper.make_attribute(k, v) for k, v in DEFAULTS.items()])

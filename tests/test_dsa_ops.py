@@ -1,0 +1,194 @@
+"""DeepSeek Sparse Attention pieces: the LightningIndexer op against numpy, PagedSparseAttention's
+select_new_rows, and the absorbed sparse-MLA graph piece against transformers' DeepseekV32 and
+GLM-MoE-DSA attention (dense and sparse, prefill and decode over a paged committed context)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN, GraphBuilder
+from tandem.export.mla import IndexerDims, MLADims, mla_attention, rope_for
+from tandem.export.ops import lightning_indexer, paged_sparse_attention
+from tandem.export.primitives import Weights
+from tandem.testing import dsa_reference
+from tandem.testing import op_references as ref
+
+from .op_harness import run, single_op_model
+
+
+def indexer_case(rng, b=3, w=4, hi=4, d=8, n_pages=12, page=4, max_pages=4):
+    q = rng.standard_normal((b, w, hi, d)).astype(np.float32)
+    wts = rng.standard_normal((b, w, hi)).astype(np.float32)
+    k = rng.standard_normal((b, w, d)).astype(np.float32)
+    kc = rng.standard_normal((n_pages, page, d)).astype(np.float32)
+    tables = rng.permutation(n_pages)[: b * max_pages].reshape(b, max_pages).astype(np.int64)
+    lens = np.array([0, 3, 14][:b], np.int64)  # nothing committed, shorter and longer than top-k
+    return [q, wts, k, kc, tables, lens]
+
+
+def run_indexer(inputs, top_k, scale=0.35):
+    model = single_op_model(lightning_indexer.make_function(), "LightningIndexer", inputs, [3], out_dtype=np.int64,
+                            scale=scale, top_k=top_k)
+    return run(model, inputs)[0]
+
+
+@pytest.mark.parametrize("top_k", [1, 6, 40])
+def test_lightning_indexer_matches_numpy(top_k):
+    inputs = indexer_case(np.random.default_rng(top_k))
+    got = run_indexer(inputs, top_k)
+    expected, scores = dsa_reference.lightning_indexer(*inputs, 0.35, top_k)
+    assert got.shape == expected.shape == (3, 4, top_k)
+    for b in range(3):
+        for i in range(4):
+            assert not dsa_reference.boundary_ties(scores[b, i], top_k, 1e-5)  # the order is then unique
+    np.testing.assert_array_equal(got, expected)
+    # a row sees ctx + w + 1 positions: all of them (dense) when that is <= top_k, the rest -1
+    visible = inputs[5][:, None] + np.arange(4)[None, :] + 1
+    np.testing.assert_array_equal((got >= 0).sum(-1), np.minimum(visible, top_k))
+
+
+def test_lightning_indexer_equal_scores_take_lower_positions():
+    inputs = indexer_case(np.random.default_rng(5))
+    inputs[1] = np.zeros_like(inputs[1])  # every score 0
+    got = run_indexer(inputs, 6)
+    expected, _ = dsa_reference.lightning_indexer(*inputs, 0.35, 6)
+    np.testing.assert_array_equal(got, expected)
+    np.testing.assert_array_equal(got[2, 0], np.arange(6))
+
+
+def test_paged_attention_select_new_rows():
+    from .test_ops import attention_case
+
+    rng = np.random.default_rng(7)
+    q, k, v, kc, vc, tables, lens = attention_case(rng)
+    sel = rng.integers(-1, 20, (3, 4, 6)).astype(np.int64)
+    sel[:, :, 0] = lens[:, None] + np.arange(4)[None, :]  # each row keeps itself
+    inputs = [q, k, v, kc, vc, tables, lens, sel]
+    fn = paged_sparse_attention.make_function()
+    (filtered,) = run(single_op_model(fn, "PagedSparseAttention", inputs, [4], scale=0.3, sliding_window=0,
+                                      select_new_rows=1), inputs)
+    np.testing.assert_allclose(filtered, ref.paged_attention(q, k, v, kc, vc, tables, lens, 0.3, 0, sel, True),
+                               atol=1e-5)
+    (default,) = run(single_op_model(fn, "PagedSparseAttention", inputs, [4], scale=0.3, sliding_window=0), inputs)
+    np.testing.assert_allclose(default, ref.paged_attention(q, k, v, kc, vc, tables, lens, 0.3, 0, sel), atol=1e-5)
+    assert np.abs(filtered - default).max() > 1e-3  # the selection of new rows matters here
+
+
+# ---- absorbed sparse MLA against transformers ---------------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+FAMILIES = {
+    "deepseek_v32": ("transformers.models.deepseek_v32.configuration_deepseek_v32", "DeepseekV32Config",
+                     "transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32"),
+    "glm_moe_dsa": ("transformers.models.glm_moe_dsa.configuration_glm_moe_dsa", "GlmMoeDsaConfig",
+                    "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsa"),
+}
+PAGE, N_PAGES, MAX_PAGES = 4, 16, 6
+
+
+class _Dict:
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def weight(self, name):
+        return self.tensors[name]
+
+
+def tiny_attention(family, top_k, yarn):
+    import importlib
+
+    cfg_mod, cfg_cls, model_mod, prefix = FAMILIES[family]
+    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+            "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1} if yarn else \
+        {"rope_type": "default", "rope_theta": 10000.0}
+    config = getattr(importlib.import_module(cfg_mod), cfg_cls)(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12,
+        qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10, index_n_heads=8, index_head_dim=10,
+        index_topk=top_k, max_position_embeddings=64, rope_parameters=rope, num_hidden_layers=1,
+        attn_implementation="eager")
+    config._attn_implementation = "eager"
+    mod = importlib.import_module(model_mod)
+    torch.manual_seed(0)
+    attn = getattr(mod, prefix + "Attention")(config, 0).eval()
+    with torch.no_grad():
+        for name, param in attn.named_parameters():
+            param.copy_(torch.randn_like(param) * (0.3 if name.endswith("weight") and param.ndim == 2 else 0.5)
+                        + (1.0 if "norm" in name and name.endswith("weight") else 0.0))
+    return config, attn, getattr(mod, prefix + "RotaryEmbedding")(config)
+
+
+def transformers_rows(config, attn, rotary, x):
+    """Attention output [1, L, H] and the indexer's selection [1, L, k] over the full sequence x."""
+    seq = x.shape[1]
+    pos = torch.arange(seq)[None]
+    mask = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1)[None, None]
+    picked = {}
+    hook = attn.indexer.register_forward_hook(lambda _m, _i, out: picked.setdefault("sel", out))
+    with torch.no_grad():
+        out = attn(x, rotary(x, pos), mask, position_ids=pos)[0]
+    hook.remove()
+    return out.numpy(), picked["sel"].numpy()
+
+
+def mla_model(config, attn, family, top_k, w_rows):
+    tensors = {"a." + n: t.detach().numpy() for n, t in attn.state_dict().items()}
+    dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps)
+    idx = IndexerDims(8, 10, top_k, rope_interleaved=family == "glm_moe_dsa")
+    rope = rope_for(config.rope_parameters, 6, dims.qk_head_dim, config.max_position_embeddings)
+    b = GraphBuilder()
+    out = mla_attention(b, dims, idx, rope, Weights(_Dict(tensors)), "a.", "x", "positions", "context_lens",
+                        "block_tables", "latent_pool", "index_pool")
+    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    ins = [helper.make_tensor_value_info(n, t, s) for n, t, s in (
+        ("x", f32, ["B", "W", 32]), ("positions", i64, ["B", "W"]), ("context_lens", i64, ["B"]),
+        ("block_tables", i64, ["B", "P"]), ("latent_pool", f32, ["N", PAGE, 1, 18]),
+        ("index_pool", f32, ["N", PAGE, 10]))]
+    names = [out.output, out.latent_rows, out.index_key_rows, out.selected]
+    outs = [helper.make_tensor_value_info(n, t, [None] * r)
+            for n, t, r in zip(names, (f32, f32, f32, i64), (3, 4, 3, 3))]
+    inits = [onnx.numpy_helper.from_array(a, n) for n, a in b.initializers.items()]
+    graph = helper.make_graph(b.nodes, "mla", ins, outs, initializer=inits)
+    opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(TANDEM_DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets,
+                              functions=[paged_sparse_attention.make_function(), lightning_indexer.make_function()])
+    model.ir_version = IR_VERSION
+    onnx.checker.check_model(model, full_check=True)
+    from tandem.engines.backends.onnxruntime_backend import session
+
+    sess = session(model)
+    return lambda feeds: dict(zip(["out", "rows", "index_rows", "selected"], sess.run(names, feeds)))
+
+
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+@pytest.mark.parametrize("top_k,yarn", [(64, True), (8, True), (8, False)])
+@pytest.mark.parametrize("w_rows", [5, 1])
+def test_absorbed_mla_equals_transformers(family, top_k, yarn, w_rows):
+    config, attn, rotary = tiny_attention(family, top_k, yarn)
+    ctx = np.array([13, 7], np.int64)
+    xs = [torch.randn(1, int(n) + w_rows, 32, generator=torch.Generator().manual_seed(s)) for s, n in enumerate(ctx)]
+    step = mla_model(config, attn, family, top_k, w_rows)
+    latent = np.zeros((N_PAGES, PAGE, 1, 18), np.float32)
+    index = np.zeros((N_PAGES, PAGE, 10), np.float32)
+    tables = np.random.default_rng(1).permutation(N_PAGES)[: 2 * MAX_PAGES].reshape(2, MAX_PAGES).astype(np.int64)
+    for s, n in enumerate(ctx):  # prefill each committed context alone, then commit its rows into the pages
+        got = step({"x": xs[s][:, :n].numpy(), "positions": np.arange(n)[None], "context_lens": np.zeros(1, np.int64),
+                    "block_tables": tables[s : s + 1], "latent_pool": latent, "index_pool": index})
+        for j in range(n):
+            latent[tables[s, j // PAGE], j % PAGE] = got["rows"][0, j]
+            index[tables[s, j // PAGE], j % PAGE] = got["index_rows"][0, j]
+    new = np.concatenate([x[:, -w_rows:].numpy() for x in xs])
+    got = step({"x": new, "positions": ctx[:, None] + np.arange(w_rows)[None], "context_lens": ctx,
+                "block_tables": tables, "latent_pool": latent, "index_pool": index})
+    for s, n in enumerate(ctx):
+        want, picked = transformers_rows(config, attn, rotary, xs[s])
+        np.testing.assert_allclose(got["out"][s], want[0, n:], atol=1e-4)
+        for i in range(w_rows):
+            pos = n + i
+            theirs = {int(j) for j in picked[0, pos] if j <= pos}       # past the row: masked anyway
+            ours = {int(j) for j in got["selected"][s, i] if j >= 0}
+            assert ours == theirs, (s, i)
+            assert len(ours) == min(top_k, pos + 1)
