@@ -8,8 +8,12 @@ ONNX Runtime (CPU), chosen by measurement (figures in docs/lowering.md, `bench/o
                     row_states (verify) needs the per-row states, which CPU LinearAttention cannot
                     emit (state_window is CUDA-only), so those nodes are unrolled into `rows`
                     single-row LinearAttention nodes when the verify width is known (per bucket).
-  PagedSparseAttention -> kept (function body): GroupQueryAttention wants a contiguous BNSH past,
-                    and the gather it would need is the function body's own first step.
+  PagedSparseAttention -> where no row selects (`selected` a constant with K = 0): the body's
+                    math without its selection branch, the visibility mask built once per graph
+                    and window and shared by every layer (export/attention_lowering.py). Where rows
+                    select, the function body. GroupQueryAttention was measured too: 1.4-1.8x the
+                    body per op at batch 1, none at batch 8, and it refuses batch > 1 with several
+                    new rows over a past (prefill chunks, verify), so it would need an If per node.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from tandem.export.attention_lowering import dense_attention_nodes, lower_dense_attention
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
-from tandem.export.ops import gated_deltanet
+from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
 
 def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None) -> onnx.ModelProto:
@@ -37,14 +42,14 @@ def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None) -> on
                 lowered += 1
                 continue
         nodes.append(node)
+    nodes, dense = lower_dense_attention(nodes, dense_attention_nodes(out))
     del out.graph.node[:]
     out.graph.node.extend(nodes)
-    if lowered:
-        if not any(o.domain == MS_DOMAIN for o in out.opset_import):
-            out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-        still_used = any(n.op_type == gated_deltanet.OP_TYPE and n.domain == TANDEM_DOMAIN for n in out.graph.node)
-        if not still_used:
-            keep = [f for f in out.functions if f.name != gated_deltanet.OP_TYPE]
+    if lowered and not any(o.domain == MS_DOMAIN for o in out.opset_import):
+        out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
+    for op, count in ((gated_deltanet.OP_TYPE, lowered), (paged_sparse_attention.OP_TYPE, dense)):
+        if count and not any(n.op_type == op and n.domain == TANDEM_DOMAIN for n in out.graph.node):
+            keep = [f for f in out.functions if f.name != op]
             del out.functions[:]
             out.functions.extend(keep)
     return out

@@ -50,6 +50,8 @@ class PagedState:
 
     def feeds(self, names) -> dict:
         f = {c.CONTEXT_LENS: self.lens.copy(), c.BLOCK_TABLES: self.tables, c.STATE_SLOTS: self.slots, **self.pools}
+        # every page group (block_tables.window{w}) reads the same table: the driver's pools are all of one size
+        f.update({n: self.tables for n in names if n.startswith(c.BLOCK_TABLES + ".")})
         return {n: f[n] for n in names if n in f}
 
     def commit(self, out: dict, rows: np.ndarray, commit_states: bool = True) -> None:

@@ -8,10 +8,12 @@ import pytest
 
 from tandem import contract as c
 from tandem.checkpoint import open_checkpoint
+from tandem.checkpoint.description import AttentionSpec
 from tandem.export.exporter import build_graphs
 from tandem.export.lowering import lower_for_onnxruntime
 from tandem.export.ops import gated_deltanet
 from tandem.testing import op_references as ref
+from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
 from .op_harness import run, single_op_model
 from .paged_driver import PagedState, session
@@ -46,16 +48,24 @@ def test_row_state_nodes_keep_their_body_without_a_static_width():
     assert lower_for_onnxruntime(model).graph.node[0].op_type == "GatedDeltaNet"
 
 
-@pytest.mark.parametrize("kind", ["qwen3_5_mtp1", "qwen3_next"])
-def test_lowered_graphs_match_function_bodies(tiny_root, kind):
-    ckpt = open_checkpoint(tiny_root / kind)
+@pytest.mark.parametrize("kind", ["qwen3_5_mtp1", "qwen3_next", "step3p5"])
+def test_lowered_graphs_match_function_bodies(tiny_root, tmp_path, kind):
+    """GatedDeltaNet -> LinearAttention and, where no row selects, PagedSparseAttention -> the
+    dense form with one shared mask per window (Step-3.5: full and sliding-window layers)."""
+    folder = tiny_root / kind if (tiny_root / kind).exists() else write_tiny_checkpoint(tmp_path / kind, kind)
+    ckpt = open_checkpoint(folder)
     graphs = build_graphs(ckpt)
     desc = ckpt.description
     ids = np.array([[5, 17, 33, 200], [9, 120, 77, 3]], np.int64)
     rows = np.array([4, 3], np.int64)
     for name, extra in (("target_step", {c.STATE_ROWS: rows}), ("verify_greedy", {})):
         plain = session(graphs[name])
-        low = session(lower_for_onnxruntime(graphs[name], rows=4))
+        lowered = lower_for_onnxruntime(graphs[name], rows=4)
+        assert not any(n.op_type == "PagedSparseAttention" for n in lowered.graph.node)
+        windows = {layer.mixer.window for layer in desc.layers if isinstance(layer.mixer, AttentionSpec)}
+        ranges = sum(n.op_type == "Range" and n.name.startswith("/dense_attention/") for n in lowered.graph.node)
+        assert ranges == 2 * len(windows)        # one shared mask (two Ranges) per window, not per layer
+        low = session(lowered)
         a = PagedState(desc, 2).run(plain, {c.INPUT_IDS: ids, **extra})
         b = PagedState(desc, 2).run(low, {c.INPUT_IDS: ids, **extra})
         for key in a:

@@ -1,0 +1,83 @@
+"""Two engine dirs' graph, call by call, interleaved: which one is faster, robust to a noisy machine.
+
+    .venv/bin/python bench/engine_ab.py DIR_A DIR_B [--graph target_step] [--batch 1 8] [--rows 1]
+                                        [--context 64] [--calls 300]
+
+Both dirs must come from the same checkpoint (same contract inputs). For each batch size, opens the
+graph's engine file of each dir on the process-wide thread pool, feeds both the same inputs (random
+pools, scattered pages, every sequence at `--context` committed positions, `--rows` new rows), and
+times A and B alternately, call after call, so both see the same machine state. Prints the median
+ms per call of each and the ratio of medians A / B (> 1: B faster), and checks that both give the
+same outputs (to 1e-4): an engine that is faster but different is not a speed-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ and tests/ helpers
+from bench.common import machine  # noqa: E402
+from tandem import contract as c  # noqa: E402
+from tandem.checkpoint.description import description_from_dict  # noqa: E402
+from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
+from tandem.engines.manifest import read_manifest  # noqa: E402
+from tests.paged_driver import PagedState  # noqa: E402
+
+
+def engine_file(engine_dir: Path, graph: str) -> Path:
+    files = sorted(f for f in read_manifest(engine_dir)["files"] if Path(f).stem.split(".")[0] == graph)
+    if not files:
+        raise SystemExit(f"{engine_dir}: no engine file for graph {graph!r}")
+    return engine_dir / files[0]
+
+
+def feeds(sess, desc, batch: int, rows: int, context: int, page_size: int) -> dict:
+    pages = -(-(context + rows) // page_size)
+    state = PagedState(desc, batch, page_size=page_size, pages_per_seq=1 << max(0, pages - 1).bit_length())
+    state.lens[:] = context
+    rng = np.random.default_rng(0)
+    extra = {c.INPUT_IDS: rng.integers(0, desc.vocab_size, (batch, rows)), c.STATE_ROWS: np.full(batch, rows)}
+    names = [i.name for i in sess.get_inputs()]
+    f = {**state.feeds(names), **{k: np.asarray(v, np.int64) for k, v in extra.items()}}
+    return {k: v for k, v in f.items() if k in names}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir_a", type=Path)
+    parser.add_argument("dir_b", type=Path)
+    parser.add_argument("--graph", default="target_step")
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--rows", type=int, default=1)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--calls", type=int, default=300)
+    args = parser.parse_args()
+    manifest = read_manifest(args.dir_a)
+    desc = description_from_dict(manifest["description"])
+    page_size = manifest["options"]["page_size"]
+    a, b = (session(engine_file(d, args.graph)) for d in (args.dir_a, args.dir_b))
+    print(f"{machine()}; {args.graph}, {args.rows} row(s), context {args.context}, {args.calls} calls each, "
+          f"interleaved\n  A = {args.dir_a}\n  B = {args.dir_b}")
+    for batch in args.batch:
+        f = feeds(a, desc, batch, args.rows, args.context, page_size)
+        out_a, out_b = a.run(None, f), b.run(None, f)
+        diff = max(float(np.abs(x.astype(np.float64) - y).max()) for x, y in zip(out_a, out_b) if x.size)
+        times = {"a": [], "b": []}
+        for i in range(args.calls):
+            for key, sess in (("a", a), ("b", b)) if i % 2 else (("b", b), ("a", a)):
+                t = time.perf_counter()
+                sess.run(None, f)
+                times[key].append(time.perf_counter() - t)
+        ma, mb = (statistics.median(times[k][10:]) * 1e3 for k in "ab")
+        print(f"  batch {batch}: A {ma:.3f} ms, B {mb:.3f} ms per call, A/B {ma / mb:.2f}x; "
+              f"largest output difference {diff:.1e}" + ("" if diff < 1e-4 else "  <-- outputs differ"))
+
+
+if __name__ == "__main__":
+    main()

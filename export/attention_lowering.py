@@ -1,0 +1,116 @@
+"""ONNX Runtime lowering of `ai.tandem::PagedSparseAttention` in graphs where no row selects:
+the node's `selected` input is a constant with K = 0 (every graph of a model without an
+indexer). The math is the function body's (export/ops/paged_sparse_attention.py) minus its
+selection branch, and the visibility mask is built once per graph and sliding window, then
+shared by every attention layer (the body rebuilds it in each layer from that layer's shapes:
+about 30 small nodes, a third of the tiny model's decode step in the profile; docs/performance.md).
+
+Shared, per (block tables, context lens, window), built before the first such node:
+
+    T = P x S (block-table width x page size), W = the query's rows, B = batch
+    mask [B, 1, 1, W, T + W]: committed j < ctx[b] (and pos - j < window) | new w' <= w (and w - w' < window)
+
+Per layer (D / Dv / Hkv / G from the layer's own tensors, static after ORT's constant folding):
+
+    K, V pages --Gather(block_tables)--> [B, T, Hkv, D] --Cast fp32, Concat(new rows)--> [B, T+W, Hkv, D]
+    q [B,Hkv,G,W,D] x K^T x scale --Where(mask)--> Softmax --> x V --> [B, W, Hq, Dv] --CastLike(query)
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from tandem.export.builder import GraphBuilder
+from tandem.export.ops import paged_sparse_attention as psa
+
+_NEG = -1e30  # as the body: finite, every row sees at least itself
+
+
+def dense_attention_nodes(model: onnx.ModelProto) -> set[str]:
+    """Names of the PagedSparseAttention nodes whose `selected` input is a constant with K = 0."""
+    empty = {i.name for i in model.graph.initializer if len(i.dims) == 3 and i.dims[2] == 0}
+    for node in model.graph.node:
+        if node.op_type == "Constant" and node.attribute and node.attribute[0].name == "value":
+            t = node.attribute[0].t
+            if len(t.dims) == 3 and t.dims[2] == 0:
+                empty.add(node.output[0])
+    return {n.name for n in model.graph.node if n.op_type == psa.OP_TYPE and n.input[7] in empty}
+
+
+def _pass_of(node: onnx.NodeProto) -> str:
+    """The pass of the graph a node belongs to: its name's scope before the layer's own
+    (`/model/layers.N/...`, `/mtp/mtp{j}/...`). A unified round graph (export/round_graph.py) runs
+    verify at the root and each head pass under `reanchor/head{j}` or `draft{s}`, on other rows
+    over the same block tables and context lengths; all layers of one pass run on the same rows."""
+    return node.name.split("/model/")[0].split("/mtp/")[0]
+
+
+def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str]) -> tuple[list[onnx.NodeProto], int]:
+    """`nodes` with each PagedSparseAttention node named in `dense` replaced by its lowered form;
+    the nodes of one pass (_pass_of) with the same tables, context lengths and window share one
+    mask. Returns (nodes, how many were lowered)."""
+    out, masks, lowered = [], {}, 0
+    b = GraphBuilder(function=True, root="dense_attention")   # Constant nodes: no initializers to add
+    for node in nodes:
+        if node.op_type != psa.OP_TYPE or node.name not in dense:
+            out.append(node)
+            continue
+        q, k, v, kc, vc, tables, ctx, _ = node.input
+        window = next((a.i for a in node.attribute if a.name == "sliding_window"), 0)
+        scale = next(a.f for a in node.attribute if a.name == "scale")
+        start = len(b.nodes)
+        key = (tables, ctx, window, _pass_of(node))
+        if key not in masks:
+            masks[key] = _mask(b, q, kc, tables, ctx, window)
+        _attention(b, node, masks[key], scale)
+        out.extend(b.nodes[start:])
+        lowered += 1
+    return out, lowered
+
+
+def _mask(b: GraphBuilder, q: str, kc: str, tables: str, ctx: str, window: int) -> str:
+    """[B, 1, 1, W, T+W] bool: which of the T committed slots and W new rows each new row sees."""
+    i64 = lambda x: b.const(x, np.int64)  # noqa: E731
+    t_len = b.op("Mul", b.shape_of(tables, 1, 2), b.shape_of(kc, 1, 2))          # [1] = P * S
+    w_len = b.shape_of(q, 1, 2)
+    t = b.op("Range", i64(0), b.squeeze(t_len, [0]), i64(1))                       # [T]
+    w = b.op("Range", i64(0), b.squeeze(w_len, [0]), i64(1))                       # [W]
+    ctx3 = b.unsqueeze(ctx, [1, 2])                                                # [B, 1, 1]
+    t3 = b.unsqueeze(t, [0, 1])                                                    # [1, 1, T]
+    mask_c = b.op("Less", t3, ctx3)                                                # [B, 1, T] committed
+    dw = b.op("Sub", b.unsqueeze(w, [1]), b.unsqueeze(w, [0]))                     # [W, W] = w - w'
+    mask_n = b.op("GreaterOrEqual", dw, i64(0))
+    if window > 0:
+        pos_q = b.op("Add", ctx3, b.unsqueeze(w, [0, 2]))                          # [B, W, 1]
+        mask_c = b.op("And", mask_c, b.op("Less", b.op("Sub", pos_q, t3), i64(window)))
+        mask_n = b.op("And", mask_n, b.op("Less", dw, i64(window)))
+    batch = b.shape_of(tables, 0, 1)
+    mask_c = b.op("Expand", mask_c, b.concat([batch, w_len, t_len], 0))            # [B, W, T]
+    mask_n = b.op("Expand", b.unsqueeze(mask_n, [0]), b.concat([batch, w_len, w_len], 0))
+    return b.unsqueeze(b.concat([mask_c, mask_n], 2), [1, 2])                      # [B, 1, 1, W, T+W]
+
+
+def _attention(b: GraphBuilder, node: onnx.NodeProto, mask: str, scale: float) -> None:
+    """The body's attention for one layer under a shared mask; writes the node's own output name."""
+    q, k, v, kc, vc, tables, _, _ = node.input
+    i64 = lambda x: b.const(x, np.int64)  # noqa: E731
+    f32 = lambda x: b.op("Cast", x, to=TensorProto.FLOAT)  # noqa: E731 (ORT drops it on float32 tensors)
+
+    def rows(cache, new):                                                          # [B, T+W, Hkv, D]
+        paged = b.op("Gather", cache, tables, axis=0)                              # [B, P, S, Hkv, D]
+        flat = b.reshape(paged, b.concat([i64([0, -1]), b.shape_of(cache, 2, 4)], 0))
+        return b.concat([f32(flat), f32(new)], 1)
+
+    hkv = b.shape_of(k, 2, 3)
+    g = b.op("Div", b.shape_of(q, 2, 3), hkv)
+    q5 = b.op("Transpose", b.reshape(f32(q), b.concat([i64([0, 0]), hkv, g, b.shape_of(q, 3, 4)], 0)),
+              perm=[0, 2, 3, 1, 4])                                                # [B, Hkv, G, W, D]
+    k5 = b.unsqueeze(b.op("Transpose", rows(kc, k), perm=[0, 2, 3, 1]), [2])       # [B, Hkv, 1, D, T+W]
+    v5 = b.unsqueeze(b.op("Transpose", rows(vc, v), perm=[0, 2, 1, 3]), [2])       # [B, Hkv, 1, T+W, Dv]
+    scores = b.op("Mul", b.op("MatMul", q5, k5), b.const(np.float32(scale)))
+    probs = b.op("Softmax", b.op("Where", mask, scores, b.const(np.float32(_NEG))), axis=-1)
+    out = b.op("Transpose", b.op("MatMul", probs, v5), perm=[0, 3, 1, 2, 4])       # [B, W, Hkv, G, Dv]
+    out = b.reshape(out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
+    b.op("CastLike", out, q, outputs=[node.output[0]], name=node.name + "/output")
