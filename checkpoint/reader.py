@@ -78,6 +78,11 @@ class Checkpoint:
                 files[prefix + f.relative_to(folder).as_posix()] = f
         return files
 
+    @property
+    def fp8_block(self) -> tuple[int, int] | None:
+        """The fp8 block size when the trunk's weights are stored block-quantized (read dequantized)."""
+        return self._index.block
+
     def canonical_names(self) -> list[str]:
         return list(self.sources)
 

@@ -21,6 +21,7 @@ def summarize(ckpt: Checkpoint, spec_k: int | None) -> dict:
         "architecture": d.architecture,
         "model_type": d.model_type,
         "dtype": d.dtype,
+        "fp8_block": list(ckpt.fp8_block) if ckpt.fp8_block else None,
         "vocab_size": d.vocab_size,
         "hidden_size": d.hidden_size,
         "num_layers": d.num_layers,
@@ -153,7 +154,8 @@ def format_summary(s: dict) -> str:
     a, g, kv = s["attention"], s["gated_deltanet"], s["kv_bytes_per_token"]
     rows = [
         ("family", f"{s['family']} ({s['architecture']}, model_type {s['model_type']})"),
-        ("dtype", s["dtype"]),
+        ("dtype", s["dtype"] + (f", projections stored fp8 e4m3 in {s['fp8_block'][0]}x{s['fp8_block'][1]} blocks "
+                                "(read dequantized)" if s["fp8_block"] else "")),
         ("vocab / hidden", f"{s['vocab_size']} / {s['hidden_size']}"),
         ("layers", f"{s['num_layers']}: " + ", ".join(
             f"{s['layer_pattern'].count(c)} {what}" for c, what in (("L", "Gated DeltaNet"), ("A", "full attention"),

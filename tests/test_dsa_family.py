@@ -263,6 +263,9 @@ def test_inspect_reports_mla_indexer_and_cache_bytes(dsa_root, capsys):
     assert report["mla"]["bytes_per_token"] == {"latent": 3 * 40 * 4, "indexer": 3 * 16 * 4,
                                                 "per_head_kv": 3 * 4 * (24 + 16) * 4}
     assert report["moe"]["n_group"] == 2 and report["mla"]["yarn_factor"] == 4.0 and report["attention"] is None
+    assert report["fp8_block"] is None
+    assert main(["inspect", str(dsa_root / "deepseek_v32_fp8")]) == 0
+    assert "stored fp8 e4m3 in 128x128 blocks (read dequantized)" in capsys.readouterr().out
 
 
 def test_engines_are_refused_early_until_mla_is_exported(dsa_root, tmp_path):
