@@ -14,7 +14,8 @@ the runtime commits them (a rejected draft leaves nothing).
     q'.row = q_nope . (W_UK c_kv) + q_pe . k_pe, the expanded form's score, with no per-head K/V.
 
 RoPE: MLA rotates interleaved pairs (x0, x1), (x2, x3) .. and writes them de-interleaved (as
-transformers' apply_rotary_pos_emb_interleave); the DeepSeek-V3.2 indexer rotates the halves
+transformers' apply_rotary_pos_emb_interleave; DeepSeek-V3 with rope_interleave false: halves); the
+DeepSeek-V3.2 indexer rotates the halves
 (NeoX), GLM-5's indexer the interleaved pairs. cos/sin carry YaRN's attention factor; the softmax
 scale is qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2 (transformers' yarn_apply_mscale).
 """
@@ -41,6 +42,7 @@ class MLADims:
     qk_rope_head_dim: int
     v_head_dim: int
     rms_norm_eps: float
+    rope_interleaved: bool = True    # DeepSeek-V3's config.rope_interleave; V3.2 and GLM-5 always
 
     @property
     def qk_head_dim(self) -> int:
@@ -162,7 +164,7 @@ def mla_attention(b: GraphBuilder, dims: MLADims, indexer: IndexerDims | None, r
                                w.plain(b, p + "q_a_layernorm.weight"), eps, "q_a_layernorm")
             q = linear(b, w, q_resid, p + "q_b_proj.weight", "q_b_proj")
         q = b.reshape(q, [0, 0, n, dims.qk_head_dim])
-        q_pe = rotate(b, b.slice(q, [nope], [dims.qk_head_dim], [3]), cos, sin, rd, True)
+        q_pe = rotate(b, b.slice(q, [nope], [dims.qk_head_dim], [3]), cos, sin, rd, dims.rope_interleaved)
         kv_b = p + "kv_b_proj.weight"  # [n * (nope + v), r]
         w_uk = w.derived(b, kv_b + ".w_uk", lambda: w.raw(kv_b).reshape(n, nope + dims.v_head_dim, r)[:, :nope]
                          .astype(w.np_dtype))                                        # [n, nope, r]
@@ -173,7 +175,8 @@ def mla_attention(b: GraphBuilder, dims: MLADims, indexer: IndexerDims | None, r
         kv = linear(b, w, x, p + "kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa")  # [B, W, r + rope]
         c_kv = rms_norm(b, b.slice(kv, [0], [r], [2]), w.plain(b, p + "kv_a_layernorm.weight"), eps,
                         "kv_a_layernorm")
-        k_pe = rotate(b, b.unsqueeze(b.slice(kv, [r], [dims.latent_width], [2]), [2]), cos, sin, rd, True)
+        k_pe = b.unsqueeze(b.slice(kv, [r], [dims.latent_width], [2]), [2])
+        k_pe = rotate(b, k_pe, cos, sin, rd, dims.rope_interleaved)
         rows = b.concat([b.unsqueeze(c_kv, [2]), k_pe], -1)                          # [B, W, 1, r + rope]
 
         index_rows = None

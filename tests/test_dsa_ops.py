@@ -86,8 +86,12 @@ FAMILIES = {
                      "transformers.models.deepseek_v32.modeling_deepseek_v32", "DeepseekV32"),
     "glm_moe_dsa": ("transformers.models.glm_moe_dsa.configuration_glm_moe_dsa", "GlmMoeDsaConfig",
                     "transformers.models.glm_moe_dsa.modeling_glm_moe_dsa", "GlmMoeDsa"),
+    "deepseek_v3": ("transformers.models.deepseek_v3.configuration_deepseek_v3", "DeepseekV3Config",
+                    "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3"),
 }
 PAGE, N_PAGES, MAX_PAGES = 4, 16, 6
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
 
 
 class _Dict:
@@ -98,18 +102,15 @@ class _Dict:
         return self.tensors[name]
 
 
-def tiny_attention(family, top_k, yarn):
+def tiny_attention(family, top_k, yarn, **extra):
     import importlib
 
     cfg_mod, cfg_cls, model_mod, prefix = FAMILIES[family]
-    rope = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
-            "mscale": 1.0, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1} if yarn else \
-        {"rope_type": "default", "rope_theta": 10000.0}
-    config = getattr(importlib.import_module(cfg_mod), cfg_cls)(
-        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12,
-        qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10, index_n_heads=8, index_head_dim=10,
-        index_topk=top_k, max_position_embeddings=64, rope_parameters=rope, num_hidden_layers=1,
-        attn_implementation="eager")
+    dims = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16, kv_lora_rank=12,
+                qk_nope_head_dim=8, qk_rope_head_dim=6, v_head_dim=10, index_n_heads=8, index_head_dim=10,
+                index_topk=top_k, max_position_embeddings=64, num_hidden_layers=1, attn_implementation="eager",
+                rope_parameters=dict(YARN) if yarn else {"rope_type": "default", "rope_theta": 10000.0})
+    config = getattr(importlib.import_module(cfg_mod), cfg_cls)(**{**dims, **extra})
     config._attn_implementation = "eager"
     mod = importlib.import_module(model_mod)
     torch.manual_seed(0)
@@ -122,32 +123,35 @@ def tiny_attention(family, top_k, yarn):
 
 
 def transformers_rows(config, attn, rotary, x):
-    """Attention output [1, L, H] and the indexer's selection [1, L, k] over the full sequence x."""
+    """Attention output [1, L, H] and the indexer's selection [1, L, k] (None without one) over x."""
     seq = x.shape[1]
     pos = torch.arange(seq)[None]
     mask = torch.full((seq, seq), torch.finfo(torch.float32).min).triu(1)[None, None]
     picked = {}
-    hook = attn.indexer.register_forward_hook(lambda _m, _i, out: picked.setdefault("sel", out))
+    indexer = getattr(attn, "indexer", None)
+    hook = indexer.register_forward_hook(lambda _m, _i, out: picked.setdefault("sel", out)) if indexer else None
     with torch.no_grad():
         out = attn(x, rotary(x, pos), mask, position_ids=pos)[0]
-    hook.remove()
-    return out.numpy(), picked["sel"].numpy()
+    if hook:
+        hook.remove()
+    return out.numpy(), picked["sel"].numpy() if hook else None
 
 
-def mla_model(config, attn, family, top_k, w_rows):
+def mla_step(config, attn, dims, idx):
+    """The MLA piece as an ONNX Runtime session: feeds -> {out, rows, index_rows, selected}."""
     tensors = {"a." + n: t.detach().numpy() for n, t in attn.state_dict().items()}
-    dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps)
-    idx = IndexerDims(8, 10, top_k, rope_interleaved=family == "glm_moe_dsa")
-    rope = rope_for(config.rope_parameters, 6, dims.qk_head_dim, config.max_position_embeddings)
+    rope = rope_for(config.rope_parameters, dims.qk_rope_head_dim, dims.qk_head_dim, config.max_position_embeddings)
     b = GraphBuilder()
     out = mla_attention(b, dims, idx, rope, Weights(_Dict(tensors)), "a.", "x", "positions", "context_lens",
-                        "block_tables", "latent_pool", "index_pool")
+                        "block_tables", "latent_pool", "index_pool" if idx else None)
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     ins = [helper.make_tensor_value_info(n, t, s) for n, t, s in (
         ("x", f32, ["B", "W", 32]), ("positions", i64, ["B", "W"]), ("context_lens", i64, ["B"]),
-        ("block_tables", i64, ["B", "P"]), ("latent_pool", f32, ["N", PAGE, 1, 18]),
-        ("index_pool", f32, ["N", PAGE, 10]))]
-    names = [out.output, out.latent_rows, out.index_key_rows, out.selected]
+        ("block_tables", i64, ["B", "P"]), ("latent_pool", f32, ["N", PAGE, 1, dims.latent_width]))]
+    if idx:
+        ins.append(helper.make_tensor_value_info("index_pool", f32, ["N", PAGE, idx.head_dim]))
+    keys = ["out", "rows", "index_rows", "selected"][: 4 if idx else 2]
+    names = [out.output, out.latent_rows, out.index_key_rows, out.selected][: len(keys)]
     outs = [helper.make_tensor_value_info(n, t, [None] * r)
             for n, t, r in zip(names, (f32, f32, f32, i64), (3, 4, 3, 3))]
     inits = [onnx.numpy_helper.from_array(a, n) for n, a in b.initializers.items()]
@@ -160,7 +164,38 @@ def mla_model(config, attn, family, top_k, w_rows):
     from tandem.engines.backends.onnxruntime_backend import session
 
     sess = session(model)
-    return lambda feeds: dict(zip(["out", "rows", "index_rows", "selected"], sess.run(names, feeds)))
+    return lambda feeds: dict(zip(keys, sess.run(names, feeds)))
+
+
+def run_against_transformers(config, attn, rotary, dims, idx, w_rows):
+    """Prefill two committed contexts (13 and 7 tokens) alone, commit their rows into shuffled
+    pages, then run W new rows of both over them; compare with transformers on the full sequences."""
+    step = mla_step(config, attn, dims, idx)
+    ctx = np.array([13, 7], np.int64)
+    xs = [torch.randn(1, int(n) + w_rows, 32, generator=torch.Generator().manual_seed(s)) for s, n in enumerate(ctx)]
+    pools = {"latent_pool": np.zeros((N_PAGES, PAGE, 1, dims.latent_width), np.float32)}
+    if idx:
+        pools["index_pool"] = np.zeros((N_PAGES, PAGE, idx.head_dim), np.float32)
+    tables = np.random.default_rng(1).permutation(N_PAGES)[: 2 * MAX_PAGES].reshape(2, MAX_PAGES).astype(np.int64)
+    for s, n in enumerate(ctx):
+        got = step({"x": xs[s][:, :n].numpy(), "positions": np.arange(n)[None], "context_lens": np.zeros(1, np.int64),
+                    "block_tables": tables[s : s + 1], **pools})
+        for j in range(n):
+            pools["latent_pool"][tables[s, j // PAGE], j % PAGE] = got["rows"][0, j]
+            if idx:
+                pools["index_pool"][tables[s, j // PAGE], j % PAGE] = got["index_rows"][0, j]
+    new = np.concatenate([x[:, -w_rows:].numpy() for x in xs])
+    got = step({"x": new, "positions": ctx[:, None] + np.arange(w_rows)[None], "context_lens": ctx,
+                "block_tables": tables, **pools})
+    for s, n in enumerate(ctx):
+        want, picked = transformers_rows(config, attn, rotary, xs[s])
+        np.testing.assert_allclose(got["out"][s], want[0, n:], atol=1e-4)
+        for i in range(w_rows if idx else 0):
+            pos = n + i
+            theirs = {int(j) for j in picked[0, pos] if j <= pos}       # past the row: masked anyway
+            ours = {int(j) for j in got["selected"][s, i] if j >= 0}
+            assert ours == theirs, (s, i)
+            assert len(ours) == min(idx.top_k, pos + 1)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
@@ -168,27 +203,31 @@ def mla_model(config, attn, family, top_k, w_rows):
 @pytest.mark.parametrize("w_rows", [5, 1])
 def test_absorbed_mla_equals_transformers(family, top_k, yarn, w_rows):
     config, attn, rotary = tiny_attention(family, top_k, yarn)
-    ctx = np.array([13, 7], np.int64)
-    xs = [torch.randn(1, int(n) + w_rows, 32, generator=torch.Generator().manual_seed(s)) for s, n in enumerate(ctx)]
-    step = mla_model(config, attn, family, top_k, w_rows)
-    latent = np.zeros((N_PAGES, PAGE, 1, 18), np.float32)
-    index = np.zeros((N_PAGES, PAGE, 10), np.float32)
-    tables = np.random.default_rng(1).permutation(N_PAGES)[: 2 * MAX_PAGES].reshape(2, MAX_PAGES).astype(np.int64)
-    for s, n in enumerate(ctx):  # prefill each committed context alone, then commit its rows into the pages
-        got = step({"x": xs[s][:, :n].numpy(), "positions": np.arange(n)[None], "context_lens": np.zeros(1, np.int64),
-                    "block_tables": tables[s : s + 1], "latent_pool": latent, "index_pool": index})
-        for j in range(n):
-            latent[tables[s, j // PAGE], j % PAGE] = got["rows"][0, j]
-            index[tables[s, j // PAGE], j % PAGE] = got["index_rows"][0, j]
-    new = np.concatenate([x[:, -w_rows:].numpy() for x in xs])
-    got = step({"x": new, "positions": ctx[:, None] + np.arange(w_rows)[None], "context_lens": ctx,
-                "block_tables": tables, "latent_pool": latent, "index_pool": index})
-    for s, n in enumerate(ctx):
-        want, picked = transformers_rows(config, attn, rotary, xs[s])
-        np.testing.assert_allclose(got["out"][s], want[0, n:], atol=1e-4)
-        for i in range(w_rows):
-            pos = n + i
-            theirs = {int(j) for j in picked[0, pos] if j <= pos}       # past the row: masked anyway
-            ours = {int(j) for j in got["selected"][s, i] if j >= 0}
-            assert ours == theirs, (s, i)
-            assert len(ours) == min(top_k, pos + 1)
+    dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps)
+    idx = IndexerDims(8, 10, top_k, rope_interleaved=family == "glm_moe_dsa")
+    run_against_transformers(config, attn, rotary, dims, idx, w_rows)
+
+
+@pytest.mark.parametrize("interleave", [True, False])
+def test_absorbed_mla_without_q_lora_equals_deepseek_v3(interleave):
+    config, attn, rotary = tiny_attention("deepseek_v3", 0, True, q_lora_rank=None, rope_interleave=interleave)
+    dims = MLADims(4, None, 12, 8, 6, 10, config.rms_norm_eps, rope_interleaved=interleave)
+    run_against_transformers(config, attn, rotary, dims, None, 5)
+
+
+@pytest.mark.parametrize("params", [
+    {}, {"attention_factor": 1.3}, {"mscale": None, "mscale_all_dim": None},
+    {"truncate": False, "factor": 40.0, "original_max_position_embeddings": 4096},
+    {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 16}])
+def test_rope_for_equals_transformers_yarn(params):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config, _, rotary = tiny_attention("deepseek_v32", 8, True)
+    config.rope_parameters = {**YARN, **params}
+    inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
+    rope = rope_for(config.rope_parameters, 6, 14, config.max_position_embeddings)
+    np.testing.assert_allclose(rope.inv_freq, inv_freq.numpy(), rtol=1e-6)
+    assert rope.attention_factor == pytest.approx(factor, rel=1e-7)
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import yarn_apply_mscale
+
+    assert rope.softmax_scale == pytest.approx(yarn_apply_mscale(config.rope_parameters, 14 ** -0.5), rel=1e-7)
