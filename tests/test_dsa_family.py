@@ -274,3 +274,18 @@ def test_engines_are_refused_early_until_mla_is_exported(dsa_root, tmp_path):
     with pytest.raises(ValueError, match="layer 0: MLA attention is not exported yet"):
         build_engines(dsa_root / "glm_moe_dsa", tmp_path / "engines", show_progress=False)
     assert not (tmp_path / "engines").exists()
+
+
+def test_nextn_layer_from_a_draft_folder(dsa_root, tmp_path):
+    """The NextN layer (and the Hub's unread embedding copy) split off into a --draft folder."""
+    owns = deepseek_dsa.mtp_layout(dsa_config("deepseek_v32")).owns
+    tensors, target, draft = read_all(dsa_root / "deepseek_v32"), tmp_path / "t", tmp_path / "d"
+    shutil.copytree(dsa_root / "deepseek_v32", target)
+    draft.mkdir()
+    write_safetensors(target / "model.safetensors", {n: a for n, a in tensors.items() if not owns(n)})
+    write_safetensors(draft / "model.safetensors", {n: a for n, a in tensors.items() if owns(n)})
+    ckpt = open_checkpoint(target, draft=draft)
+    assert ckpt.description.mtp.source == str(draft)
+    np.testing.assert_array_equal(ckpt.weight("mtp.layers.0.self_attn.indexer.wk.weight"),
+                                  tensors["model.layers.3.self_attn.indexer.wk.weight"])
+    assert "no NextN (model.layers.3.* and up) tensors" in refusal(target)
