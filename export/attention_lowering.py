@@ -39,7 +39,7 @@ def dense_attention_nodes(model: onnx.ModelProto) -> set[str]:
     return {n.name for n in model.graph.node if n.op_type == psa.OP_TYPE and n.input[7] in empty}
 
 
-def _pass_of(node: onnx.NodeProto) -> str:
+def pass_of(node: onnx.NodeProto) -> str:
     """The pass of the graph a node belongs to: its name's scope before the layer's own
     (`/model/layers.N/...`, `/mtp/mtp{j}/...`). A unified round graph (export/round_graph.py) runs
     verify at the root and each head pass under `reanchor/head{j}` or `draft{s}`, on other rows
@@ -49,7 +49,7 @@ def _pass_of(node: onnx.NodeProto) -> str:
 
 def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str]) -> tuple[list[onnx.NodeProto], int]:
     """`nodes` with each PagedSparseAttention node named in `dense` replaced by its lowered form;
-    the nodes of one pass (_pass_of) with the same tables, context lengths and window share one
+    the nodes of one pass (pass_of) with the same tables, context lengths and window share one
     mask. Returns (nodes, how many were lowered)."""
     out, masks, lowered = [], {}, 0
     b = GraphBuilder(function=True, root="dense_attention")   # Constant nodes: no initializers to add
@@ -61,7 +61,7 @@ def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str]) -> tuple
         window = next((a.i for a in node.attribute if a.name == "sliding_window"), 0)
         scale = next(a.f for a in node.attribute if a.name == "scale")
         start = len(b.nodes)
-        key = (tables, ctx, window, _pass_of(node))
+        key = (tables, ctx, window, pass_of(node))
         if key not in masks:
             masks[key] = _mask(b, q, kc, tables, ctx, window)
         _attention(b, node, masks[key], scale)

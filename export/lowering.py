@@ -22,7 +22,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from tandem.export.attention_lowering import dense_attention_nodes, lower_dense_attention
+from tandem.export.attention_lowering import dense_attention_nodes, lower_dense_attention, pass_of
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
@@ -32,13 +32,13 @@ def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None) -> on
     is the static verify width; without it, nodes that emit row states keep their body."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
-    nodes = []
+    nodes, masks = [], {}    # masks: the state_rows mask per (state_rows, graph pass), shared by the layers
     lowered = 0
     for node in out.graph.node:
         if node.domain == TANDEM_DOMAIN and node.op_type == gated_deltanet.OP_TYPE:
             emits_rows = len(node.output) == 3 and node.output[2] != ""
             if not emits_rows or rows is not None:
-                nodes.extend(_lower_gdn(node, rows if emits_rows else None))
+                nodes.extend(_lower_gdn(node, rows if emits_rows else None, masks))
                 lowered += 1
                 continue
         nodes.append(node)
@@ -55,21 +55,24 @@ def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None) -> on
     return out
 
 
-def _lower_gdn(node: onnx.NodeProto, unroll: int | None) -> list[onnx.NodeProto]:
+def _lower_gdn(node: onnx.NodeProto, unroll: int | None, masks: dict) -> list[onnx.NodeProto]:
     """GatedDeltaNet(q, k, v, g, beta, s0, state_rows) -> LinearAttention on [B, T, H*D] tensors."""
     q, k, v, g, beta, s0, rows = node.input
     scale = next(a.f for a in node.attribute if a.name == "scale")
     b = GraphBuilder(function=True, root=node.name + "/lowered")  # constants as nodes: no initializers
     i64 = lambda x: b.const(x, np.int64)  # noqa: E731
-    # mask rows at or beyond state_rows (same as the body)
-    w = b.op("Range", i64(0), b.squeeze(b.shape_of(q, 1, 2), [0]), i64(1))
-    validf = b.unsqueeze(b.op("Cast", b.op("Less", b.unsqueeze(w, [0]), b.unsqueeze(rows, [1])),
-                              to=TensorProto.FLOAT), [2])
+    # mask rows at or beyond state_rows (same as the body); one mask per graph pass, shared by its layers
+    key = (rows, pass_of(node))
+    if key not in masks:
+        w = b.op("Range", i64(0), b.squeeze(b.shape_of(q, 1, 2), [0]), i64(1))
+        masks[key] = b.unsqueeze(b.op("Cast", b.op("Less", b.unsqueeze(w, [0]), b.unsqueeze(rows, [1])),
+                                      to=TensorProto.FLOAT), [2])
+    validf = masks[key]
     g_m, beta_m = b.op("Mul", g, validf), b.op("Mul", beta, validf)
-    # keys repeated to the value heads (h -> h // r), everything packed to [B, T, H*D]
-    hk, hv = b.shape_of(q, 2, 3), b.shape_of(v, 2, 3)
-    r = b.op("Div", hv, hk)
-    k_rep = b.op("Expand", b.unsqueeze(k, [3]), b.concat([b.shape_of(k, 0, 3), r, b.shape_of(k, 3, 4)], 0))
+    # keys repeated to the value heads (h -> h // r, static head counts: Expand broadcasts the ones),
+    # everything packed to [B, T, H*D]
+    hk, hv = _heads(node, "q"), _heads(node, "v")
+    k_rep = b.op("Expand", b.unsqueeze(k, [3]), i64([1, 1, 1, hv // hk, 1])) if hv != hk else b.unsqueeze(k, [3])
     pack = lambda x: b.reshape(x, [0, 0, -1])  # noqa: E731
     qp, kp, vp = pack(q), pack(k_rep), pack(v)
     attrs = dict(update_rule="gated_delta", scale=scale)
@@ -81,7 +84,7 @@ def _lower_gdn(node: onnx.NodeProto, unroll: int | None) -> list[onnx.NodeProto]
 
     if unroll is None:
         out, final = linear_attention(qp, kp, vp, s0, g_m, beta_m, 2, "LinearAttention")
-        b.op("Reshape", out, b.concat([i64([0, 0]), hv, i64([-1])], 0), outputs=[node.output[0]])
+        b.op("Reshape", out, i64([0, 0, hv, -1]), outputs=[node.output[0]])
         b.op("Identity", final, outputs=[node.output[1]])
         return b.nodes
     state, outs, states = s0, [], []
@@ -90,7 +93,7 @@ def _lower_gdn(node: onnx.NodeProto, unroll: int | None) -> list[onnx.NodeProto]
         o, state = linear_attention(sl(qp), sl(kp), sl(vp), state, sl(g_m), sl(beta_m), 2, f"LinearAttention_{t}")
         outs.append(o)
         states.append(b.unsqueeze(state, [1]))
-    b.op("Reshape", b.concat(outs, 1), b.concat([i64([0, 0]), hv, i64([-1])], 0), outputs=[node.output[0]])
+    b.op("Reshape", b.concat(outs, 1), i64([0, 0, hv, -1]), outputs=[node.output[0]])
     b.op("Identity", state, outputs=[node.output[1]])
     b.op("Concat", *states, axis=1, outputs=[node.output[2]])
     return b.nodes
