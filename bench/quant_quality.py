@@ -1,0 +1,212 @@
+"""Quality of the weight-only int8 / int4 engines on held-out text, measured by running the engines.
+
+    .venv/bin/python bench/quant_quality.py [--model models/tandem-tiny-code] [--formats float,int8,int4,int4:64]
+                                            [--windows 320] [--seq 256] [--prompts 16] [--tokens 48]
+                                            [--workdir DIR] [--engines int8=DIR,...]
+
+For one checkpoint (default the shipped model) builds one engine dir per format (`FMT` or
+`FMT:BLOCK` for --quant-block; --engines reuses existing dirs), then with each:
+- held-out next-token loss (nats/token) from the target engine's logits at every row of the prefill
+  chunks, teacher-forced over the same windows for every format. The held-out stream and the windows
+  are tools/train_small_model.py's (`stdlib_files`, `encode`, and `evaluate`'s draws: seed 0, 8
+  windows per draw), so the defaults (320 windows of 256) are the positions of the model card's
+  held-out loss (81,920), which the float engines should reproduce up to float rounding;
+- top-1 agreement with float: the share of those positions where argmax(format) == argmax(float);
+- greedy agreement as bench/weight_formats.py defines it (tokens before the first divergence from
+  float's greedy output), on --prompts prompts of 32 held-out tokens, --tokens tokens each;
+- the MTP heads' acceptance in speculative greedy decoding of the same prompts: the mean accept
+  length (tokens per verify round) and, per draft position i, the share of rounds that drafted i in
+  which drafts 1..i were all accepted; and whether speculative output equals plain greedy output.
+
+torch is imported only for the held-out split helpers; every figure comes from ONNX Runtime engines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine  # noqa: E402
+from bench.weight_formats import agreement  # noqa: E402
+from tandem import contract as c  # noqa: E402
+from tandem.engines.builder import build_engines  # noqa: E402
+from tandem.engines.options import BuildOptions  # noqa: E402
+from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
+from tools.train_small_model import MTP_LAYERS, encode, read, stdlib_files  # noqa: E402
+
+PER_DRAW = 8    # windows per draw of train_small_model.evaluate's generator
+
+
+@dataclass(frozen=True)
+class Format:
+    weights: str            # float, int8, int4
+    block: int = 32         # --quant-block (ignored for float)
+
+    @property
+    def label(self) -> str:
+        return "float" if self.weights == "float" else f"{self.weights}:{self.block}"
+
+    @classmethod
+    def parse(cls, text: str) -> Format:
+        weights, _, block = text.partition(":")
+        try:
+            return cls(weights, int(block) if block else 32)
+        except ValueError as e:
+            raise SystemExit(f"--formats {text!r}: write FORMAT or FORMAT:BLOCK, e.g. int4:64") from e
+
+
+@dataclass(frozen=True)
+class Quality:
+    loss: float                 # nats/token over every window position
+    argmax: np.ndarray          # [windows, seq] argmax of the logits at each position
+    greedy: list[list[int]]     # plain greedy tokens per prompt
+    accept_length: float        # speculative: tokens per verify round
+    acceptance: list[float]     # speculative, per draft position i: rounds that accepted drafts 1..i / drafted i
+    spec_equals_plain: bool
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    windows: np.ndarray         # [windows, seq + 1] token ids: each window's inputs and next tokens
+    stream_tokens: int          # the whole held-out stream (the model card gives its count)
+
+
+def held_out_windows(tokenizer_file: Path, windows: int, seq: int, seed: int) -> HeldOut:
+    """evaluate()'s windows of the held-out stream, in its order."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file))
+    held = encode(tok, read(stdlib_files()[1]), tok.token_to_id("<|endoftext|>"))
+    rng = np.random.default_rng(seed)
+    starts = np.concatenate([rng.integers(0, len(held) - seq - MTP_LAYERS - 2, PER_DRAW)
+                             for _ in range(-(-windows // PER_DRAW))])[:windows]
+    return HeldOut(np.stack([held[s : s + seq + 1] for s in starts]).astype(np.int64), len(held))
+
+
+def teacher_forced(llm: LLM, windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(nll, argmax), each [windows, seq]: every prefill row's logits, read as the engine's own
+    prefill runs (plain decoding, one token generated per window so each is prefilled once)."""
+    n, seq = windows.shape[0], windows.shape[1] - 1
+    nll, top = np.full((n, seq), np.nan), np.full((n, seq), -1, np.int64)
+    index: dict[str, int] = {}
+    real = llm.runner.target_step
+
+    def record(rows):
+        outs = real(rows)
+        by_slot = {s.slot: s for s in llm.scheduler.running}
+        for r, logits in zip(rows, outs.arrays[c.LOGITS]):
+            w, a, k = index[by_slot[r.slot].request_id], r.context, len(r.ids)
+            x = logits[:k].astype(np.float64)                                  # [k, V]
+            m = x.max(-1)
+            lse = m + np.log(np.exp(x - m[:, None]).sum(-1))
+            nll[w, a : a + k] = lse - x[np.arange(k), windows[w, a + 1 : a + k + 1]]
+            top[w, a : a + k] = x.argmax(-1)
+        return outs
+
+    llm.runner.target_step = record
+    try:
+        params = SamplingParams(max_tokens=1, ignore_eos=True, speculative=False)
+        seqs = [llm.add_request(ids.tolist(), params) for ids in windows[:, :seq]]
+        index.update({s.request_id: w for w, s in enumerate(seqs)})
+        while llm.scheduler.has_work():
+            llm.step()
+    finally:
+        llm.runner.target_step = real
+    if np.isnan(nll).any():
+        raise RuntimeError(f"{int(np.isnan(nll).sum())} positions were never prefilled: the runner's rows did not "
+                           "cover every window")
+    # the engine's own first token is the last row's argmax: rows were attributed to the right windows
+    wrong = [w for w, s in enumerate(seqs) if s.tokens[-1] != top[w, -1]]
+    if wrong:
+        raise RuntimeError(f"windows {wrong[:5]}: the token generated after the prompt is not the argmax recorded for "
+                           "its last row; the rows were attributed to the wrong windows")
+    return nll, top
+
+
+def measure(engine_dir: Path, windows: np.ndarray, prompts: list[list[int]], tokens: int) -> Quality:
+    llm = LLM(engine_dir, EngineConfig(memory_budget_bytes=1 << 30))
+    nll, top = teacher_forced(llm, windows)
+    plain = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, speculative=False))
+    spec = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    drafted = np.zeros(MTP_LAYERS)
+    accepted = np.zeros(MTP_LAYERS)
+    for r in spec:
+        d, a = r.metrics.drafted_per_position, r.metrics.accepted_per_position
+        drafted[: len(d)] += d
+        accepted[: len(a)] += a
+    rounds = sum(r.metrics.rounds for r in spec)
+    return Quality(float(nll.mean()), top, [r.token_ids for r in plain],
+                   (sum(r.metrics.accepted for r in spec) + rounds) / rounds,
+                   (accepted / np.maximum(drafted, 1)).tolist(),
+                   [r.token_ids for r in spec] == [r.token_ids for r in plain])
+
+
+def engine_dir_for(fmt: Format, src: Path, work: Path, given: dict[str, str]) -> Path:
+    if fmt.label in given:
+        return Path(given[fmt.label])
+    options = BuildOptions(weights=fmt.weights, quant_block=fmt.block, batch_sizes=(1, 8), max_seq_len=1024)
+    t = time.perf_counter()
+    built = build_engines(src, work / f"{src.name}-{fmt.label.replace(':', '-b')}", options, show_progress=False)
+    print(f"  built {fmt.label}: {built.size_bytes / 2**20:.1f} MiB in {time.perf_counter() - t:.0f} s", flush=True)
+    return built.engine_dir
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tandem-tiny-code")
+    parser.add_argument("--formats", default="float,int8,int4,int4:64")
+    parser.add_argument("--windows", type=int, default=320)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=48)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--engines", default="", help="existing engine dirs, e.g. float=DIR,int4:64=DIR")
+    args = parser.parse_args()
+    src = Path(args.model)
+    if not (src / "tokenizer.json").is_file():
+        raise SystemExit(f"{src / 'tokenizer.json'} not found: --model must be a checkpoint folder trained on the "
+                         "stdlib split of tools/train_small_model.py (e.g. models/tandem-tiny-code)")
+    formats = [Format.parse(f) for f in args.formats.split(",")]
+    if formats[0].weights != "float":
+        raise SystemExit(f"--formats {args.formats}: the first must be float, the reference of the agreements")
+    given = {}
+    for kv in filter(None, args.engines.split(",")):
+        label, sep, folder = kv.partition("=")
+        if not sep or not (Path(folder) / "manifest.json").is_file():
+            raise SystemExit(f"--engines {kv!r}: write FORMAT=ENGINE_DIR, the folder holding manifest.json")
+        given[Format.parse(label).label] = folder
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-quant-quality-"))
+    work.mkdir(parents=True, exist_ok=True)
+    held = held_out_windows(src / "tokenizer.json", args.windows, args.seq, args.seed)
+    windows = held.windows
+    prompts = [w[:32].tolist() for w in windows[: args.prompts]]
+    print(f"machine: {machine()}; {src}: held-out stream {held.stream_tokens:,} tokens, {windows.shape[0]} windows x "
+      f"{args.seq} = "
+          f"{windows.shape[0] * args.seq:,} positions; greedy and speculative: {len(prompts)} prompts of 32, "
+          f"{args.tokens} tokens", flush=True)
+    results: dict[str, Quality] = {}
+    for fmt in formats:
+        engine_dir = engine_dir_for(fmt, src, work, given)
+        t = time.perf_counter()
+        results[fmt.label] = measure(engine_dir, windows, prompts, args.tokens)
+        print(f"  measured {fmt.label} in {time.perf_counter() - t:.0f} s", flush=True)
+    ref = results["float"]
+    print("\nformat | held-out loss (nats/token) | top-1 agreement with float | greedy agreement with float"
+          " | accept length | drafts 1..i accepted / drafted i | speculative == plain")
+    for label, q in results.items():
+        print(f"{label:>7} | {q.loss:.4f} ({q.loss - ref.loss:+.4f}) | {(q.argmax == ref.argmax).mean():.2%}"
+              f" | {agreement(q.greedy, ref.greedy):.0%} | {q.accept_length:.2f}"
+              f" | {', '.join(f'{a:.3f}' for a in q.acceptance)} | {'yes' if q.spec_equals_plain else 'NO'}")
+
+
+if __name__ == "__main__":
+    main()
