@@ -67,20 +67,28 @@ def make_function():
     no_window = b.op("LessOrEqual", window, i64(0))
     committed = b.op("Less", b.unsqueeze(t, [0, 1]), ctx3)                          # [B, 1, T]
     in_window_c = b.op("Or", b.op("Less", b.op("Sub", pos_q, b.unsqueeze(t, [0, 1])), window), no_window)
-    hits = b.op("ReduceSum", b.op("Cast", b.op("Equal", b.unsqueeze(sel, [3]), b.unsqueeze(t, [0, 1, 2])),
-                                  to=TensorProto.FLOAT), i64([2]), keepdims=0)      # [B|1, W|1, T]
+    # Listed positions as flags over the columns [committed T | new W | 1 spare]: one scatter of
+    # the K entries (O(K + T) per row, where comparing each entry with each column is O(K x T))
+    bwk = b.concat([b.shape_of(q, 0, 2), b.shape_of(sel, 2, 3)], 0)
+    sel_full = b.op("Expand", sel, bwk)                                             # [B, W, K]
+    tw = b.op("Add", t_len, w_len)                                                  # [1] = T+W: the spare
+    col = b.op("Where", b.op("Less", sel_full, ctx3), sel_full, b.op("Add", b.op("Sub", sel_full, ctx3), t_len))
+    in_range = b.op("And", b.op("GreaterOrEqual", sel_full, i64(0)), b.op("Less", col, tw))
+    col = b.op("Where", in_range, col, tw)
+    zeros = b.op("ConstantOfShape", b.concat([b.shape_of(q, 0, 2), b.op("Add", tw, i64([1]))], 0),
+                 value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+    ones = b.op("ConstantOfShape", bwk, value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]))
+    listed = b.op("Greater", b.op("ScatterElements", zeros, col, ones, axis=2, reduction="max"),
+                  b.const(0.0, np.float32))                                        # [B, W, T+W+1]
     dense = b.op("Equal", b.shape_of(sel, 2, 3), i64([0]))
-    selected = b.op("Or", b.op("Greater", hits, b.const(0.0, np.float32)), dense)
+    selected = b.op("Or", b.slice(listed, [0], t_len, [2]), dense)                  # [B, W, T]
     mask_c = b.op("And", b.op("And", committed, in_window_c), selected)            # [B, W, T]
     dw = b.op("Sub", b.unsqueeze(w, [1]), b.unsqueeze(w, [0]))                      # [W, W] = w - w'
     mask_n = b.op("And", b.op("GreaterOrEqual", dw, i64(0)), b.op("Or", b.op("Less", dw, window), no_window))
     bw = b.concat([b.shape_of(q, 0, 2), w_len], 0)
-    # new row w' is selected for row w when position ctx + w' is listed: [B, W|1, W]
-    pos_n = b.op("Add", ctx3, b.unsqueeze(w, [0, 1]))                               # [B, 1, W]
-    hits_n = b.op("ReduceSum", b.op("Cast", b.op("Equal", b.unsqueeze(sel, [3]), b.unsqueeze(pos_n, [2])),
-                                    to=TensorProto.FLOAT), i64([2]), keepdims=0)
+    # new row w' is selected for row w when position ctx + w' is listed: [B, W, W]
     filter_new = b.op("And", b.op("Greater", b.attr_const("select_new_rows", "int"), i64(0)), b.op("Not", dense))
-    sel_n = b.op("Or", b.op("Greater", hits_n, b.const(0.0, np.float32)), b.op("Not", filter_new))
+    sel_n = b.op("Or", b.slice(listed, t_len, tw, [2]), b.op("Not", filter_new))
     mask_n = b.op("And", b.op("Expand", b.unsqueeze(mask_n, [0]), bw), sel_n)      # [B, W, W]
     mask_c = b.op("Expand", mask_c, b.concat([b.shape_of(q, 0, 2), t_len], 0))
     mask = b.concat([mask_c, mask_n], 2)                                            # [B, W, T+W]
