@@ -35,9 +35,10 @@ def run_indexer(inputs, top_k, scale=0.35):
     return run(model, inputs)[0]
 
 
-@pytest.mark.parametrize("top_k", [1, 6, 40])
-def test_lightning_indexer_matches_numpy(top_k):
+@pytest.mark.parametrize("top_k,dtype", [(1, np.float32), (6, np.float32), (40, np.float32), (6, np.float16)])
+def test_lightning_indexer_matches_numpy(top_k, dtype):
     inputs = indexer_case(np.random.default_rng(top_k))
+    inputs = [a.astype(dtype) if a.dtype == np.float32 else a for a in inputs]  # fp16: the rounded values
     got = run_indexer(inputs, top_k)
     expected, scores = dsa_reference.lightning_indexer(*inputs, 0.35, top_k)
     assert got.shape == expected.shape == (3, 4, top_k)
@@ -102,7 +103,7 @@ class _Dict:
         return self.tensors[name]
 
 
-def tiny_attention(family, top_k, yarn, **extra):
+def tiny_attention(family, top_k, yarn, layer=0, seed=0, **extra):
     import importlib
 
     cfg_mod, cfg_cls, model_mod, prefix = FAMILIES[family]
@@ -113,8 +114,8 @@ def tiny_attention(family, top_k, yarn, **extra):
     config = getattr(importlib.import_module(cfg_mod), cfg_cls)(**{**dims, **extra})
     config._attn_implementation = "eager"
     mod = importlib.import_module(model_mod)
-    torch.manual_seed(0)
-    attn = getattr(mod, prefix + "Attention")(config, 0).eval()
+    torch.manual_seed(seed)
+    attn = getattr(mod, prefix + "Attention")(config, layer).eval()
     with torch.no_grad():
         for name, param in attn.named_parameters():
             param.copy_(torch.randn_like(param) * (0.3 if name.endswith("weight") and param.ndim == 2 else 0.5)
@@ -122,7 +123,7 @@ def tiny_attention(family, top_k, yarn, **extra):
     return config, attn, getattr(mod, prefix + "RotaryEmbedding")(config)
 
 
-def transformers_rows(config, attn, rotary, x):
+def transformers_rows(config, attn, rotary, x, **kwargs):
     """Attention output [1, L, H] and the indexer's selection [1, L, k] (None without one) over x."""
     seq = x.shape[1]
     pos = torch.arange(seq)[None]
@@ -131,25 +132,29 @@ def transformers_rows(config, attn, rotary, x):
     indexer = getattr(attn, "indexer", None)
     hook = indexer.register_forward_hook(lambda _m, _i, out: picked.setdefault("sel", out)) if indexer else None
     with torch.no_grad():
-        out = attn(x, rotary(x, pos), mask, position_ids=pos)[0]
+        out = attn(x, rotary(x, pos), mask, position_ids=pos, **kwargs)[0]
     if hook:
         hook.remove()
     return out.numpy(), picked["sel"].numpy() if hook else None
 
 
-def mla_step(config, attn, dims, idx):
-    """The MLA piece as an ONNX Runtime session: feeds -> {out, rows, index_rows, selected}."""
+def mla_step(config, attn, dims, idx, selected_input=False):
+    """The MLA piece as an ONNX Runtime session: feeds -> {out, rows, index_rows, selected}; with
+    `selected_input`, the selection is a graph input (a GLM-5 "shared" layer)."""
     tensors = {"a." + n: t.detach().numpy() for n, t in attn.state_dict().items()}
     rope = rope_for(config.rope_parameters, dims.qk_rope_head_dim, dims.qk_head_dim, config.max_position_embeddings)
     b = GraphBuilder()
     out = mla_attention(b, dims, idx, rope, Weights(_Dict(tensors)), "a.", "x", "positions", "context_lens",
-                        "block_tables", "latent_pool", "index_pool" if idx else None)
+                        "block_tables", "latent_pool", "index_pool" if idx else None,
+                        "selected" if selected_input else None)
     f32, i64 = TensorProto.FLOAT, TensorProto.INT64
     ins = [helper.make_tensor_value_info(n, t, s) for n, t, s in (
         ("x", f32, ["B", "W", 32]), ("positions", i64, ["B", "W"]), ("context_lens", i64, ["B"]),
         ("block_tables", i64, ["B", "P"]), ("latent_pool", f32, ["N", PAGE, 1, dims.latent_width]))]
     if idx:
         ins.append(helper.make_tensor_value_info("index_pool", f32, ["N", PAGE, idx.head_dim]))
+    if selected_input:
+        ins.append(helper.make_tensor_value_info("selected", i64, ["B", "W", "K"]))
     keys = ["out", "rows", "index_rows", "selected"][: 4 if idx else 2]
     names = [out.output, out.latent_rows, out.index_key_rows, out.selected][: len(keys)]
     outs = [helper.make_tensor_value_info(n, t, [None] * r)
@@ -206,6 +211,23 @@ def test_absorbed_mla_equals_transformers(family, top_k, yarn, w_rows):
     dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps)
     idx = IndexerDims(8, 10, top_k, rope_interleaved=family == "glm_moe_dsa")
     run_against_transformers(config, attn, rotary, dims, idx, w_rows)
+
+
+def test_glm_shared_layer_attends_the_previous_layers_selection():
+    kinds = dict(indexer_types=["full", "shared"], num_hidden_layers=2)
+    config, full, rotary = tiny_attention("glm_moe_dsa", 8, True, **kinds)
+    _, shared, _ = tiny_attention("glm_moe_dsa", 8, True, layer=1, seed=1, **kinds)
+    assert shared.indexer is None
+    dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps)
+    x = torch.randn(1, 17, 32, generator=torch.Generator().manual_seed(3))
+    _, picked = transformers_rows(config, full, rotary, x)
+    want, _ = transformers_rows(config, shared, rotary, x, prev_topk_indices=torch.from_numpy(picked))
+    feeds = {"x": x.numpy(), "positions": np.arange(17)[None], "context_lens": np.zeros(1, np.int64),
+             "block_tables": np.arange(MAX_PAGES)[None], "latent_pool": np.zeros((N_PAGES, PAGE, 1, 18), np.float32)}
+    ours = mla_step(config, full, dims, IndexerDims(8, 10, 8, True))(
+        {**feeds, "index_pool": np.zeros((N_PAGES, PAGE, 10), np.float32)})["selected"]
+    got = mla_step(config, shared, dims, None, selected_input=True)({**feeds, "selected": ours})["out"]
+    np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 @pytest.mark.parametrize("interleave", [True, False])
