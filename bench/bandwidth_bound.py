@@ -1,0 +1,121 @@
+"""Plain decoding against this machine's memory bandwidth, measured in the same run.
+
+    .venv/bin/python bench/bandwidth_bound.py ENGINE_DIR [ENGINE_DIR ...] [--tokens 64] [--rounds 3]
+                                              [--gemv-mib 256]
+
+Decoding at batch 1 reads every weight of the target step once per token, so weight bytes x tokens/s
+is the bandwidth decoding achieves; the bound is what one large fp32 GEMV reaches in ONNX Runtime on
+all threads (a [1, K] x [K, N] MatMul over a `--gemv-mib` weight, far larger than the caches). Per
+engine dir: the target step's weight bytes per token (initializers read by its MatMuls, Convs and
+MatMulNBits; those only gathered from, the embedding table, count one row), decode tokens/s (plain
+greedy, batch 1, prompt 32, prefill excluded), and achieved / bound. GEMV and decode alternate
+`--rounds` times and each decode figure is divided by the GEMV figure of its own round: the machine
+is shared and noisy. The bound for int8 / int4 engines is the same bytes/s: fewer bytes per token
+should give proportionally more tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine  # noqa: E402
+from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
+from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
+
+_SIZES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.UINT8: 1, TensorProto.INT8: 1,
+          TensorProto.UINT4: 0.5, TensorProto.INT4: 0.5, TensorProto.INT64: 8, TensorProto.INT32: 4}
+
+
+def weight_bytes_per_token(engine_dir: Path) -> float:
+    """Bytes of the target step's initializers one decode step reads: all of each, except tensors
+    only ever gathered from (embedding tables), which give one row."""
+    model = onnx.load(str(engine_dir / "target_step.onnx"), load_external_data=False)
+    consumers: dict[str, set[str]] = {}
+    for node in model.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, set()).add(node.op_type)
+    total = 0.0
+    for init in model.graph.initializer:
+        size = float(np.prod(init.dims)) * _SIZES.get(init.data_type, 4)
+        if consumers.get(init.name) == {"Gather"} and len(init.dims) == 2:
+            size /= init.dims[0]
+        total += size
+    return total
+
+
+def gemv_bandwidth(mib: int, calls: int = 30) -> float:
+    """Bytes/s one [1, K] x [K, N] float32 MatMul reads, median over `calls` calls after warm-up."""
+    k = 4096
+    n = mib * 2**20 // (4 * k)
+    w = np.random.default_rng(0).standard_normal((k, n), dtype=np.float32)
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "gemv",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+                              [numpy_helper.from_array(w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    sess = session(model)
+    x = {"x": np.ones((1, k), np.float32)}
+    for _ in range(3):
+        sess.run(None, x)
+    times = []
+    for _ in range(calls):
+        t = time.perf_counter()
+        sess.run(None, x)
+        times.append(time.perf_counter() - t)
+    return w.nbytes / statistics.median(times)
+
+
+def decode_speed(llm: LLM, tokens: int) -> float:
+    params = SamplingParams(max_tokens=tokens, ignore_eos=True, speculative=False)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, llm.desc.vocab_size, 32)]
+    result = llm.generate([prompt], params)[0]
+    m = result.metrics
+    return (len(result.token_ids) - 1) / (m.finished - m.first_token)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("engine_dirs", type=Path, nargs="+")
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--gemv-mib", type=int, default=256)
+    args = parser.parse_args()
+    llms = {d: LLM(d, EngineConfig(speculative=False)) for d in args.engine_dirs}
+    for llm in llms.values():
+        decode_speed(llm, 8)                        # warm-up: sessions, bindings
+    print(f"machine: {machine()}; onnxruntime {ort.__version__}; plain decoding, batch 1, {args.tokens} tokens")
+    ratios = {d: [] for d in llms}
+    rows = {d: [] for d in llms}
+    bounds = []
+    for _ in range(args.rounds):
+        bound = gemv_bandwidth(args.gemv_mib)
+        bounds.append(bound)
+        for d, llm in llms.items():
+            speed = decode_speed(llm, args.tokens)
+            achieved = weight_bytes_per_token(d) * speed
+            rows[d].append(speed)
+            ratios[d].append(achieved / bound)
+    print(f"GEMV bound: {statistics.median(bounds) / 1e9:.1f} GB/s (median of {args.rounds}; "
+          f"{min(bounds) / 1e9:.1f}-{max(bounds) / 1e9:.1f})")
+    print("engine dir | weight MiB per token | tokens/s | bound tokens/s | achieved / bound")
+    for d in llms:
+        per_token = weight_bytes_per_token(d)
+        print(f"{d} | {per_token / 2**20:.1f} | {statistics.median(rows[d]):.1f} | "
+              f"{statistics.median(bounds) / per_token:.1f} | {statistics.median(ratios[d]):.0%} "
+              f"(rounds: {', '.join(f'{r:.0%}' for r in ratios[d])})")
+
+
+if __name__ == "__main__":
+    main()
