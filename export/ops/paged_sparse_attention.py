@@ -18,8 +18,16 @@ when p - j < window (if any) and j is selected (if any), and new row w' <= w whe
 (and, with select_new_rows, position context_lens[b] + w' is selected).
 Committed slot j of a sequence is page block_tables[b, j // S], offset j % S.
 
-    key_cache --Gather(block_tables)--> [B, P*S, Hkv, D] --Cast fp32, Concat(new rows)--> [B, T+W, Hkv, D]
-    q [B,Hkv,G,W,D] x K^T --> scores [B,Hkv,G,W,T+W] --mask--> Softmax --> x V --> CastLike(query)
+A listed position counts once however often it is listed; -1 and positions a row cannot see are
+ignored. Every row must see at least one position (itself, or with select_new_rows one listed).
+
+    dense (K = 0):  key_cache --Gather(block_tables)--> [B, P*S, Hkv, D] --Cast fp32, Concat(new rows)
+                    --> [B, T+W, Hkv, D];  q [B,Hkv,G,W,D] x K^T --> scores [B,Hkv,G,W,T+W]
+    sparse (K > 0): no page gather (T = 0); the K listed rows of each query row through the page
+                    table --Gather--> [B, W, K, Hkv, D], scored per row --> [B,Hkv,G,W,K]
+    one Softmax over [committed T | listed K | new W] (masked) --> x V --> CastLike(query)
+The dense path's nodes and order are those of the body before the sparse path existed, and the
+empty listed part adds exact zeros, so dense outputs are bit-identical to it.
 """
 
 from __future__ import annotations
@@ -41,13 +49,18 @@ def make_function():
                                          "context_lens", "selected")
     i64 = lambda x: b.const(x, np.int64)  # noqa: E731
     f32 = lambda x: b.op("Cast", x, to=TensorProto.FLOAT)  # noqa: E731 (identity on float32 inputs)
-    # Committed K/V of each sequence, in position order: [B, T, Hkv, D], T = P * S
+    dense = b.op("Equal", b.shape_of(sel, 2, 3), i64([0]))                          # [1]
+    # Dense: every page of the table is gathered; sparse: none, the K listed rows are gathered below
+    pages = b.op("Where", dense, b.shape_of(tables, 1, 2), i64([0]))                # [1] = P or 0
+    tables_d = b.slice(tables, [0], pages, [1])
+    page_size = b.shape_of(kc, 1, 2)
+    # Committed K/V of each sequence, in position order: [B, T, Hkv, D], T = P * S (0 when sparse)
     def gather(cache):
-        paged = b.op("Gather", cache, tables, axis=0)                               # [B, P, S, Hkv, D]
+        paged = b.op("Gather", cache, tables_d, axis=0)                             # [B, P, S, Hkv, D]
         return f32(b.reshape(paged, b.concat([i64([0, -1]), b.shape_of(cache, 2, 4)], 0)))
     k_all = b.concat([gather(kc), f32(k)], 1)                                       # [B, T+W, Hkv, D]
     v_all = b.concat([gather(vc), f32(v)], 1)
-    t_len = b.op("Mul", b.shape_of(tables, 1, 2), b.shape_of(kc, 1, 2))             # [1] = P*S
+    t_len = b.op("Mul", pages, page_size)                                           # [1] = T
     w_len = b.shape_of(q, 1, 2)
     # q -> [B, Hkv, G, W, D]; K -> [B, Hkv, 1, D, T+W]; V -> [B, Hkv, 1, T+W, Dv]
     hkv = b.shape_of(k, 2, 3)
@@ -56,7 +69,8 @@ def make_function():
               perm=[0, 2, 3, 1, 4])
     k5 = b.unsqueeze(b.op("Transpose", k_all, perm=[0, 2, 3, 1]), [2])
     v5 = b.unsqueeze(b.op("Transpose", v_all, perm=[0, 2, 1, 3]), [2])
-    scores = b.op("Mul", b.op("MatMul", q5, k5), b.attr_const("scale", "float"))   # [B, Hkv, G, W, T+W]
+    scale = b.attr_const("scale", "float")
+    scores = b.op("Mul", b.op("MatMul", q5, k5), scale)                             # [B, Hkv, G, W, T+W]
 
     # Visibility mask [B, W, T+W]
     t = b.op("Range", i64(0), b.squeeze(t_len, [0]), i64(1))                        # [T]
@@ -67,35 +81,58 @@ def make_function():
     no_window = b.op("LessOrEqual", window, i64(0))
     committed = b.op("Less", b.unsqueeze(t, [0, 1]), ctx3)                          # [B, 1, T]
     in_window_c = b.op("Or", b.op("Less", b.op("Sub", pos_q, b.unsqueeze(t, [0, 1])), window), no_window)
-    # Listed positions as flags over the columns [committed T | new W | 1 spare]: one scatter of
-    # the K entries (O(K + T) per row, where comparing each entry with each column is O(K x T))
-    bwk = b.concat([b.shape_of(q, 0, 2), b.shape_of(sel, 2, 3)], 0)
-    sel_full = b.op("Expand", sel, bwk)                                             # [B, W, K]
-    tw = b.op("Add", t_len, w_len)                                                  # [1] = T+W: the spare
-    col = b.op("Where", b.op("Less", sel_full, ctx3), sel_full, b.op("Add", b.op("Sub", sel_full, ctx3), t_len))
-    in_range = b.op("And", b.op("GreaterOrEqual", sel_full, i64(0)), b.op("Less", col, tw))
-    col = b.op("Where", in_range, col, tw)
-    zeros = b.op("ConstantOfShape", b.concat([b.shape_of(q, 0, 2), b.op("Add", tw, i64([1]))], 0),
-                 value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
-    ones = b.op("ConstantOfShape", bwk, value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]))
-    listed = b.op("Greater", b.op("ScatterElements", zeros, col, ones, axis=2, reduction="max"),
-                  b.const(0.0, np.float32))                                        # [B, W, T+W+1]
-    dense = b.op("Equal", b.shape_of(sel, 2, 3), i64([0]))
-    selected = b.op("Or", b.slice(listed, [0], t_len, [2]), dense)                  # [B, W, T]
-    mask_c = b.op("And", b.op("And", committed, in_window_c), selected)            # [B, W, T]
+    mask_c = b.op("And", committed, in_window_c)                                   # [B, W, T]
     dw = b.op("Sub", b.unsqueeze(w, [1]), b.unsqueeze(w, [0]))                      # [W, W] = w - w'
     mask_n = b.op("And", b.op("GreaterOrEqual", dw, i64(0)), b.op("Or", b.op("Less", dw, window), no_window))
     bw = b.concat([b.shape_of(q, 0, 2), w_len], 0)
-    # new row w' is selected for row w when position ctx + w' is listed: [B, W, W]
+    bwk = b.concat([b.shape_of(q, 0, 2), b.shape_of(sel, 2, 3)], 0)
+    k_len = b.shape_of(sel, 2, 3)
+    # Each listed position once (a repeat would count twice in the softmax): sorted, repeats dropped
+    listed = b.op("TopK", b.op("Expand", sel, bwk), k_len, axis=-1, largest=1, sorted=1, outputs=2)[0]  # [B, W, K]
+    before = b.op("ConstantOfShape", b.concat([b.shape_of(q, 0, 2), i64([1])], 0),
+                  value=helper.make_tensor("minus_two", TensorProto.INT64, [1], [-2]))
+    repeat = b.op("Equal", listed, b.slice(b.concat([before, listed], 2), [0], k_len, [2]))
+    # new row w' is selected for row w when position ctx + w' is listed: flags over [W | 1 spare]
+    col = b.op("Sub", listed, ctx3)
+    col = b.op("Where", b.op("And", b.op("GreaterOrEqual", col, i64(0)), b.op("Less", col, w_len)), col, w_len)
+    zeros = b.op("ConstantOfShape", b.concat([b.shape_of(q, 0, 2), b.op("Add", w_len, i64([1]))], 0),
+                 value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
+    ones = b.op("ConstantOfShape", bwk, value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]))
+    flags = b.op("ScatterElements", zeros, col, ones, axis=2, reduction="max")       # [B, W, W+1]
     filter_new = b.op("And", b.op("Greater", b.attr_const("select_new_rows", "int"), i64(0)), b.op("Not", dense))
-    sel_n = b.op("Or", b.slice(listed, t_len, tw, [2]), b.op("Not", filter_new))
+    sel_n = b.op("Or", b.op("Greater", b.slice(flags, [0], w_len, [2]), b.const(0.0, np.float32)),
+                 b.op("Not", filter_new))
     mask_n = b.op("And", b.op("Expand", b.unsqueeze(mask_n, [0]), bw), sel_n)      # [B, W, W]
     mask_c = b.op("Expand", mask_c, b.concat([b.shape_of(q, 0, 2), t_len], 0))
     mask = b.concat([mask_c, mask_n], 2)                                            # [B, W, T+W]
     masked = b.op("Where", b.unsqueeze(mask, [1, 2]), scores, b.const(_NEG, np.float32))
-    probs = b.op("Softmax", masked, axis=-1)
-    out5 = b.op("MatMul", probs, v5)                                                # [B, Hkv, G, W, Dv]
+
+    # Sparse: the K listed committed rows of each query row, through the page table: [B, W, K, Hkv, D]
+    in_window_s = b.op("Or", b.op("Less", b.op("Sub", pos_q, listed), window), no_window)
+    valid = b.op("And", b.op("And", b.op("GreaterOrEqual", listed, i64(0)), b.op("Less", listed, ctx3)),
+                 b.op("And", in_window_s, b.op("Not", repeat)))                    # [B, W, K]
+    j = b.op("Where", valid, listed, i64(0))
+    page = b.op("GatherElements", tables, b.reshape(b.op("Div", j, page_size), [0, -1]), axis=1)    # [B, W*K]
+    page = b.op("Reshape", page, bwk, allowzero=1)                                  # K may be 0
+    rows = b.op("Add", b.op("Mul", page, page_size), b.op("Mod", j, page_size))     # [B, W, K] pool rows
+    def gather_rows(cache):
+        flat = b.reshape(cache, b.concat([i64([-1]), b.shape_of(cache, 2, 4)], 0))  # [N*S, Hkv, D]
+        return f32(b.op("Gather", flat, rows, axis=0))                              # [B, W, K, Hkv, D]
+    q_w = b.op("Transpose", q5, perm=[0, 3, 1, 2, 4])                               # [B, W, Hkv, G, D]
+    k_s = b.op("Transpose", gather_rows(kc), perm=[0, 1, 3, 4, 2])                  # [B, W, Hkv, D, K]
+    v_s = b.op("Transpose", gather_rows(vc), perm=[0, 1, 3, 2, 4])                  # [B, W, Hkv, K, Dv]
+    scores_s = b.op("Transpose", b.op("Mul", b.op("MatMul", q_w, k_s), scale), perm=[0, 2, 3, 1, 4])
+    masked_s = b.op("Where", b.unsqueeze(valid, [1, 2]), scores_s, b.const(_NEG, np.float32))  # [B,Hkv,G,W,K]
+
+    # One softmax over [committed T | listed K | new W] (T = 0 when sparse, K = 0 when dense)
+    all_scores = b.concat([b.slice(masked, [0], t_len, [4]), masked_s, b.slice(masked, t_len, [2 ** 62], [4])], 4)
+    probs = b.op("Softmax", all_scores, axis=-1)
+    tk = b.op("Add", t_len, k_len)
+    probs_d = b.concat([b.slice(probs, [0], t_len, [4]), b.slice(probs, tk, [2 ** 62], [4])], 4)
+    out5 = b.op("MatMul", probs_d, v5)                                              # [B, Hkv, G, W, Dv]
     out = b.op("Transpose", out5, perm=[0, 3, 1, 2, 4])                             # [B, W, Hkv, G, Dv]
+    probs_s = b.op("Transpose", b.slice(probs, t_len, tk, [4]), perm=[0, 3, 1, 2, 4])  # [B, W, Hkv, G, K]
+    out = b.op("Add", out, b.op("MatMul", probs_s, v_s))                            # + 0 when dense
     out = b.reshape(out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
     b.op("CastLike", out, q, outputs=["output"])
     return helper.make_function(TANDEM_DOMAIN, OP_TYPE, [q, k, v, kc, vc, tables, ctx, sel], ["output"], b.nodes,
