@@ -101,27 +101,31 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
                 backend.link_or_copy(out / name, tmp / name)
         with Progress("build", len(plan), show_progress) as bar:
             files = backend.build(export_dir, tmp, plan, desc=desc, options=options, progress=bar)
-        records, rebuilt, reused = [], [], []
+        verified, rebuilt, reused = {}, [], []
         checker = backend.Checker(tmp, export_dir)
+        # one engine file at a time, so the checker holds few sessions (the ONNX Runtime one: one at a time)
+        run_group = getattr(checker, "run_group", None) or (lambda items: [_timed_run(checker, *i) for i in items])
+        by_file: dict[str, list] = {}
+        for bucket in plan:
+            by_file.setdefault(files[bucket.name][0], []).append(bucket)
         with Progress("verify", len(plan), show_progress) as bar:
-            # grouped by engine file, so the checker holds few sessions (records keep plan order)
-            for bucket in sorted(plan, key=lambda b: (files[b.name], plan.index(b))):
-                file, profile = files[bucket.name]
-                kept = reusable.get(bucket.name)
-                if kept and kept["file"] == file and kept.get("profile", 0) == profile:
-                    verification = kept["verification"]
-                    reused.append(bucket.name)
-                else:
-                    feeds = fixed_inputs(desc, bucket, options)
-                    (ref, got), seconds = timed(lambda b=bucket, f=feeds, e=(file, profile): checker.run(b, e, f))
-                    verification = compare(ref, got, options.dtype, seconds).to_json()
+            for group in by_file.values():
+                todo = []
+                for bucket in group:
+                    kept = reusable.get(bucket.name)
+                    if kept and (kept["file"], kept.get("profile", 0)) == files[bucket.name]:
+                        verified[bucket.name] = kept["verification"]
+                        reused.append(bucket.name)
+                        bar.step(bucket.name)
+                    else:
+                        todo.append((bucket, files[bucket.name], fixed_inputs(desc, bucket, options)))
+                for (bucket, _, _), (ref, got, seconds) in zip(todo, run_group(todo) if todo else []):
+                    verified[bucket.name] = compare(ref, got, options.dtype, seconds).to_json()
                     rebuilt.append(bucket.name)
-                records.append({"name": bucket.name, "graph": bucket.graph.name, "role": bucket.role,
-                                "batch": bucket.batch, "rows": bucket.rows, "min_rows": bucket.min_rows or bucket.rows,
-                                "file": file, "profile": profile, "verification": verification})
-                bar.step(bucket.name)
-        order = {b.name: i for i, b in enumerate(plan)}
-        records.sort(key=lambda r: order[r["name"]])
+                    bar.step(bucket.name)
+        records = [{"name": b.name, "graph": b.graph.name, "role": b.role, "batch": b.batch, "rows": b.rows,
+                    "min_rows": b.min_rows or b.rows, "file": files[b.name][0], "profile": files[b.name][1],
+                    "verification": verified[b.name]} for b in plan]
         failed = [r["name"] for r in records if not r["verification"]["passed"]]
         if failed:
             raise BuildError(f"{len(failed)} engine(s) disagree with the un-lowered graphs beyond the tolerance: "
@@ -133,6 +137,11 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
         manifest = _manifest(ckpt, options, backend, fp, records, tmp, time.perf_counter() - start)
         write_manifest(tmp, manifest)
     return BuildResult(out, "built", time.perf_counter() - start, _dir_size(out), rebuilt, reused, reasons)
+
+
+def _timed_run(checker, bucket, engine: tuple[str, int], feeds) -> tuple[dict, dict, float]:
+    (reference, got), seconds = timed(lambda: checker.run(bucket, engine, feeds))
+    return reference, got, seconds
 
 
 def _previous_manifest(out: Path) -> tuple[dict | None, str]:

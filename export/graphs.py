@@ -123,11 +123,13 @@ def _finish(b: GraphBuilder, name: str, ins, outs, produced: dict[str, str], fun
         b.op("Identity", produced[spec.name], outputs=[spec.name], name=f"outputs/{spec.name}")
     graph = helper.make_graph(
         b.nodes, name, [value_info(s.name, s.dtype, s.shape) for s in ins],
-        [value_info(s.name, s.dtype, s.shape) for s in outs],
-        initializer=[onnx.numpy_helper.from_array(a, n) for n, a in b.initializers.items()])
+        [value_info(s.name, s.dtype, s.shape) for s in outs])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
                                                     helper.make_opsetid(TANDEM_DOMAIN, 1)],
                               functions=functions, producer_name="tandem")
+    # weights go in one at a time: a list of them, then the graph, then the model each held a copy
+    for n, a in b.initializers.items():
+        model.graph.initializer.append(onnx.numpy_helper.from_array(a, n))
     model.ir_version = IR_VERSION
     return model
 

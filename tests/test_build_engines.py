@@ -80,23 +80,23 @@ def test_failure_mid_build_leaves_no_valid_looking_directory(tiny_root, tmp_path
     out = tmp_path / "engines"
     calls = []
 
-    def explode(self, bucket, engine, feeds):
-        calls.append(bucket)
+    def explode(self, path, feeds, optimized=False):  # every verification run, reference or engine
+        calls.append(path)
         if len(calls) == 3:
             raise RuntimeError("injected failure")
-        return real(self, bucket, engine, feeds)
+        return real(self, path, feeds, optimized)
 
-    real = onnxruntime_backend.Checker.run
-    monkeypatch.setattr(onnxruntime_backend.Checker, "run", explode)
+    real = onnxruntime_backend.ReferenceRunner.run
+    monkeypatch.setattr(onnxruntime_backend.ReferenceRunner, "run", explode)
     with pytest.raises(RuntimeError, match="injected"):
         build_engines(tiny_root / "qwen3_5_mtp1", out, SMALL, show_progress=False)
     assert not out.exists() and not leftovers(tmp_path)
     # with an engine directory already there, a failed rebuild leaves it as it was
-    monkeypatch.setattr(onnxruntime_backend.Checker, "run", real)
+    monkeypatch.setattr(onnxruntime_backend.ReferenceRunner, "run", real)
     build_engines(tiny_root / "qwen3_5_mtp1", out, SMALL, show_progress=False)
     before = (out / "manifest.json").read_text()
     calls.clear()
-    monkeypatch.setattr(onnxruntime_backend.Checker, "run", explode)
+    monkeypatch.setattr(onnxruntime_backend.ReferenceRunner, "run", explode)
     with pytest.raises(RuntimeError):
         build_engines(tiny_root / "qwen3_5_mtp1", out, BuildOptions(batch_sizes=(4,), prefill_chunk=8,
                                                                       max_seq_len=256), show_progress=False)

@@ -4,11 +4,14 @@ Engine layout, chosen by measurement (bench/bucket_strategy.py, docs/engines.md)
 lowered model per graph kind (and per verify width, since the verify lowering unrolls W rows),
 all sharing weights.bin; the pipeline binds preallocated buffers per (batch, width) bucket with
 IOBinding. Per-call latency matched one optimised static-shape model per bucket within noise,
-while those stored a full weights copy per bucket (570 MiB each for 150M parameters).
+while those stored a full weights copy per bucket (570 MiB each for 150M parameters). Next to
+each lowered graph the build saves ONNX Runtime's optimized form of it, which the CPU runner
+opens with optimisation off (onnxruntime_optimized.py).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -18,7 +21,10 @@ import onnxruntime as ort
 
 from tandem.engines.backends.common import link_or_copy
 from tandem.engines.backends.memory import HostMemory, Transfers
+from tandem.engines.backends.onnxruntime_optimized import cpu_signature, exact_copy, optimized_name, save_optimized
 from tandem.engines.buckets import Bucket
+from tandem.engines.manifest import read_manifest
+from tandem.engines.verification import timed
 from tandem.export.exporter import WEIGHTS_FILE
 from tandem.export.lowering import lower_for_onnxruntime
 
@@ -26,8 +32,12 @@ NAME = "onnxruntime"
 __all__ = ["NAME", "Checker", "ReferenceRunner", "build", "engine_file", "link_or_copy", "session", "versions"]
 
 
+log = logging.getLogger(__name__)
+
+
 def versions() -> dict[str, str]:
-    return {"onnxruntime": ort.__version__, "onnx": onnx.__version__, "numpy": np.__version__}
+    """What the engines depend on; "cpu" because the saved optimized graphs do."""
+    return {"onnxruntime": ort.__version__, "onnx": onnx.__version__, "numpy": np.__version__, "cpu": cpu_signature()}
 
 
 def engine_file(bucket: Bucket) -> str:
@@ -49,12 +59,17 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, opt
         files[bucket.name] = (name, 0)
         if progress:
             progress.step(bucket.name)
+    # every file, reused ones too: optimized.bin is written afresh, never shared with a previous build
+    save_optimized(out_dir, sorted({f for f, _ in files.values()}), _options)
     return files
 
 
 def session(model, threads: int | None = None, profile_prefix: str | None = None,
-            exact_quantized: bool = False) -> ort.InferenceSession:
+            exact_quantized: bool = False, optimized: bool = False) -> ort.InferenceSession:
     """Every tandem session (a path or a ModelProto) runs on one process-wide thread pool.
+
+    `optimized`: the model is a saved optimized graph (onnxruntime_optimized.py): opened with graph
+    optimisation off, so it runs as saved and verified, and its load skips the optimizer.
 
     Weight-only int8 / int4 graphs (export/quantize.py): ONNX Runtime fuses DequantizeLinear +
     MatMul into MatMulNBits, which by default also quantizes the activations to int8 per block
@@ -71,17 +86,26 @@ def session(model, threads: int | None = None, profile_prefix: str | None = None
     global pool, ONNX Runtime requires every session in it to use it.
     """
     _ensure_global_pool(threads)
-    opts = ort.SessionOptions()
-    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts.log_severity_level = 3
-    opts.use_per_session_threads = False
-    if exact_quantized:
-        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL if optimized else ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts = _options(level, exact_quantized)
     if profile_prefix:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
     source = model.SerializeToString() if hasattr(model, "SerializeToString") else str(model)
     return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
+
+
+def _options(level: ort.GraphOptimizationLevel, exact_quantized: bool = False) -> ort.SessionOptions:
+    """The options every session shares (the build's optimizer pass too, so it saves what a serving
+    session would have made)."""
+    _ensure_global_pool(None)
+    opts = ort.SessionOptions()
+    opts.graph_optimization_level = level
+    opts.log_severity_level = 3
+    opts.use_per_session_threads = False
+    if exact_quantized:
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    return opts
 
 
 _GLOBAL_POOL: int | None = None
@@ -98,22 +122,31 @@ def _ensure_global_pool(threads: int | None) -> None:
 
 class ReferenceRunner:
     """Runs exported (un-lowered) graphs with ONNX Runtime: the reference every backend's
-    engines are checked against. One session per file."""
+    engines are checked against. One session per file; `optimized` for a saved optimized graph,
+    run through its exact copy (onnxruntime_optimized.exact_copy)."""
 
     def __init__(self):
         self._sessions: dict[Path, ort.InferenceSession] = {}
 
-    def run(self, path: Path, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def run(self, path: Path, feeds: dict[str, np.ndarray], optimized: bool = False) -> dict[str, np.ndarray]:
         if path not in self._sessions:
             if len(self._sessions) >= 2:  # a reference and an engine at a time: weights are large
-                self._sessions.pop(next(iter(self._sessions)))
-            self._sessions[path] = session(path, exact_quantized=True)
+                del self._sessions[next(iter(self._sessions))]  # before the next one opens: one less copy
+            if optimized:
+                copy = exact_copy(path)
+                try:
+                    self._sessions[path] = session(copy, exact_quantized=True, optimized=True)
+                finally:
+                    copy.unlink()
+            else:
+                self._sessions[path] = session(path, exact_quantized=True)
         sess = self._sessions[path]
         return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
 
 
 class Checker:
-    """(reference outputs, engine outputs) for a bucket's fixed input."""
+    """(reference outputs, engine outputs) for a bucket's fixed input; the engine side is the saved
+    optimized graph the CPU runner serves."""
 
     def __init__(self, engine_dir: Path, export_dir: Path):
         self.engine_dir, self.export_dir = engine_dir, export_dir
@@ -121,7 +154,19 @@ class Checker:
 
     def run(self, bucket: Bucket, engine: tuple[str, int], feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:
         reference = self.runner.run(self.export_dir / f"{bucket.graph.name}.onnx", feeds)
-        return reference, self.runner.run(self.engine_dir / engine[0], feeds)
+        return reference, self.runner.run(self.engine_dir / optimized_name(engine[0]), feeds, optimized=True)
+
+    def run_group(self, items: list[tuple[Bucket, tuple[str, int], dict]]) -> list[tuple[dict, dict, float]]:
+        """Buckets of one engine file -> [(reference outputs, engine outputs, seconds)]: every
+        reference run first, then the engine, one session open at a time (each holds a packed copy
+        of the weights: 150M model, build peak 2.5 GB with two open)."""
+        refs = [timed(lambda b=b, f=f: self.runner.run(self.export_dir / f"{b.graph.name}.onnx", f))
+                for b, _, f in items]
+        self.runner = ReferenceRunner()  # the reference's session closes before the engine's opens
+        got = [timed(lambda e=e, f=f: self.runner.run(self.engine_dir / optimized_name(e[0]), f, optimized=True))
+               for _, e, f in items]
+        self.runner = ReferenceRunner()
+        return [(ref, out, ref_seconds + seconds) for (ref, ref_seconds), (out, seconds) in zip(refs, got)]
 
 
 def Runner(engine_dir: Path, files: list[str], threads: int | None = None,  # noqa: N802 (the protocol's name)
@@ -152,7 +197,9 @@ class HostRunner:
         # sessions open on first use: an engine dir holds graphs a run may never call (other widths, the
         # multi-call round's next to the unified one), and each costs ~0.3 s to open
         prefix = (lambda f: f"{profile_prefix}{Path(f).stem}") if profile_prefix else (lambda f: None)
-        self.sessions = _Sessions(files, lambda f: session(Path(engine_dir) / f, threads, prefix(f)))
+        opened = _serving_files(Path(engine_dir), files)
+        self.sessions = _Sessions(files, lambda f: session(Path(engine_dir) / opened[f], threads, prefix(f),
+                                                           optimized=opened[f] != f))
         self.memory = HostMemory()
         self._bindings: dict[tuple, _Binding] = {}
 
@@ -175,6 +222,21 @@ class HostRunner:
 
     def capture(self, binding: _Binding):
         return binding.run
+
+
+def _serving_files(engine_dir: Path, files: list[str]) -> dict[str, str]:
+    """Engine file -> the file its session opens: the saved optimized graph when the manifest names
+    one and it was made by this ONNX Runtime on a CPU like this one, else the lowered graph (the
+    optimizer runs at load: slower, never wrong)."""
+    manifest = read_manifest(engine_dir)
+    built, here = manifest.get("versions", {}), versions()
+    differs = [f"{k} {built.get(k)} -> {here[k]}" for k in ("onnxruntime", "cpu") if built.get(k) != here[k]]
+    saved = {f for f in files if optimized_name(f) in manifest["files"]}
+    if differs and saved:
+        log.warning("%s: its optimized graphs were saved for another runtime or CPU (%s); optimizing the lowered "
+                    "graphs at load instead. Rebuild the engine dir here to load faster.", engine_dir,
+                    "; ".join(differs))
+    return {f: optimized_name(f) if f in saved and not differs else f for f in files}
 
 
 class _Sessions(dict):

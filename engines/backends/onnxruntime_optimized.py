@@ -1,0 +1,162 @@
+"""ONNX Runtime's optimized graphs, saved at build time so a load skips graph optimisation.
+
+    engine dir/
+      target_step.onnx          lowered graph (kept: the fallback, and the CUDA provider's input)
+      target_step.opt.onnx      what ONNX Runtime's CPU optimizer (ORT_ENABLE_ALL) made of it; a
+                                load opens it with optimisation off
+      weights.bin               every tensor the optimizer left unchanged (all of a float build)
+      optimized.bin             tensors the optimizer made (MatMulNBits' packed int8 / int4
+                                weights), each distinct one once, shared by every .opt.onnx
+
+Measured on the shipped model (2 cores): a session on a lowered graph took ~400 ms to create,
+on its saved optimized graph 50-140 ms. The optimizer's output depends on the ONNX Runtime
+version and on the CPU's instruction sets (fusions that exist only where MLAS has the kernel),
+so both are part of the backend's versions (manifest and build fingerprint): a load on another
+version or CPU opens the lowered graphs instead (engines/backends/onnxruntime_backend.py), and a
+rebuild there says what changed. This module owns saving and the verification copy; the
+backend decides which file a session opens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import mmap
+import platform
+import tempfile
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+
+from tandem.export.exporter import WEIGHTS_FILE
+
+OPTIMIZED_WEIGHTS = "optimized.bin"
+_ALIGN = 4096                  # as weights.bin: ONNX Runtime maps page-aligned external data
+_EXTERNAL_MIN_BYTES = 1024     # smaller initializers stay inside the graph (as the exporter's constants)
+# instruction sets MLAS dispatches on (x86 and Arm): a CPU with other ones may get other fusions
+_CPU_FLAGS = ("sse4_1", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
+              "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "asimd", "asimddp", "i8mm",
+              "sve", "bf16", "fphp")
+
+
+def optimized_name(engine_file: str) -> str:
+    """"verify_greedy.w4.onnx" -> "verify_greedy.w4.opt.onnx"."""
+    return f"{engine_file.removesuffix('.onnx')}.opt.onnx"
+
+
+def cpu_signature() -> str:
+    """The machine and the instruction sets the optimizer's output may depend on, e.g.
+    "x86_64:avx,avx2,fma,f16c,sse4_1"."""
+    flags: set[str] = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:  # not Linux: the machine name alone
+        pass
+    return f"{platform.machine()}:{','.join(sorted(flags & set(_CPU_FLAGS)))}"
+
+
+def save_optimized(folder: Path, files: list[str], options, progress=None) -> None:
+    """Write `optimized_name(f)` for each engine file `f` in `folder`, its tensors in weights.bin
+    (unchanged ones) or optimized.bin. `options(level)` gives the serving SessionOptions."""
+    store = _OptimizedWeights(folder)
+    try:
+        for name in files:
+            with tempfile.TemporaryDirectory(dir=folder, prefix=".tandem-opt-") as scratch:
+                saved = Path(scratch) / name
+                opts = options(ort.GraphOptimizationLevel.ORT_ENABLE_ALL)
+                opts.optimized_model_filepath = str(saved)
+                opts.add_session_config_entry("session.disable_prepacking", "1")  # never run: no packed copy needed
+                opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", "data.bin")
+                opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
+                                              str(_EXTERNAL_MIN_BYTES))
+                ort.InferenceSession(str(folder / name), opts, providers=["CPUExecutionProvider"])
+                model = onnx.load(str(saved), load_external_data=False)
+                store.rehome(model, onnx.load(str(folder / name), load_external_data=False), saved.parent / "data.bin")
+                onnx.save(model, str(folder / optimized_name(name)))
+            if progress:
+                progress.step(optimized_name(name))
+    finally:
+        store.close()
+
+
+def exact_copy(path: Path) -> Path:
+    """A sibling of the optimized graph `path` whose MatMulNBits compute in float32 (accuracy level
+    0) instead of int8 activations: the build verifies the saved graph with it (the level is fixed
+    in the saved nodes, so the session option the lowered graphs use has no effect here). The
+    caller deletes it once its session is open."""
+    model = onnx.load(str(path), load_external_data=False)
+    for node in model.graph.node:
+        if node.op_type == "MatMulNBits":
+            for attr in node.attribute:
+                if attr.name == "accuracy_level":
+                    attr.i = 0
+    copy = path.with_name(f".tandem-exact-{path.name}")
+    onnx.save(model, str(copy))
+    return copy
+
+
+def _external(tensor: onnx.TensorProto) -> tuple[str, int, int] | None:
+    if tensor.data_location != onnx.TensorProto.EXTERNAL:
+        return None
+    entries = {e.key: e.value for e in tensor.external_data}
+    return entries["location"], int(entries.get("offset", 0)), int(entries["length"])
+
+
+def _point(tensor: onnx.TensorProto, location: str, offset: int, length: int) -> None:
+    del tensor.external_data[:]
+    for key, value in (("location", location), ("offset", str(offset)), ("length", str(length))):
+        entry = tensor.external_data.add()
+        entry.key, entry.value = key, value
+
+
+class _OptimizedWeights:
+    """Points each external tensor of a saved graph at weights.bin where the lowered graph has a
+    tensor of the same name and bytes there, else at optimized.bin (appended once per content)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        with open(folder / WEIGHTS_FILE, "rb") as f:
+            self.weights = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._file = open(folder / OPTIMIZED_WEIGHTS, "wb")
+        self._size = 0
+        self._offsets: dict[str, int] = {}   # sha256 -> offset in optimized.bin
+
+    def rehome(self, model: onnx.ModelProto, lowered: onnx.ModelProto, data_path: Path) -> None:
+        known = {t.name: ref for t in lowered.graph.initializer if (ref := _external(t))}
+        with open(data_path, "rb") as f:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if data_path.stat().st_size else b""
+        try:
+            for tensor in model.graph.initializer:
+                ref = _external(tensor)
+                if ref is None:
+                    continue
+                _, offset, length = ref
+                blob = data[offset:offset + length]
+                same = known.get(tensor.name)
+                if same and same[0] == WEIGHTS_FILE and same[2] == length \
+                        and self.weights[same[1]:same[1] + length] == blob:
+                    _point(tensor, WEIGHTS_FILE, same[1], length)
+                else:
+                    _point(tensor, OPTIMIZED_WEIGHTS, self._append(blob), length)
+        finally:
+            if isinstance(data, mmap.mmap):
+                data.close()
+
+    def _append(self, blob: bytes) -> int:
+        digest = hashlib.sha256(blob).hexdigest()
+        if digest not in self._offsets:
+            pad = -self._size % _ALIGN
+            self._file.write(b"\0" * pad)
+            self._offsets[digest] = self._size + pad
+            self._file.write(blob)
+            self._size += pad + len(blob)
+        return self._offsets[digest]
+
+    def close(self) -> None:
+        self._file.close()
+        self.weights.close()
+        if not self._size:  # a float build: every tensor is in weights.bin
+            (self.folder / OPTIMIZED_WEIGHTS).unlink()
