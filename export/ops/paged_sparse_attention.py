@@ -20,19 +20,21 @@ Committed slot j of a sequence is page block_tables[b, j // S], offset j % S.
 
 A listed position counts once however often it is listed; -1 and positions a row cannot see are
 ignored. Every row must see at least one position (itself, or with select_new_rows one listed).
+One If on K picks the branch, so each call runs only its own:
 
     dense (K = 0):  key_cache --Gather(block_tables)--> [B, P*S, Hkv, D] --Cast fp32, Concat(new rows)
-                    --> [B, T+W, Hkv, D];  q [B,Hkv,G,W,D] x K^T --> scores [B,Hkv,G,W,T+W]
-    sparse (K > 0): no page gather (T = 0); the K listed rows of each query row through the page
-                    table --Gather--> [B, W, K, Hkv, D], scored per row --> [B,Hkv,G,W,K]
-    one Softmax over [committed T | listed K | new W] (masked) --> x V --> CastLike(query)
-The dense path's nodes and order are those of the body before the sparse path existed, and the
-empty listed part adds exact zeros, so dense outputs are bit-identical to it.
+                    --> [B, T+W, Hkv, D];  q [B,Hkv,G,W,D] x K^T --> [B,Hkv,G,W,T+W] --mask--> Softmax --> x V
+    sparse (K > 0): the K listed rows of each query row through the page table --Gather--> [B, W, K, Hkv, D]
+                    (no page gather: flat in the context); q x [listed | new rows] --> [B,W,Hkv,G,K+W]
+                    --mask--> Softmax --> x [V listed | V new]
+    --> CastLike(query)
+The dense branch is the body as it was before the sparse branch existed (bit-identical outputs).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper
 
 from tandem.export.builder import OPSET, TANDEM_DOMAIN, GraphBuilder
@@ -47,94 +49,131 @@ def make_function():
     b = GraphBuilder(function=True)
     q, k, v, kc, vc, tables, ctx, sel = ("query", "key", "value", "key_cache", "value_cache", "block_tables",
                                          "context_lens", "selected")
+    # Shared by both branches (subgraphs read these outer names; attributes resolve out here)
+    scale = b.attr_const("scale", "float")
+    window = b.attr_const("sliding_window", "int")
+    select_new = b.op("Greater", b.attr_const("select_new_rows", "int"), b.const(0, np.int64))
+    dense = b.op("Equal", b.shape_of(sel, 2, 3), b.const([0], np.int64))            # [1]
+    common = (q, k, v, ctx, scale, window)
+    out = b.op("If", dense, then_branch=_branch(_dense, "dense", common + (kc, vc, tables)),
+               else_branch=_branch(_sparse, "sparse", common + (kc, vc, tables, sel, select_new)))
+    b.op("CastLike", out, q, outputs=["output"])
+    return helper.make_function(TANDEM_DOMAIN, OP_TYPE, [q, k, v, kc, vc, tables, ctx, sel], ["output"], b.nodes,
+                                [helper.make_opsetid("", OPSET)], attributes=list(ATTRIBUTES),
+                                attribute_protos=[helper.make_attribute(k, v) for k, v in DEFAULTS.items()])
+
+
+def _branch(build, name: str, args: tuple) -> onnx.GraphProto:
+    sub = GraphBuilder(function=True, root=name)
+    out = build(sub, *args)                                                         # [B, W, Hq, Dv] fp32
+    return helper.make_graph(sub.nodes, name, [], [helper.make_tensor_value_info(out, TensorProto.FLOAT, None)])
+
+
+def _heads(b: GraphBuilder, q: str, k: str):
+    """q as [B, Hkv, G, W, D] (fp32) and the W range."""
     i64 = lambda x: b.const(x, np.int64)  # noqa: E731
-    f32 = lambda x: b.op("Cast", x, to=TensorProto.FLOAT)  # noqa: E731 (identity on float32 inputs)
-    dense = b.op("Equal", b.shape_of(sel, 2, 3), i64([0]))                          # [1]
-    # Dense: every page of the table is gathered; sparse: none, the K listed rows are gathered below
-    pages = b.op("Where", dense, b.shape_of(tables, 1, 2), i64([0]))                # [1] = P or 0
-    tables_d = b.slice(tables, [0], pages, [1])
-    page_size = b.shape_of(kc, 1, 2)
-    # Committed K/V of each sequence, in position order: [B, T, Hkv, D], T = P * S (0 when sparse)
-    def gather(cache):
-        paged = b.op("Gather", cache, tables_d, axis=0)                             # [B, P, S, Hkv, D]
-        return f32(b.reshape(paged, b.concat([i64([0, -1]), b.shape_of(cache, 2, 4)], 0)))
-    k_all = b.concat([gather(kc), f32(k)], 1)                                       # [B, T+W, Hkv, D]
-    v_all = b.concat([gather(vc), f32(v)], 1)
-    t_len = b.op("Mul", pages, page_size)                                           # [1] = T
-    w_len = b.shape_of(q, 1, 2)
-    # q -> [B, Hkv, G, W, D]; K -> [B, Hkv, 1, D, T+W]; V -> [B, Hkv, 1, T+W, Dv]
     hkv = b.shape_of(k, 2, 3)
     g = b.op("Div", b.shape_of(q, 2, 3), hkv)
-    q5 = b.op("Transpose", b.reshape(f32(q), b.concat([i64([0, 0]), hkv, g, b.shape_of(q, 3, 4)], 0)),
+    q5 = b.op("Transpose", b.reshape(_f32(b, q), b.concat([i64([0, 0]), hkv, g, b.shape_of(q, 3, 4)], 0)),
               perm=[0, 2, 3, 1, 4])
-    k5 = b.unsqueeze(b.op("Transpose", k_all, perm=[0, 2, 3, 1]), [2])
-    v5 = b.unsqueeze(b.op("Transpose", v_all, perm=[0, 2, 1, 3]), [2])
-    scale = b.attr_const("scale", "float")
+    w = b.op("Range", i64(0), b.squeeze(b.shape_of(q, 1, 2), [0]), i64(1))         # [W]
+    return q5, w
+
+
+def _f32(b: GraphBuilder, x: str) -> str:
+    return b.op("Cast", x, to=TensorProto.FLOAT)  # identity on float32 inputs
+
+
+def _new_rows_mask(b: GraphBuilder, w: str, window: str, no_window: str) -> str:
+    """[W, W]: new row w' visible to row w (w' <= w, inside the window)."""
+    dw = b.op("Sub", b.unsqueeze(w, [1]), b.unsqueeze(w, [0]))                      # [W, W] = w - w'
+    return b.op("And", b.op("GreaterOrEqual", dw, b.const(0, np.int64)),
+                b.op("Or", b.op("Less", dw, window), no_window))
+
+
+def _dense(b: GraphBuilder, q, k, v, ctx, scale, window, kc, vc, tables) -> str:
+    """Every committed position: all pages of the table, then the new rows."""
+    i64 = lambda x: b.const(x, np.int64)  # noqa: E731
+    # Committed K/V of each sequence, in position order: [B, T, Hkv, D], T = P * S
+    def gather(cache):
+        paged = b.op("Gather", cache, tables, axis=0)                               # [B, P, S, Hkv, D]
+        return _f32(b, b.reshape(paged, b.concat([i64([0, -1]), b.shape_of(cache, 2, 4)], 0)))
+    k_all = b.concat([gather(kc), _f32(b, k)], 1)                                   # [B, T+W, Hkv, D]
+    v_all = b.concat([gather(vc), _f32(b, v)], 1)
+    t_len = b.op("Mul", b.shape_of(tables, 1, 2), b.shape_of(kc, 1, 2))             # [1] = P*S
+    q5, w = _heads(b, q, k)
+    k5 = b.unsqueeze(b.op("Transpose", k_all, perm=[0, 2, 3, 1]), [2])              # [B, Hkv, 1, D, T+W]
+    v5 = b.unsqueeze(b.op("Transpose", v_all, perm=[0, 2, 1, 3]), [2])              # [B, Hkv, 1, T+W, Dv]
     scores = b.op("Mul", b.op("MatMul", q5, k5), scale)                             # [B, Hkv, G, W, T+W]
 
     # Visibility mask [B, W, T+W]
     t = b.op("Range", i64(0), b.squeeze(t_len, [0]), i64(1))                        # [T]
-    w = b.op("Range", i64(0), b.squeeze(w_len, [0]), i64(1))                        # [W]
     ctx3 = b.unsqueeze(ctx, [1, 2])                                                 # [B, 1, 1]
     pos_q = b.op("Add", ctx3, b.unsqueeze(w, [0, 2]))                               # [B, W, 1]
-    window = b.attr_const("sliding_window", "int")
     no_window = b.op("LessOrEqual", window, i64(0))
     committed = b.op("Less", b.unsqueeze(t, [0, 1]), ctx3)                          # [B, 1, T]
     in_window_c = b.op("Or", b.op("Less", b.op("Sub", pos_q, b.unsqueeze(t, [0, 1])), window), no_window)
     mask_c = b.op("And", committed, in_window_c)                                   # [B, W, T]
-    dw = b.op("Sub", b.unsqueeze(w, [1]), b.unsqueeze(w, [0]))                      # [W, W] = w - w'
-    mask_n = b.op("And", b.op("GreaterOrEqual", dw, i64(0)), b.op("Or", b.op("Less", dw, window), no_window))
-    bw = b.concat([b.shape_of(q, 0, 2), w_len], 0)
+    bw = b.concat([b.shape_of(q, 0, 2), b.shape_of(q, 1, 2)], 0)
+    mask_n = b.op("Expand", b.unsqueeze(_new_rows_mask(b, w, window, no_window), [0]), bw)
+    mask_c = b.op("Expand", mask_c, b.concat([b.shape_of(q, 0, 2), t_len], 0))
+    mask = b.concat([mask_c, mask_n], 2)                                            # [B, W, T+W]
+    masked = b.op("Where", b.unsqueeze(mask, [1, 2]), scores, b.const(_NEG, np.float32))
+    probs = b.op("Softmax", masked, axis=-1)
+    out5 = b.op("MatMul", probs, v5)                                                # [B, Hkv, G, W, Dv]
+    out = b.op("Transpose", out5, perm=[0, 3, 1, 2, 4])                             # [B, W, Hkv, G, Dv]
+    return b.reshape(out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
+
+
+def _sparse(b: GraphBuilder, q, k, v, ctx, scale, window, kc, vc, tables, sel, select_new) -> str:
+    """The K listed committed rows of each query row (through the page table), then the new rows."""
+    i64 = lambda x: b.const(x, np.int64)  # noqa: E731
+    q5, w = _heads(b, q, k)
+    w_len = b.shape_of(q, 1, 2)
+    page_size = b.shape_of(kc, 1, 2)
+    ctx3 = b.unsqueeze(ctx, [1, 2])                                                 # [B, 1, 1]
+    pos_q = b.op("Add", ctx3, b.unsqueeze(w, [0, 2]))                               # [B, W, 1]
+    no_window = b.op("LessOrEqual", window, i64(0))
     bwk = b.concat([b.shape_of(q, 0, 2), b.shape_of(sel, 2, 3)], 0)
-    k_len = b.shape_of(sel, 2, 3)
     # Each listed position once (a repeat would count twice in the softmax): sorted, repeats dropped
-    listed = b.op("TopK", b.op("Expand", sel, bwk), k_len, axis=-1, largest=1, sorted=1, outputs=2)[0]  # [B, W, K]
+    listed = b.op("TopK", b.op("Expand", sel, bwk), b.shape_of(sel, 2, 3), axis=-1, largest=1, sorted=1,
+                  outputs=2)[0]                                                     # [B, W, K]
     before = b.op("ConstantOfShape", b.concat([b.shape_of(q, 0, 2), i64([1])], 0),
                   value=helper.make_tensor("minus_two", TensorProto.INT64, [1], [-2]))
-    repeat = b.op("Equal", listed, b.slice(b.concat([before, listed], 2), [0], k_len, [2]))
-    # new row w' is selected for row w when position ctx + w' is listed: flags over [W | 1 spare]
+    repeat = b.op("Equal", listed, b.slice(b.concat([before, listed], 2), [0], b.shape_of(sel, 2, 3), [2]))
+    in_window = b.op("Or", b.op("Less", b.op("Sub", pos_q, listed), window), no_window)
+    valid = b.op("And", b.op("And", b.op("GreaterOrEqual", listed, i64(0)), b.op("Less", listed, ctx3)),
+                 b.op("And", in_window, b.op("Not", repeat)))                      # [B, W, K]
+    j = b.op("Where", valid, listed, i64(0))
+    page = b.op("GatherElements", tables, b.reshape(b.op("Div", j, page_size), [0, -1]), axis=1)    # [B, W*K]
+    rows = b.op("Add", b.op("Mul", b.reshape(page, bwk), page_size), b.op("Mod", j, page_size))     # pool rows
+    def gather_rows(cache):
+        flat = b.reshape(cache, b.concat([i64([-1]), b.shape_of(cache, 2, 4)], 0))  # [N*S, Hkv, D]
+        return _f32(b, b.op("Gather", flat, rows, axis=0))                          # [B, W, K, Hkv, D]
+    q_w = b.op("Transpose", q5, perm=[0, 3, 1, 2, 4])                               # [B, W, Hkv, G, D]
+    k_s = b.op("Transpose", gather_rows(kc), perm=[0, 1, 3, 4, 2])                  # [B, W, Hkv, D, K]
+    v_s = b.op("Transpose", gather_rows(vc), perm=[0, 1, 3, 2, 4])                  # [B, W, Hkv, K, Dv]
+    scores_s = b.op("Mul", b.op("MatMul", q_w, k_s), scale)                         # [B, W, Hkv, G, K]
+
+    # New rows: causal and windowed; with select_new_rows only the listed ones (position ctx + w')
     col = b.op("Sub", listed, ctx3)
     col = b.op("Where", b.op("And", b.op("GreaterOrEqual", col, i64(0)), b.op("Less", col, w_len)), col, w_len)
     zeros = b.op("ConstantOfShape", b.concat([b.shape_of(q, 0, 2), b.op("Add", w_len, i64([1]))], 0),
                  value=helper.make_tensor("zero", TensorProto.FLOAT, [1], [0.0]))
     ones = b.op("ConstantOfShape", bwk, value=helper.make_tensor("one", TensorProto.FLOAT, [1], [1.0]))
-    flags = b.op("ScatterElements", zeros, col, ones, axis=2, reduction="max")       # [B, W, W+1]
-    filter_new = b.op("And", b.op("Greater", b.attr_const("select_new_rows", "int"), i64(0)), b.op("Not", dense))
-    sel_n = b.op("Or", b.op("Greater", b.slice(flags, [0], w_len, [2]), b.const(0.0, np.float32)),
-                 b.op("Not", filter_new))
-    mask_n = b.op("And", b.op("Expand", b.unsqueeze(mask_n, [0]), bw), sel_n)      # [B, W, W]
-    mask_c = b.op("Expand", mask_c, b.concat([b.shape_of(q, 0, 2), t_len], 0))
-    mask = b.concat([mask_c, mask_n], 2)                                            # [B, W, T+W]
-    masked = b.op("Where", b.unsqueeze(mask, [1, 2]), scores, b.const(_NEG, np.float32))
+    flags = b.op("ScatterElements", zeros, col, ones, axis=2, reduction="max")       # [B, W, W + 1 spare]
+    chosen = b.op("Or", b.op("Greater", b.slice(flags, [0], w_len, [2]), b.const(0.0, np.float32)),
+                  b.op("Not", select_new))
+    mask_n = b.op("And", b.unsqueeze(_new_rows_mask(b, w, window, no_window), [0]), chosen)   # [B, W, W]
+    k_n = b.unsqueeze(b.op("Transpose", _f32(b, k), perm=[0, 2, 3, 1]), [1])       # [B, 1, Hkv, D, W]
+    v_n = b.unsqueeze(b.op("Transpose", _f32(b, v), perm=[0, 2, 1, 3]), [1])       # [B, 1, Hkv, W, Dv]
+    scores_n = b.op("Mul", b.op("MatMul", q_w, k_n), scale)                         # [B, W, Hkv, G, W]
 
-    # Sparse: the K listed committed rows of each query row, through the page table: [B, W, K, Hkv, D]
-    in_window_s = b.op("Or", b.op("Less", b.op("Sub", pos_q, listed), window), no_window)
-    valid = b.op("And", b.op("And", b.op("GreaterOrEqual", listed, i64(0)), b.op("Less", listed, ctx3)),
-                 b.op("And", in_window_s, b.op("Not", repeat)))                    # [B, W, K]
-    j = b.op("Where", valid, listed, i64(0))
-    page = b.op("GatherElements", tables, b.reshape(b.op("Div", j, page_size), [0, -1]), axis=1)    # [B, W*K]
-    page = b.op("Reshape", page, bwk, allowzero=1)                                  # K may be 0
-    rows = b.op("Add", b.op("Mul", page, page_size), b.op("Mod", j, page_size))     # [B, W, K] pool rows
-    def gather_rows(cache):
-        flat = b.reshape(cache, b.concat([i64([-1]), b.shape_of(cache, 2, 4)], 0))  # [N*S, Hkv, D]
-        return f32(b.op("Gather", flat, rows, axis=0))                              # [B, W, K, Hkv, D]
-    q_w = b.op("Transpose", q5, perm=[0, 3, 1, 2, 4])                               # [B, W, Hkv, G, D]
-    k_s = b.op("Transpose", gather_rows(kc), perm=[0, 1, 3, 4, 2])                  # [B, W, Hkv, D, K]
-    v_s = b.op("Transpose", gather_rows(vc), perm=[0, 1, 3, 2, 4])                  # [B, W, Hkv, K, Dv]
-    scores_s = b.op("Transpose", b.op("Mul", b.op("MatMul", q_w, k_s), scale), perm=[0, 2, 3, 1, 4])
-    masked_s = b.op("Where", b.unsqueeze(valid, [1, 2]), scores_s, b.const(_NEG, np.float32))  # [B,Hkv,G,W,K]
-
-    # One softmax over [committed T | listed K | new W] (T = 0 when sparse, K = 0 when dense)
-    all_scores = b.concat([b.slice(masked, [0], t_len, [4]), masked_s, b.slice(masked, t_len, [2 ** 62], [4])], 4)
-    probs = b.op("Softmax", all_scores, axis=-1)
-    tk = b.op("Add", t_len, k_len)
-    probs_d = b.concat([b.slice(probs, [0], t_len, [4]), b.slice(probs, tk, [2 ** 62], [4])], 4)
-    out5 = b.op("MatMul", probs_d, v5)                                              # [B, Hkv, G, W, Dv]
-    out = b.op("Transpose", out5, perm=[0, 3, 1, 2, 4])                             # [B, W, Hkv, G, Dv]
-    probs_s = b.op("Transpose", b.slice(probs, t_len, tk, [4]), perm=[0, 3, 1, 2, 4])  # [B, W, Hkv, G, K]
-    out = b.op("Add", out, b.op("MatMul", probs_s, v_s))                            # + 0 when dense
-    out = b.reshape(out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
-    b.op("CastLike", out, q, outputs=["output"])
-    return helper.make_function(TANDEM_DOMAIN, OP_TYPE, [q, k, v, kc, vc, tables, ctx, sel], ["output"], b.nodes,
-                                [helper.make_opsetid("", OPSET)], attributes=list(ATTRIBUTES),
-                                attribute_protos=[helper.make_attribute(k, v) for k, v in DEFAULTS.items()])
+    neg = b.const(_NEG, np.float32)
+    masked = b.concat([b.op("Where", b.unsqueeze(valid, [2, 3]), scores_s, neg),
+                       b.op("Where", b.unsqueeze(mask_n, [2, 3]), scores_n, neg)], 4)
+    probs = b.op("Softmax", masked, axis=-1)                                        # [B, W, Hkv, G, K+W]
+    k_len = b.shape_of(sel, 2, 3)
+    out = b.op("Add", b.op("MatMul", b.slice(probs, [0], k_len, [4]), v_s),
+               b.op("MatMul", b.slice(probs, k_len, [2 ** 62], [4]), v_n))          # [B, W, Hkv, G, Dv]
+    return b.reshape(out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
