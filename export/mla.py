@@ -43,6 +43,7 @@ class MLADims:
     v_head_dim: int
     rms_norm_eps: float
     rope_interleaved: bool = True    # DeepSeek-V3's config.rope_interleave; V3.2 and GLM-5 always
+    bias: bool = False               # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj add a bias
 
     @property
     def qk_head_dim(self) -> int:
@@ -59,6 +60,7 @@ class IndexerDims:
     head_dim: int
     top_k: int
     rope_interleaved: bool           # GLM-5: True; DeepSeek-V3.2: False (half split)
+    norm_eps: float = 1e-6           # k_norm (a LayerNorm with weight and bias)
 
 
 @dataclass(frozen=True)
@@ -152,6 +154,10 @@ def mla_attention(b: GraphBuilder, dims: MLADims, indexer: IndexerDims | None, r
     layer's, GLM-5 "shared" layers), else dense."""
     n, r, rd, nope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim
     eps = dims.rms_norm_eps
+
+    def proj(x_in: str, name: str) -> str:  # the projections transformers builds with bias=attention_bias
+        y = linear(b, w, x_in, p + name + ".weight", name)
+        return b.op("Add", y, w.plain(b, p + name + ".bias"), name=f"{name}/bias") if dims.bias else y
     with b.scope("mla"):
         cos, sin = rope_angles(b, rope, positions, w.dtype)
         if dims.q_lora_rank is None:
@@ -160,7 +166,7 @@ def mla_attention(b: GraphBuilder, dims: MLADims, indexer: IndexerDims | None, r
                                  "q_lora_rank cannot have one (set q_lora_rank or drop the indexer)")
             q, q_resid = linear(b, w, x, p + "q_proj.weight", "q_proj"), None
         else:
-            q_resid = rms_norm(b, linear(b, w, x, p + "q_a_proj.weight", "q_a_proj"),
+            q_resid = rms_norm(b, proj(x, "q_a_proj"),
                                w.plain(b, p + "q_a_layernorm.weight"), eps, "q_a_layernorm")
             q = linear(b, w, q_resid, p + "q_b_proj.weight", "q_b_proj")
         q = b.reshape(q, [0, 0, n, dims.qk_head_dim])
@@ -172,7 +178,7 @@ def mla_attention(b: GraphBuilder, dims: MLADims, indexer: IndexerDims | None, r
         q_lat = b.squeeze(b.op("MatMul", q_nope, w_uk, name="absorb_uk"), [3])       # [B, W, n, r]
         query = b.concat([q_lat, q_pe], -1)                                          # [B, W, n, r + rope]
 
-        kv = linear(b, w, x, p + "kv_a_proj_with_mqa.weight", "kv_a_proj_with_mqa")  # [B, W, r + rope]
+        kv = proj(x, "kv_a_proj_with_mqa")                                          # [B, W, r + rope]
         c_kv = rms_norm(b, b.slice(kv, [0], [r], [2]), w.plain(b, p + "kv_a_layernorm.weight"), eps,
                         "kv_a_layernorm")
         k_pe = b.unsqueeze(b.slice(kv, [r], [dims.latent_width], [2]), [2])
@@ -194,7 +200,7 @@ def mla_attention(b: GraphBuilder, dims: MLADims, indexer: IndexerDims | None, r
         w_uv = w.derived(b, kv_b + ".w_uv_t", lambda: np.ascontiguousarray(
             w.raw(kv_b).reshape(n, nope + dims.v_head_dim, r)[:, nope:].transpose(0, 2, 1)).astype(w.np_dtype))
         heads = b.squeeze(b.op("MatMul", latent, w_uv, name="absorb_uv"), [3])     # [B, W, n, v]
-        out = linear(b, w, b.reshape(heads, [0, 0, n * dims.v_head_dim]), p + "o_proj.weight", "o_proj")
+        out = proj(b.reshape(heads, [0, 0, n * dims.v_head_dim]), "o_proj")
     return MLAOutputs(out, rows, index_rows, sel)
 
 
@@ -206,7 +212,7 @@ def _indexer(b: GraphBuilder, d: IndexerDims, rope_dim: int, w: Weights, p: str,
         q = b.concat([rotate(b, b.slice(q, [0], [rope_dim], [3]), cos, sin, rope_dim, d.rope_interleaved),
                       b.slice(q, [rope_dim], [d.head_dim], [3])], -1)
         k = b.op("LayerNormalization", linear(b, w, x, p + "wk.weight", "wk"), w.plain(b, p + "k_norm.weight"),
-                 w.plain(b, p + "k_norm.bias"), axis=-1, epsilon=1e-6, name="k_norm")   # [B, W, Di]
+                 w.plain(b, p + "k_norm.bias"), axis=-1, epsilon=d.norm_eps, name="k_norm")   # [B, W, Di]
         k = b.unsqueeze(k, [2])
         k = b.squeeze(b.concat([rotate(b, b.slice(k, [0], [rope_dim], [3]), cos, sin, rope_dim, d.rope_interleaved),
                                 b.slice(k, [rope_dim], [d.head_dim], [3])], -1), [2])

@@ -213,6 +213,13 @@ def test_absorbed_mla_equals_transformers(family, top_k, yarn, w_rows):
     run_against_transformers(config, attn, rotary, dims, idx, w_rows)
 
 
+def test_absorbed_mla_with_attention_bias_equals_transformers():
+    config, attn, rotary = tiny_attention("deepseek_v32", 8, True, attention_bias=True)
+    assert attn.kv_a_proj_with_mqa.bias is not None
+    dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps, bias=True)
+    run_against_transformers(config, attn, rotary, dims, IndexerDims(8, 10, 8, False), 5)
+
+
 def test_glm_shared_layer_attends_the_previous_layers_selection():
     kinds = dict(indexer_types=["full", "shared"], num_hidden_layers=2)
     config, full, rotary = tiny_attention("glm_moe_dsa", 8, True, **kinds)
