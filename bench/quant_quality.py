@@ -14,9 +14,10 @@ For one checkpoint (default the shipped model) builds one engine dir per format 
 - top-1 agreement with float: the share of those positions where argmax(format) == argmax(float);
 - greedy agreement as bench/weight_formats.py defines it (tokens before the first divergence from
   float's greedy output), on --prompts prompts of 32 held-out tokens, --tokens tokens each;
-- the MTP heads' acceptance in speculative greedy decoding of the same prompts: the mean accept
-  length (tokens per verify round) and, per draft position i, the share of rounds that drafted i in
-  which drafts 1..i were all accepted; and whether speculative output equals plain greedy output.
+- the MTP heads' acceptance in speculative greedy decoding of the same prompts, every round drafting
+  3 tokens (fixed k, adaptive width off): the mean accept length (tokens per verify round) and, per
+  draft position i, the share of drafts accepted given drafts 1..i-1 were (the model card's
+  definition, there teacher-forced); and on how many prompts speculative output equals plain greedy.
 
 torch is imported only for the held-out split helpers; every figure comes from ONNX Runtime engines.
 """
@@ -69,8 +70,9 @@ class Quality:
     argmax: np.ndarray          # [windows, seq] argmax of the logits at each position
     greedy: list[list[int]]     # plain greedy tokens per prompt
     accept_length: float        # speculative: tokens per verify round
-    acceptance: list[float]     # speculative, per draft position i: rounds that accepted drafts 1..i / drafted i
-    spec_equals_plain: bool
+    acceptance: list[float]     # speculative, per draft position i: accepted given drafts 1..i-1 were
+    rounds: int                 # speculative: verify rounds the acceptance figures count
+    spec_equals_plain: int      # prompts whose speculative output is the plain greedy output
 
 
 @dataclass(frozen=True)
@@ -132,7 +134,8 @@ def teacher_forced(llm: LLM, windows: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 
 def measure(engine_dir: Path, windows: np.ndarray, prompts: list[list[int]], tokens: int) -> Quality:
-    llm = LLM(engine_dir, EngineConfig(memory_budget_bytes=1 << 30))
+    # every round drafts MTP_LAYERS tokens (the adaptive width would pick widths from timings)
+    llm = LLM(engine_dir, EngineConfig(memory_budget_bytes=1 << 30, spec_k=MTP_LAYERS, adaptive_width=False))
     nll, top = teacher_forced(llm, windows)
     plain = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, speculative=False))
     spec = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
@@ -143,10 +146,14 @@ def measure(engine_dir: Path, windows: np.ndarray, prompts: list[list[int]], tok
         drafted[: len(d)] += d
         accepted[: len(a)] += a
     rounds = sum(r.metrics.rounds for r in spec)
+    if not (drafted == rounds).all():
+        raise RuntimeError(f"{engine_dir}: drafts per position {drafted.tolist()} over {rounds} rounds; the acceptance "
+                           f"figures assume every round drafts {MTP_LAYERS} (fixed spec_k, p_min 0)")
+    # head i's draft accepted, given drafts 1..i-1 were: accepted_per_position counts rounds with >= i+1 accepted
+    given = accepted / np.concatenate([[rounds], accepted[:-1]]).clip(min=1)
     return Quality(float(nll.mean()), top, [r.token_ids for r in plain],
-                   (sum(r.metrics.accepted for r in spec) + rounds) / rounds,
-                   (accepted / np.maximum(drafted, 1)).tolist(),
-                   [r.token_ids for r in spec] == [r.token_ids for r in plain])
+                   (sum(r.metrics.accepted for r in spec) + rounds) / rounds, given.tolist(), rounds,
+                   sum(s.token_ids == p.token_ids for s, p in zip(spec, plain)))
 
 
 def engine_dir_for(fmt: Format, src: Path, work: Path, given: dict[str, str]) -> Path:
@@ -201,11 +208,11 @@ def main() -> None:
         print(f"  measured {fmt.label} in {time.perf_counter() - t:.0f} s", flush=True)
     ref = results["float"]
     print("\nformat | held-out loss (nats/token) | top-1 agreement with float | greedy agreement with float"
-          " | accept length | drafts 1..i accepted / drafted i | speculative == plain")
+          " | accept length (rounds) | draft i accepted given 1..i-1 were | prompts speculative == plain")
     for label, q in results.items():
-        print(f"{label:>7} | {q.loss:.4f} ({q.loss - ref.loss:+.4f}) | {(q.argmax == ref.argmax).mean():.2%}"
-              f" | {agreement(q.greedy, ref.greedy):.0%} | {q.accept_length:.2f}"
-              f" | {', '.join(f'{a:.3f}' for a in q.acceptance)} | {'yes' if q.spec_equals_plain else 'NO'}")
+        print(f"{label:>7} | {q.loss:.5f} ({q.loss - ref.loss:+.5f}) | {(q.argmax == ref.argmax).mean():.2%}"
+              f" | {agreement(q.greedy, ref.greedy):.0%} | {q.accept_length:.2f} ({q.rounds})"
+              f" | {', '.join(f'{a:.3f}' for a in q.acceptance)} | {q.spec_equals_plain}/{len(prompts)}")
 
 
 if __name__ == "__main__":
