@@ -138,16 +138,17 @@ def transformers_rows(config, attn, rotary, x, **kwargs):
     return out.numpy(), picked["sel"].numpy() if hook else None
 
 
-def mla_step(config, attn, dims, idx, selected_input=False):
+def mla_step(config, attn, dims, idx, selected_input=False, dtype="float32"):
     """The MLA piece as an ONNX Runtime session: feeds -> {out, rows, index_rows, selected}; with
-    `selected_input`, the selection is a graph input (a GLM-5 "shared" layer)."""
+    `selected_input`, the selection is a graph input (a GLM-5 "shared" layer). Activations, pools
+    and weights in `dtype`."""
     tensors = {"a." + n: t.detach().numpy() for n, t in attn.state_dict().items()}
     rope = rope_for(config.rope_parameters, dims.qk_rope_head_dim, dims.qk_head_dim, config.max_position_embeddings)
     b = GraphBuilder()
-    out = mla_attention(b, dims, idx, rope, Weights(_Dict(tensors)), "a.", "x", "positions", "context_lens",
+    out = mla_attention(b, dims, idx, rope, Weights(_Dict(tensors), dtype), "a.", "x", "positions", "context_lens",
                         "block_tables", "latent_pool", "index_pool" if idx else None,
                         "selected" if selected_input else None)
-    f32, i64 = TensorProto.FLOAT, TensorProto.INT64
+    f32, i64 = TensorProto.FLOAT if dtype == "float32" else TensorProto.FLOAT16, TensorProto.INT64
     ins = [helper.make_tensor_value_info(n, t, s) for n, t, s in (
         ("x", f32, ["B", "W", 32]), ("positions", i64, ["B", "W"]), ("context_lens", i64, ["B"]),
         ("block_tables", i64, ["B", "P"]), ("latent_pool", f32, ["N", PAGE, 1, dims.latent_width]))]
@@ -172,29 +173,29 @@ def mla_step(config, attn, dims, idx, selected_input=False):
     return lambda feeds: dict(zip(keys, sess.run(names, feeds)))
 
 
-def run_against_transformers(config, attn, rotary, dims, idx, w_rows):
+def run_against_transformers(config, attn, rotary, dims, idx, w_rows, dtype="float32", atol=1e-4):
     """Prefill two committed contexts (13 and 7 tokens) alone, commit their rows into shuffled
     pages, then run W new rows of both over them; compare with transformers on the full sequences."""
-    step = mla_step(config, attn, dims, idx)
+    step = mla_step(config, attn, dims, idx, dtype=dtype)
     ctx = np.array([13, 7], np.int64)
     xs = [torch.randn(1, int(n) + w_rows, 32, generator=torch.Generator().manual_seed(s)) for s, n in enumerate(ctx)]
-    pools = {"latent_pool": np.zeros((N_PAGES, PAGE, 1, dims.latent_width), np.float32)}
+    pools = {"latent_pool": np.zeros((N_PAGES, PAGE, 1, dims.latent_width), dtype)}
     if idx:
-        pools["index_pool"] = np.zeros((N_PAGES, PAGE, idx.head_dim), np.float32)
+        pools["index_pool"] = np.zeros((N_PAGES, PAGE, idx.head_dim), dtype)
     tables = np.random.default_rng(1).permutation(N_PAGES)[: 2 * MAX_PAGES].reshape(2, MAX_PAGES).astype(np.int64)
     for s, n in enumerate(ctx):
-        got = step({"x": xs[s][:, :n].numpy(), "positions": np.arange(n)[None], "context_lens": np.zeros(1, np.int64),
-                    "block_tables": tables[s : s + 1], **pools})
+        got = step({"x": xs[s][:, :n].numpy().astype(dtype), "positions": np.arange(n)[None],
+                    "context_lens": np.zeros(1, np.int64), "block_tables": tables[s : s + 1], **pools})
         for j in range(n):
             pools["latent_pool"][tables[s, j // PAGE], j % PAGE] = got["rows"][0, j]
             if idx:
                 pools["index_pool"][tables[s, j // PAGE], j % PAGE] = got["index_rows"][0, j]
-    new = np.concatenate([x[:, -w_rows:].numpy() for x in xs])
+    new = np.concatenate([x[:, -w_rows:].numpy() for x in xs]).astype(dtype)
     got = step({"x": new, "positions": ctx[:, None] + np.arange(w_rows)[None], "context_lens": ctx,
                 "block_tables": tables, **pools})
     for s, n in enumerate(ctx):
         want, picked = transformers_rows(config, attn, rotary, xs[s])
-        np.testing.assert_allclose(got["out"][s], want[0, n:], atol=1e-4)
+        np.testing.assert_allclose(got["out"][s].astype(np.float32), want[0, n:], atol=atol)
         for i in range(w_rows if idx else 0):
             pos = n + i
             theirs = {int(j) for j in picked[0, pos] if j <= pos}       # past the row: masked anyway
@@ -218,6 +219,13 @@ def test_absorbed_mla_with_attention_bias_equals_transformers():
     assert attn.kv_a_proj_with_mqa.bias is not None
     dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps, bias=True)
     run_against_transformers(config, attn, rotary, dims, IndexerDims(8, 10, 8, False), 5)
+
+
+def test_absorbed_mla_float16_is_close_to_transformers():
+    """float16 weights, activations and pools (dense: fp16 rounding may reorder close index scores)."""
+    config, attn, rotary = tiny_attention("deepseek_v32", 64, True)
+    dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps)
+    run_against_transformers(config, attn, rotary, dims, IndexerDims(8, 10, 64, False), 5, "float16", atol=1e-2)
 
 
 def test_glm_shared_layer_attends_the_previous_layers_selection():
