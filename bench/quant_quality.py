@@ -39,6 +39,7 @@ from bench.weight_formats import agreement  # noqa: E402
 from tandem import contract as c  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
+from tandem.pipeline import engine as engine_module  # noqa: E402
 from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tools.train_small_model import MTP_LAYERS, encode, read, stdlib_files  # noqa: E402
@@ -73,6 +74,7 @@ class Quality:
     acceptance: list[float]     # speculative, per draft position i: accepted given drafts 1..i-1 were
     rounds: int                 # speculative: verify rounds the acceptance figures count
     spec_equals_plain: int      # prompts whose speculative output is the plain greedy output
+    rows_drift: float           # largest |log p| difference of a greedy token: 1-row decode step vs prefill chunk
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,7 @@ def measure(engine_dir: Path, windows: np.ndarray, prompts: list[list[int]], tok
     # every round drafts MTP_LAYERS tokens (the adaptive width would pick widths from timings)
     llm = LLM(engine_dir, EngineConfig(memory_budget_bytes=1 << 30, spec_k=MTP_LAYERS, adaptive_width=False))
     nll, top = teacher_forced(llm, windows)
-    plain = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, speculative=False))
+    plain, drift = greedy_with_drift(llm, prompts, tokens)
     spec = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
     drafted = np.zeros(MTP_LAYERS)
     accepted = np.zeros(MTP_LAYERS)
@@ -153,7 +155,39 @@ def measure(engine_dir: Path, windows: np.ndarray, prompts: list[list[int]], tok
     given = accepted / np.concatenate([[rounds], accepted[:-1]]).clip(min=1)
     return Quality(float(nll.mean()), top, [r.token_ids for r in plain],
                    (sum(r.metrics.accepted for r in spec) + rounds) / rounds, given.tolist(), rounds,
-                   sum(s.token_ids == p.token_ids for s, p in zip(spec, plain)))
+                   sum(s.token_ids == p.token_ids for s, p in zip(spec, plain)), drift)
+
+
+def _log_softmax_max(logits: np.ndarray) -> np.ndarray:
+    """log p of each row's argmax token, [n, V] -> [n]."""
+    x = logits.astype(np.float64)
+    m = x.max(-1)
+    return -np.log(np.exp(x - m[:, None]).sum(-1))
+
+
+def greedy_with_drift(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[list, float]:
+    """Plain greedy outputs, and how far the same engines' log p of each greedy token moves between
+    the 1-row decode step that chose it and a prefill chunk over prompt + output (many rows per call)."""
+    chosen: dict[str, list[float]] = {}
+    real = engine_module._next_tokens
+
+    def record(seqs, logits):
+        for seq, lp in zip(seqs, _log_softmax_max(logits)):
+            chosen.setdefault(seq.request_id, []).append(float(lp))
+        return real(seqs, logits)
+
+    engine_module._next_tokens = record
+    try:
+        plain = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, speculative=False))
+    finally:
+        engine_module._next_tokens = real
+    n = len(prompts[0])
+    if any(len(p) != n for p in prompts):
+        raise ValueError("greedy_with_drift: prompts of one length, so the prefill windows line up")
+    nll, _ = teacher_forced(llm, np.array([r.prompt_token_ids + r.token_ids for r in plain]))
+    # decode step j fed token j at position n + j and chose token j + 1: nll column n + j
+    decode = np.array([chosen[r.request_id] for r in plain])                  # [prompts, tokens - 1]
+    return plain, float(np.abs(-nll[:, n : n + decode.shape[1]] - decode).max())
 
 
 def engine_dir_for(fmt: Format, src: Path, work: Path, given: dict[str, str]) -> Path:
@@ -208,11 +242,13 @@ def main() -> None:
         print(f"  measured {fmt.label} in {time.perf_counter() - t:.0f} s", flush=True)
     ref = results["float"]
     print("\nformat | held-out loss (nats/token) | top-1 agreement with float | greedy agreement with float"
-          " | accept length (rounds) | draft i accepted given 1..i-1 were | prompts speculative == plain")
+          " | accept length (rounds) | draft i accepted given 1..i-1 were | prompts speculative == plain"
+          " | log p drift, 1 row vs chunk")
     for label, q in results.items():
         print(f"{label:>7} | {q.loss:.5f} ({q.loss - ref.loss:+.5f}) | {(q.argmax == ref.argmax).mean():.2%}"
               f" | {agreement(q.greedy, ref.greedy):.0%} | {q.accept_length:.2f} ({q.rounds})"
-              f" | {', '.join(f'{a:.3f}' for a in q.acceptance)} | {q.spec_equals_plain}/{len(prompts)}")
+              f" | {', '.join(f'{a:.3f}' for a in q.acceptance)} | {q.spec_equals_plain}/{len(prompts)}"
+              f" | {q.rows_drift:.1e}")
 
 
 if __name__ == "__main__":
