@@ -112,22 +112,28 @@ def _point(tensor: onnx.TensorProto, location: str, offset: int, length: int) ->
         entry.key, entry.value = key, value
 
 
+def _map(path: Path) -> mmap.mmap | bytes:
+    """The file's bytes without reading them in (b"" for a missing or empty file: mmap refuses those)."""
+    if not path.is_file() or not path.stat().st_size:
+        return b""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
 class _OptimizedWeights:
     """Points each external tensor of a saved graph at weights.bin where the lowered graph has a
     tensor of the same name and bytes there, else at optimized.bin (appended once per content)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        with open(folder / WEIGHTS_FILE, "rb") as f:
-            self.weights = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.weights = _map(folder / WEIGHTS_FILE)
         self._file = open(folder / OPTIMIZED_WEIGHTS, "wb")
         self._size = 0
         self._offsets: dict[str, int] = {}   # sha256 -> offset in optimized.bin
 
     def rehome(self, model: onnx.ModelProto, lowered: onnx.ModelProto, data_path: Path) -> None:
         known = {t.name: ref for t in lowered.graph.initializer if (ref := _external(t))}
-        with open(data_path, "rb") as f:
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if data_path.stat().st_size else b""
+        data = _map(data_path)  # absent when no tensor reached the size for external data
         try:
             for tensor in model.graph.initializer:
                 ref = _external(tensor)
@@ -157,6 +163,7 @@ class _OptimizedWeights:
 
     def close(self) -> None:
         self._file.close()
-        self.weights.close()
+        if isinstance(self.weights, mmap.mmap):
+            self.weights.close()
         if not self._size:  # a float build: every tensor is in weights.bin
             (self.folder / OPTIMIZED_WEIGHTS).unlink()
