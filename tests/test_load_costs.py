@@ -154,3 +154,20 @@ def test_verification_opens_one_session_at_a_time(tiny_root, tmp_path, monkeypat
     monkeypatch.setattr(onnxruntime_backend, "session", counted)
     build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "out", SMALL, show_progress=False)
     assert most and max(most) == 1
+
+
+def test_a_checker_without_run_group_is_run_bucket_by_bucket(tiny_root, tmp_path, monkeypatch):
+    """The TensorRT backend's Checker has only run(bucket, engine, feeds): the build still verifies
+    every bucket through it."""
+    monkeypatch.delattr(onnxruntime_backend.Checker, "run_group")
+    seen = []
+    real = onnxruntime_backend.Checker.run
+
+    def run(self, bucket, engine, feeds):
+        seen.append(bucket.name)
+        return real(self, bucket, engine, feeds)
+
+    monkeypatch.setattr(onnxruntime_backend.Checker, "run", run)
+    build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "out", SMALL, show_progress=False)
+    engines = read_manifest(tmp_path / "out")["engines"]
+    assert sorted(seen) == sorted(e["name"] for e in engines) and all(e["verification"]["passed"] for e in engines)
