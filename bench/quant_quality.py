@@ -17,7 +17,11 @@ For one checkpoint (default the shipped model) builds one engine dir per format 
 - the MTP heads' acceptance in speculative greedy decoding of the same prompts, every round drafting
   3 tokens (fixed k, adaptive width off): the mean accept length (tokens per verify round) and, per
   draft position i, the share of drafts accepted given drafts 1..i-1 were (the model card's
-  definition, there teacher-forced); and on how many prompts speculative output equals plain greedy.
+  definition, there teacher-forced); and on how many prompts speculative output equals plain greedy;
+- the row-count drift: the largest difference, over the plain greedy tokens, between the log p the
+  1-row decode step gave the token it chose and the log p a prefill chunk over prompt + output gives
+  it, same engines (float: rounding only; a drift above a near-tie's margin lets a verify call, which
+  has k + 1 rows, pick another token than plain decoding would).
 
 torch is imported only for the held-out split helpers; every figure comes from ONNX Runtime engines.
 """
