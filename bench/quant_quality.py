@@ -5,7 +5,8 @@
                                             [--workdir DIR] [--engines int8=DIR,...]
 
 For one checkpoint (default the shipped model) builds one engine dir per format (`FMT` or
-`FMT:BLOCK` for --quant-block; --engines reuses existing dirs), then with each:
+`FMT:BLOCK` for --quant-block; batch sizes 1 and 8, max_seq_len 1024, MTP heads included;
+--engines reuses existing dirs), then with each:
 - held-out next-token loss (nats/token) from the target engine's logits at every row of the prefill
   chunks, teacher-forced over the same windows for every format. The held-out stream and the windows
   are tools/train_small_model.py's (`stdlib_files`, `encode`, and `evaluate`'s draws: seed 0, 8
