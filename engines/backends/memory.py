@@ -83,12 +83,7 @@ class HostMemory:
                 src_rows: np.ndarray) -> None:
         """pool[dst_rows[i]] = src[src_rows[i]], pool seen as [R, row] over its first `leading`
         axes and src over its first `src_leading` (views: no copy of either buffer)."""
-        self.transfers.to_backend += dst_rows.nbytes + src_rows.nbytes
-        self.transfers.commits += 1
-        if len(dst_rows) == 1:   # batch 1 decoding: a plain row copy, a fifth of the fancy-indexed one's time
-            rows_view(pool, leading)[dst_rows[0]] = rows_view(src, src_leading)[src_rows[0]]
-        else:
-            rows_view(pool, leading)[dst_rows] = rows_view(src, src_leading)[src_rows]
+        self.scatter_many([(rows_view(pool, leading), rows_view(src, src_leading))], dst_rows, src_rows)
 
     def scatter_many(self, pairs, dst_rows: np.ndarray, src_rows: np.ndarray) -> None:
         """pool[dst_rows[i]] = src[src_rows[i]] for each (pool, src) of `pairs`, both already
@@ -96,7 +91,7 @@ class HostMemory:
         so it is counted (and on a device, sent) once for all of them."""
         self.transfers.to_backend += dst_rows.nbytes + src_rows.nbytes
         self.transfers.commits += len(pairs)
-        if len(dst_rows) == 1:
+        if len(dst_rows) == 1:   # batch 1 decoding: a plain row copy, a fifth of the fancy-indexed one's time
             dst, src_row = dst_rows[0], src_rows[0]
             for pool, src in pairs:
                 pool[dst] = src[src_row]
