@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tandem.checkpoint import CheckpointError, open_checkpoint
+from tandem.checkpoint import open_checkpoint
 from tandem.checkpoint.description import MLPKind, MoESpec, description_from_dict, description_to_dict
 from tandem.checkpoint.families import FAMILIES, MODEL_TYPES, deepseek_dsa
 from tandem.checkpoint.mla_specs import IndexerSpec, MLASpec
@@ -21,6 +21,7 @@ from tandem.cli import main
 from tandem.testing.tiny_checkpoints import write_safetensors, write_tiny_checkpoint
 from tandem.testing.tiny_dsa import DSA_KINDS, dsa_config, quantize_fp8_blocks
 
+from .checkpoint_fixtures import refusal
 from .conftest import edit_json, read_all
 
 KINDS = tuple(DSA_KINDS)
@@ -41,11 +42,6 @@ def dsa_copy(dsa_root, tmp_path):
         return tmp_path / kind
     return copy
 
-
-def refusal(path, **kwargs) -> str:
-    with pytest.raises(CheckpointError) as info:
-        open_checkpoint(path, **kwargs)
-    return str(info.value)
 
 
 def describe(kind: str = "deepseek_v32", mtp_layers: int = 1, **changes):

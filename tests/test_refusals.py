@@ -14,15 +14,11 @@ from tandem.checkpoint import CheckpointError, open_checkpoint
 from tandem.cli import main
 from tandem.testing.tiny_checkpoints import write_safetensors, write_weights
 
+from .checkpoint_fixtures import refusal
 from .conftest import edit_json, read_all
 
 pytestmark = pytest.mark.usefixtures("no_weight_reads")
 
-
-def refusal(*args, **kwargs) -> str:
-    with pytest.raises(CheckpointError) as info:
-        open_checkpoint(*args, **kwargs)
-    return str(info.value)
 
 
 def split_off_mtp(src, target, draft):

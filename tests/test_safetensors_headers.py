@@ -8,9 +8,10 @@ import struct
 
 import pytest
 
-from tandem.checkpoint import CheckpointError, open_checkpoint
 from tandem.checkpoint.safetensors_files import read_header
 from tandem.cli import main
+
+from .checkpoint_fixtures import refusal
 
 pytestmark = pytest.mark.usefixtures("no_weight_reads")
 
@@ -28,11 +29,6 @@ def rewrite_header(path, edit) -> None:
     text += b" " * (-len(text) % 8)
     path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
 
-
-def refusal(path) -> str:
-    with pytest.raises(CheckpointError) as info:
-        open_checkpoint(path)
-    return str(info.value)
 
 
 def assert_named(msg: str, path, *tensors: str) -> None:

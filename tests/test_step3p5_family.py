@@ -11,13 +11,14 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from tandem.checkpoint import CheckpointError, open_checkpoint
+from tandem.checkpoint import open_checkpoint
 from tandem.checkpoint.description import MLPKind, description_from_dict, description_to_dict
 from tandem.checkpoint.families import FAMILIES, MODEL_TYPES, step3p5
 from tandem.checkpoint.safetensors_files import TensorIndex
 from tandem.cli import main
 from tandem.testing.tiny_checkpoints import step3p5_config, write_safetensors, write_tiny_checkpoint
 
+from .checkpoint_fixtures import refusal
 from .conftest import edit_json, read_all
 
 ARCH = "Step3p5ForCausalLM"
@@ -38,11 +39,6 @@ def step_copy(step_root, tmp_path):
         return tmp_path / kind
     return copy
 
-
-def refusal(path, **kwargs) -> str:
-    with pytest.raises(CheckpointError) as info:
-        open_checkpoint(path, **kwargs)
-    return str(info.value)
 
 
 def describe(mtp_layers: int = 3, **changes):
