@@ -43,7 +43,6 @@ def dsa_copy(dsa_root, tmp_path):
     return copy
 
 
-
 def describe(kind: str = "deepseek_v32", mtp_layers: int = 1, **changes):
     cfg = {k: v for k, v in {**dsa_config(kind), **changes}.items() if v is not None}
     return deepseek_dsa.describe(cfg, cfg["architectures"][0], mtp_layers=mtp_layers, mtp_source="checkpoint")

@@ -20,7 +20,6 @@ from .conftest import edit_json, read_all
 pytestmark = pytest.mark.usefixtures("no_weight_reads")
 
 
-
 def split_off_mtp(src, target, draft):
     """Move a checkpoint's mtp.* tensors into a separate draft folder."""
     tensors = read_all(src)

@@ -30,7 +30,6 @@ def rewrite_header(path, edit) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n :])
 
 
-
 def assert_named(msg: str, path, *tensors: str) -> None:
     assert str(path / "model.safetensors") in msg and "Re-download or re-save the file" in msg
     for t in tensors:

@@ -40,7 +40,6 @@ def step_copy(step_root, tmp_path):
     return copy
 
 
-
 def describe(mtp_layers: int = 3, **changes):
     cfg = {k: v for k, v in {**step3p5_config(), **changes}.items() if v is not None}
     return step3p5.describe(cfg, ARCH, mtp_layers=mtp_layers, mtp_source="checkpoint")
