@@ -103,6 +103,14 @@ class EngineLoop:
     def idle(self) -> bool:
         return not self._live and self._commands.empty()
 
+    def load_stats(self) -> dict[str, int]:
+        """Sequences running and waiting, and free KV pages (every page group), for a router that
+        picks among replicas (server/ray_routing.py). Read off the engine thread: list lengths,
+        accurate to within the step in progress."""
+        sched = self.llm.scheduler
+        return {"running": len(sched.running), "waiting": len(sched.waiting) + self._commands.qsize(),
+                "kv_pages_free": sum(pages.num_free for pages in self.llm.page_groups.lists.values())}
+
     def fail_everything(self, message: str) -> None:
         """After the thread ended: every queued and live request gets the error (the thread no
         longer touches these structures, so the event loop may)."""
