@@ -140,14 +140,44 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   openapi=args.openapi)
         config = EngineConfig(memory_budget_bytes=int(args.memory_budget_mb * 2**20), mtp_mode=args.mtp_mode,
                               threads=args.threads)
-        print(f"serving {settings.model_name} on http://{args.host}:{args.port}/v1 (OpenAI API)", flush=True)
-        status = serve(args.engine_dir, args.host, args.port, settings, config)
+        if args.ray:
+            status = _serve_ray(args, settings, config)
+        else:
+            if ray_only := [f for f in _RAY_FLAGS if getattr(args, f.strip("-").replace("-", "_")) is not None]:
+                raise ValueError(f"{', '.join(ray_only)} only apply with --ray")
+            print(f"serving {settings.model_name} on http://{args.host}:{args.port}/v1 (OpenAI API)", flush=True)
+            status = serve(args.engine_dir, args.host, args.port, settings, config)
     except (ManifestError, ValueError) as e:
         return _refused("serve", [str(e)])
     if status == 1:
         print("serve: the engine thread stopped and could not recover (see the log above); exiting with status 1 "
               "so that a supervisor restarts the server", file=sys.stderr)
     return status
+
+
+_RAY_FLAGS = ("--replicas", "--min-replicas", "--max-replicas", "--ray-address", "--cpus-per-replica",
+              "--target-ongoing-requests")
+
+
+def _serve_ray(args: argparse.Namespace, settings, config) -> int:
+    from tandem.server.serve import serve_ray
+
+    try:
+        from tandem.server.ray_app import Scaling
+    except ImportError:
+        raise ValueError("--ray needs Ray Serve: pip install 'tandem[ray]'") from None
+    if args.replicas is not None and args.min_replicas is not None:
+        raise ValueError("give --replicas N (fixed) or --min-replicas A --max-replicas B (autoscaling), not both")
+    scaling = Scaling(**{k: v for k, v in (("replicas", args.replicas), ("min_replicas", args.min_replicas),
+                                           ("max_replicas", args.max_replicas),
+                                           ("cpus_per_replica", args.cpus_per_replica),
+                                           ("target_ongoing_requests", args.target_ongoing_requests))
+                         if v is not None})
+    where = args.ray_address or "a local Ray instance"
+    count = f"{scaling.min_replicas}..{scaling.max_replicas}" if scaling.autoscaling else str(scaling.replicas)
+    print(f"serving {settings.model_name} on http://{args.host}:{args.port}/v1 (OpenAI API) from {count} "
+          f"replica(s) on {where}", flush=True)
+    return serve_ray(args.engine_dir, args.host, args.port, settings, config, scaling, args.ray_address)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -262,6 +292,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mtp-mode", choices=["chained", "reused"], default=None)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--openapi", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
+    ray = p.add_argument_group("Ray Serve (pip install 'tandem[ray]'; docs/ray.md)")
+    ray.add_argument("--ray", action="store_true", help="serve from replicas on Ray Serve, each with its own pipeline")
+    ray.add_argument("--replicas", type=int, default=None, help="a fixed number of replicas (default 1)")
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscale on requests in flight between min ...")
+    ray.add_argument("--max-replicas", type=int, default=None, help="... and max replicas")
+    ray.add_argument("--target-ongoing-requests", type=float, default=None,
+                     help="requests in flight per replica the autoscaler aims at (default 4)")
+    ray.add_argument("--cpus-per-replica", type=float, default=None,
+                     help="CPUs Ray reserves per replica; also its ONNX Runtime threads unless --threads (default 1)")
+    ray.add_argument("--ray-address", default=None,
+                     help="join this cluster (auto, or ray://HOST:10001) instead of starting a local Ray instance")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("profile", help="measure an engine directory on this device; report + tuned widths")

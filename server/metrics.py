@@ -1,8 +1,10 @@
-"""Prometheus metrics of the server (one registry per process)."""
+"""Prometheus metrics of the server (one registry per process), and the merge of several replicas' expositions."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 REGISTRY = CollectorRegistry()
 REQUESTS = Counter("tandem_requests", "Finished requests by status", ["status"], registry=REGISTRY)
@@ -23,3 +25,39 @@ KV_PAGES_IN_USE = Gauge("tandem_kv_pages_in_use", "KV cache pages allocated to s
 KV_PAGES_BY_GROUP = Gauge("tandem_kv_pages_in_use_by_group", "KV cache pages allocated to sequences, per page group "
                           "(full attention, or a sliding window whose pages are released as they leave it)",
                           ["group"], registry=REGISTRY)
+
+
+# ---- several replicas (server/ray_app.py) --------------------------------------------------
+# Each replica process has its own REGISTRY; its exposition text is merged here. Per replica: every
+# series gains a `replica` label. Aggregated: the same names and labels as one `tandem serve`;
+# counters, histograms and count-like gauges are summed over replicas, the acceptance rate is their
+# mean, and `*_created` (when a counter started) is the earliest.
+_MEAN = {"tandem_spec_acceptance_rate"}
+
+
+def merged_exposition(texts: dict[str, str], per_replica: bool) -> str:
+    """Prometheus text of several replicas' `/metrics` (replica name -> text) as one exposition."""
+    families: dict[str, Metric] = {}
+    values: dict[tuple, list[float]] = {}
+    for replica, text in sorted(texts.items()):
+        for fam in text_string_to_metric_families(text):
+            families.setdefault(fam.name, Metric(fam.name, fam.documentation, fam.type))
+            for s in fam.samples:
+                labels = {**s.labels, "replica": replica} if per_replica else s.labels
+                values.setdefault((fam.name, s.name, tuple(sorted(labels.items()))), []).append(s.value)
+    for (family, name, labels), vs in values.items():
+        value = min(vs) if name.endswith("_created") else sum(vs) / len(vs) if family in _MEAN else sum(vs)
+        families[family].add_sample(name, dict(labels), value)
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry).decode()
+
+
+class _Families:
+    """A collector that yields fixed metric families (what generate_latest formats)."""
+
+    def __init__(self, families: list[Metric]):
+        self.families = families
+
+    def collect(self):
+        return self.families
