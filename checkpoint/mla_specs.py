@@ -173,6 +173,11 @@ class MLASpec:
     def scale(self) -> float:
         return float(self.softmax_scale)
 
+    @property
+    def window(self) -> None:
+        """MLA attends over the whole context: its pools are on the full-attention page group."""
+        return None
+
     def resolved_scale(self) -> float:
         """transformers' yarn_apply_mscale: qk_head_dim^-0.5 * mscale(factor, mscale_all_dim)^2."""
         scale = self.qk_head_dim ** -0.5
@@ -195,7 +200,8 @@ class MLASpec:
                                                                 / np.float32(dim))).astype(np.float32)
 
     def cache_specs(self) -> tuple[PagedKVSpec, ...]:
-        latent = PagedKVSpec(LATENT, (self.latent_dim,), "compressed latent (kv_a_layernorm) | rope key (post-RoPE)")
+        # one kv head: the pool is PagedSparseAttention's [N, S, 1, r + rope], read as key and value
+        latent = PagedKVSpec(LATENT, (1, self.latent_dim), "compressed latent (kv_a_layernorm) | rope key (post-RoPE)")
         if self.indexer is None or self.indexer.reuse_previous:
             return (latent,)
         return latent, PagedKVSpec(INDEX_KEYS, (self.indexer.head_dim,), "indexer keys (k_norm, post-RoPE)")

@@ -27,12 +27,14 @@ import onnx
 from onnx import helper
 
 from tandem import contract as c
+from tandem.checkpoint.cache_specs import KEY, VALUE
 from tandem.checkpoint.description import AttentionSpec, LayerKind, ModelDescription
-from tandem.checkpoint.mla_specs import MLASpec
+from tandem.checkpoint.mla_specs import INDEX_KEYS, LATENT, MLASpec
 from tandem.export import acceptance
 from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN, GraphBuilder, value_info
-from tandem.export.layers import Paging, attention, decoder_layer, gated_deltanet_layer, rope_key, rotary_tables
-from tandem.export.ops import gated_deltanet, paged_sparse_attention
+from tandem.export.layers import Paging, attention, decoder_layer, gated_deltanet_layer, norm_scale, rope_key, rope_pair
+from tandem.export.mla import mla_attention
+from tandem.export.ops import gated_deltanet, lightning_indexer, paged_sparse_attention
 from tandem.export.primitives import Weights, cast, rms_norm
 from tandem.graph_kinds import TARGET_STEP, GraphKind
 
@@ -43,10 +45,6 @@ def check_exportable(desc: ModelDescription) -> None:
     named = [(f"layer {i}", x) for i, x in enumerate(desc.layers)]
     named += [(f"MTP head layer {j}", x) for j, x in enumerate(desc.mtp.layers if desc.mtp else ())]
     for name, layer in named:
-        if isinstance(layer.mixer, MLASpec):  # until export/mla.py and the indexer are wired into the graphs
-            raise ValueError(f"{desc.architecture} {name}: MLA attention is not exported yet (DeepSeek-V3.2 / GLM-5 "
-                             "latent attention and its lightning indexer); `tandem inspect` reads this checkpoint, "
-                             "but engines cannot be built for it yet")
         if isinstance(layer.mixer, AttentionSpec) and layer.mixer.bias:
             raise ValueError(f"{desc.architecture} {name}: attention projections with a bias are not implemented "
                              f"yet in the exporter")
@@ -61,14 +59,14 @@ def _paging(b: GraphBuilder, desc: ModelDescription, layers, ids: str, dtype: st
     `layers` of the graph: the block table of each page group (contract.block_tables) and one
     cos/sin pair per distinct (rotary_dim, theta)."""
     check_exportable(desc)
-    specs = [x.mixer for x in layers if isinstance(x.mixer, AttentionSpec)]
+    specs = [x.mixer for x in layers if x.kind == LayerKind.FULL_ATTENTION]     # AttentionSpec or MLASpec
     w = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(ids, 1, 2), [0]), b.const(1, np.int64))
     positions = b.op("Add", b.unsqueeze(c.CONTEXT_LENS, [1]), b.unsqueeze(w, [0]), name="positions")
     rotary = {}
     for a in specs:
         if rope_key(a) not in rotary:  # the first keeps the plain scope: single-RoPE graphs are unchanged
-            scope = "rotary" if not rotary else f"rotary.{a.rotary_dim}.{a.rope_theta:g}"
-            rotary[rope_key(a)] = rotary_tables(b, a, positions, dtype, scope)
+            scope = "rotary" if not rotary else "rotary." + ".".join(f"{k:g}" for k in rope_key(a)[:2])
+            rotary[rope_key(a)] = rope_pair(b, a, positions, dtype, scope)
     tables = {a.window: c.block_tables(a.window) for a in specs}
     return Paging(c.CONTEXT_LENS, tables, rotary, b.const(np.zeros((1, 1, 0), np.int64)))
 
@@ -80,8 +78,33 @@ def _conv_window_after(b: GraphBuilder, padded: str, rows: str, kernel: int) -> 
     return b.op("GatherElements", padded, b.op("Expand", b.unsqueeze(idx, [1]), shape), axis=2)
 
 
+def attention_layer(b: GraphBuilder, desc: ModelDescription, spec: AttentionSpec | MLASpec, w: Weights, xn: str,
+                    p: str, paging: Paging, layer: int | str, selected: str | None = None
+                    ) -> tuple[str, dict[str, str], str | None]:
+    """Attention of layer `layer` (trunk index, or mtp_layer_name(j)) on its pools -> (output, the new
+    rows by pool name (its cache specs'), the top-k it attended for the next layer to reuse or None).
+    `selected`: the previous layer's top-k (sparse MLA layers that reuse it: GLM-5 "shared")."""
+    pools = {s.name: c.pool_input(s, layer) for s in spec.cache_specs()}
+    if isinstance(spec, MLASpec):
+        cos, sin = paging.rope(spec)
+        out = mla_attention(b, spec, w, p + "self_attn.", xn, cos, sin, paging.context_lens, paging.table(spec),
+                            pools[LATENT], pools.get(INDEX_KEYS), selected)
+        rows = {LATENT: out.latent_rows}
+        if out.index_key_rows is not None:
+            rows[INDEX_KEYS] = out.index_key_rows
+        return out.output, rows, out.selected
+    out, k, v = attention(b, desc, spec, w, xn, p, paging, pools[KEY], pools[VALUE])
+    return out, {KEY: k, VALUE: v}, None
+
+
+def new_rows_outputs(spec, layer: int | str, rows: dict[str, str]) -> dict[str, str]:
+    """The contract's output name of each new-rows tensor of attention layer `layer`."""
+    return {c.pool_output(s, layer): rows[s.name] for s in spec.cache_specs()}
+
+
 def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
-    """Embed -> layers -> final norm. Returns (hidden, attention K/V per layer, GDN pieces)."""
+    """Embed -> layers -> final norm. Returns (hidden, new paged rows per attention layer (pool name
+    -> tensor), GDN pieces)."""
     paging = _paging(b, desc, desc.layers, c.INPUT_IDS, w.dtype)
     with b.scope("model/embed_tokens"):
         x = b.op("Gather", w.plain(b, "embed_tokens.weight"), c.INPUT_IDS, axis=0)
@@ -89,13 +112,14 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
     if verify:  # every row's state is kept; the accepted one is picked after acceptance
         state_rows = b.op("Expand", b.squeeze(b.shape_of(c.INPUT_IDS, 1, 2), [0]), b.shape_of(c.INPUT_IDS, 0, 1))
     kv, gdn = {}, {}
+    selected = None     # the last indexer's top-k [B, W, K]: layers that reuse it attend to it
     for i, layer in enumerate(desc.layers):
         p = f"layers.{i}."
         with b.scope(f"model/layers.{i}"):
             if layer.kind == LayerKind.FULL_ATTENTION:
-                def mixer(xn, i=i, p=p, spec=layer.mixer):
-                    out, k, v = attention(b, desc, spec, w, xn, p, paging, c.key_pool(i), c.value_pool(i))
-                    return out, (k, v)
+                def mixer(xn, i=i, p=p, spec=layer.mixer, sel=selected):
+                    out, rows, picked = attention_layer(b, desc, spec, w, xn, p, paging, i, sel)
+                    return out, (rows, picked)
             else:
                 def mixer(xn, i=i, p=p, spec=layer.mixer):
                     rec = b.op("Gather", c.recurrent_pool(i), c.STATE_SLOTS, axis=0, name="gather_state")
@@ -103,9 +127,12 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
                     out = gated_deltanet_layer(b, desc, spec, w, xn, p, rec, conv, state_rows, row_states=verify)
                     return out.output, out
             x, extra = decoder_layer(b, desc, w, x, p, layer, mixer)
-        (kv if layer.kind == LayerKind.FULL_ATTENTION else gdn)[i] = extra
+        if layer.kind == LayerKind.FULL_ATTENTION:
+            kv[i], selected = extra[0], extra[1] or selected
+        else:
+            gdn[i] = extra
     with b.scope("model/norm"):
-        hidden = rms_norm(b, x, w.plus_one(b, "norm.weight"), desc.rms_norm_eps, "RMSNormalization")
+        hidden = rms_norm(b, x, norm_scale(b, desc, w, "norm.weight"), desc.rms_norm_eps, "RMSNormalization")
     return hidden, kv, gdn
 
 
@@ -141,14 +168,15 @@ def target_step(desc: ModelDescription, w: Weights, gdn_chunk_size: int = 0) -> 
     b = GraphBuilder()
     hidden, kv, gdn = _trunk(b, desc, w, verify=False)
     produced = {c.HIDDEN: hidden, c.LOGITS: _lm_head(b, w, hidden)}
-    for i, (k, v) in kv.items():
-        produced[c.new_key(i)], produced[c.new_value(i)] = k, v
+    for i, rows in kv.items():
+        produced.update(new_rows_outputs(desc.layers[i].mixer, i, rows))
     for i, g in gdn.items():
         with b.scope(f"model/layers.{i}/commit"):
             produced[c.new_recurrent_state(i)] = g.state
             produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, c.STATE_ROWS,
                                                                desc.layers[i].mixer.conv_kernel)
-    return _finish(b, TARGET_STEP.name, ins, outs, produced, _functions(row_states=False, chunk=gdn_chunk_size))
+    return _finish(b, TARGET_STEP.name, ins, outs, produced,
+                   _functions(desc, row_states=False, chunk=gdn_chunk_size))
 
 
 def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.ModelProto:
@@ -156,7 +184,7 @@ def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.Mode
     ins, outs = c.graph_io(desc, kind, w.dtype)  # the greedy graph takes no sampling inputs
     b = GraphBuilder()
     produced = verify_body(b, desc, w, sampling)
-    return _finish(b, kind.name, ins, outs, produced, _functions(row_states=True))
+    return _finish(b, kind.name, ins, outs, produced, _functions(desc, row_states=True))
 
 
 def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: bool) -> dict[str, str]:
@@ -171,8 +199,8 @@ def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: b
     else:
         accepted, nxt = acceptance.greedy(b, logits, c.INPUT_IDS, relaxed=relaxed)
     produced = {c.ACCEPTED: accepted, c.NEXT_TOKEN: nxt, c.HIDDEN: hidden}
-    for i, (k, v) in kv.items():
-        produced[c.new_key(i)], produced[c.new_value(i)] = k, v
+    for i, rows in kv.items():
+        produced.update(new_rows_outputs(desc.layers[i].mixer, i, rows))
     kept = b.op("Add", accepted, b.const(1, np.int64), name="kept_rows")       # rows 0..accepted
     for i, g in gdn.items():
         with b.scope(f"model/layers.{i}/commit"):
@@ -186,23 +214,28 @@ def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
     ins, outs = c.mtp_head_io(desc, head, w.dtype)
     b = GraphBuilder()
     run = head_pass(b, desc, w, head, c.INPUT_IDS, c.HIDDEN_IN, c.LAST_ROW)
-    layer_name = c.mtp_layer_name(head)
     produced = {c.DRAFT_TOKEN: run.draft, c.DRAFT_PROB: run.prob, c.HIDDEN_OUT: run.hidden_last,
-                c.HIDDEN_ROWS: run.hidden_rows, c.new_key(layer_name): run.key, c.new_value(layer_name): run.value}
-    return _finish(b, GraphKind.mtp_head(head).name, ins, outs, produced, _functions(row_states=False, gdn=False))
+                c.HIDDEN_ROWS: run.hidden_rows, **head_rows_outputs(desc, head, run.rows)}
+    return _finish(b, GraphKind.mtp_head(head).name, ins, outs, produced,
+                   _functions(desc, row_states=False, gdn=False))
+
+
+def head_rows_outputs(desc: ModelDescription, head: int, rows: dict[str, str]) -> dict[str, str]:
+    """The contract's output names of MTP head `head`'s new rows (pool name -> tensor)."""
+    return new_rows_outputs(desc.mtp.layers[head].mixer, c.mtp_layer_name(head), rows)
 
 
 @dataclass(frozen=True)
 class HeadPass:
     """One MTP head layer over R rows: the greedy draft at last_row [B], its probability [B], the
-    head hidden at last_row [B, H] and at every row [B, R, H], and the rows' new K/V."""
+    head hidden at last_row [B, H] and at every row [B, R, H], and the rows' new paged rows by
+    pool name (K/V, or the latent and index keys)."""
 
     draft: str
     prob: str
     hidden_last: str
     hidden_rows: str
-    key: str
-    value: str
+    rows: dict[str, str]
 
 
 def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, ids: str, hidden: str,
@@ -217,13 +250,12 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
         x = _head_input(b, desc, w, head, ids, hidden)
 
         def mixer(xn):
-            out, k, v = attention(b, desc, layer.mixer, w, xn, p, paging, c.key_pool(layer_name),
-                                  c.value_pool(layer_name))
-            return out, (k, v)
+            out, rows, _ = attention_layer(b, desc, layer.mixer, w, xn, p, paging, layer_name)
+            return out, rows
 
-        x, (k, v) = decoder_layer(b, desc, w, x, p, layer, mixer)
+        x, rows = decoder_layer(b, desc, w, x, p, layer, mixer)
         nextn = desc.mtp.form == "nextn"
-        g = rms_norm(b, x, w.plus_one(b, p + "shared_head.norm.weight" if nextn else "mtp.norm.weight"),
+        g = rms_norm(b, x, norm_scale(b, desc, w, p + "shared_head.norm.weight" if nextn else "mtp.norm.weight"),
                      desc.rms_norm_eps, "norm")                                                     # [B, R, H]
         g_last = b.op("GatherND", g, b.unsqueeze(last_row, [1]), batch_dims=1, name="last_row")    # [B, H]
     logits = _lm_head(b, w, g_last, p + "shared_head.head.weight" if desc.mtp.own_lm_head else "lm_head.weight")
@@ -232,7 +264,7 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
         top = b.op("ReduceMax", logits, b.const([-1], np.int64), keepdims=1)
         denom = b.op("ReduceSum", b.op("Exp", b.op("Sub", logits, top)), b.const([-1], np.int64), keepdims=0)
         prob = b.op("Reciprocal", denom)          # softmax probability of the argmax
-    return HeadPass(draft, prob, g_last, g, k, v)
+    return HeadPass(draft, prob, g_last, g, rows)
 
 
 def _head_input(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, ids: str, hidden: str) -> str:
@@ -249,13 +281,18 @@ def _head_input(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, 
     e_norm, h_norm, proj, e_scope, h_scope, proj_scope = names
     with b.scope("embed_tokens"):
         e = b.op("Gather", w.plain(b, "embed_tokens.weight"), ids, axis=0)
-    e = rms_norm(b, e, w.plus_one(b, e_norm), eps, e_scope)
-    h = rms_norm(b, hidden, w.plus_one(b, h_norm), eps, h_scope)
+    e = rms_norm(b, e, norm_scale(b, desc, w, e_norm), eps, e_scope)
+    h = rms_norm(b, hidden, norm_scale(b, desc, w, h_norm), eps, h_scope)
     return b.op("MatMul", b.concat([e, h], -1), w.matmul_t(b, proj), name=f"{proj_scope}/MatMul")
 
 
-def _functions(row_states: bool, gdn: bool = True, chunk: int = 0) -> list[onnx.FunctionProto]:
+def _functions(desc: ModelDescription, row_states: bool, gdn: bool = True, chunk: int = 0
+               ) -> list[onnx.FunctionProto]:
+    """The ai.tandem functions a graph of `desc` may call: attention always, the lightning indexer
+    when a layer has one, Gated DeltaNet unless `gdn` is False (heads)."""
     fns = [paged_sparse_attention.make_function()]
+    if any(isinstance(x.mixer, MLASpec) and x.mixer.indexer is not None for x in desc.all_layers):
+        fns.append(lightning_indexer.make_function())
     if gdn:
         fns.append(gated_deltanet.make_function(emit_row_states=row_states, chunk_size=chunk))
     return fns

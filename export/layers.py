@@ -1,7 +1,8 @@
 """Subgraph builders for one decoder layer's mixer (attention, Gated DeltaNet) and the residual
 block around it, built straight from the weights and the layer's spec (the MLP half: mlp.py).
 
-Shapes: x [B, W, H]; heads split as [B, W, heads, dim]. Norms are zero-centred RMSNorm (primitives.py).
+Shapes: x [B, W, H]; heads split as [B, W, heads, dim]. Norms are zero-centred RMSNorm (primitives.py)
+unless the description says plain (DeepSeek); sparse MLA is mla.py's piece.
 
 Precision: activations and weights are in the export dtype (float32 or float16). RoPE angles,
 the Gated DeltaNet recurrence (its inputs, gate math, state and gated norm) and the MoE router
@@ -24,7 +25,9 @@ import numpy as np
 from onnx import TensorProto
 
 from tandem.checkpoint.description import AttentionSpec, LayerSpec, LinearAttentionSpec, ModelDescription
+from tandem.checkpoint.mla_specs import MLASpec
 from tandem.export.builder import TANDEM_DOMAIN, GraphBuilder
+from tandem.export.mla import rope_tables
 from tandem.export.mlp import mlp
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 from tandem.export.primitives import Weights, cast, linear, rms_norm, silu
@@ -37,18 +40,35 @@ class Paging:
 
     context_lens: str                                      # [B]
     tables: dict[int | None, str]                          # window -> block tables [B, P]
-    rotary: dict[tuple[int, float], tuple[str, str]]       # (rotary_dim, theta) -> cos, sin [B, W, 1, rd]
+    rotary: dict[tuple, tuple[str, str]]                   # rope_key -> cos, sin [B, W, 1, rd] (MLA: rd / 2)
     selected: str       # [B|1, W|1, K] committed positions each row may see; K = 0: dense
 
-    def table(self, a: AttentionSpec) -> str:
+    def table(self, a: AttentionSpec | MLASpec) -> str:
         return self.tables[a.window]
 
-    def rope(self, a: AttentionSpec) -> tuple[str, str]:
+    def rope(self, a: AttentionSpec | MLASpec) -> tuple[str, str]:
         return self.rotary[rope_key(a)]
 
 
-def rope_key(a: AttentionSpec) -> tuple[int, float]:
+def rope_key(a: AttentionSpec | MLASpec) -> tuple:
+    """Layers with equal keys share one cos/sin pair: (rotary_dim, theta); MLA adds its YaRN."""
+    if isinstance(a, MLASpec):
+        return a.qk_rope_head_dim, float(a.rope_theta), a.yarn
     return a.rotary_dim, float(a.rope_theta)
+
+
+def rope_pair(b: GraphBuilder, a: AttentionSpec | MLASpec, positions: str, dtype: str, scope: str) -> tuple[str, str]:
+    """The cos/sin pair layer `a` reads: NeoX tables [.., rd] or MLA's per-pair ones [.., rd / 2]."""
+    if isinstance(a, MLASpec):
+        with b.scope(scope):
+            return rope_tables(b, a, positions, dtype)
+    return rotary_tables(b, a, positions, dtype, scope)
+
+
+def norm_scale(b: GraphBuilder, desc: ModelDescription, w: Weights, name: str) -> str:
+    """RMSNorm scale of `name`: 1 + w for zero-centred norms (Qwen3.5, Step-3.5), w itself for plain
+    ones (DeepSeek: x * w)."""
+    return w.plus_one(b, name) if desc.norm_zero_centred else w.plain(b, name)
 
 
 def rotary_tables(b: GraphBuilder, a: AttentionSpec, positions: str, dtype: str = "float32",
@@ -93,8 +113,8 @@ def attention(b: GraphBuilder, desc: ModelDescription, a: AttentionSpec, w: Weig
         k = b.reshape(linear(b, w, x, p + "self_attn.k_proj.weight", "k_proj"), [0, 0, a.num_kv_heads, hd])
         v = b.reshape(linear(b, w, x, p + "self_attn.v_proj.weight", "v_proj"), [0, 0, a.num_kv_heads, hd])
         if a.qk_norm:
-            q = rms_norm(b, q, w.plus_one(b, p + "self_attn.q_norm.weight"), eps, "q_norm")
-            k = rms_norm(b, k, w.plus_one(b, p + "self_attn.k_norm.weight"), eps, "k_norm")
+            q = rms_norm(b, q, norm_scale(b, desc, w, p + "self_attn.q_norm.weight"), eps, "q_norm")
+            k = rms_norm(b, k, norm_scale(b, desc, w, p + "self_attn.k_norm.weight"), eps, "k_norm")
         cos, sin = paging.rope(a)
         q = apply_rotary(b, q, cos, sin, hd, a.rotary_dim)
         k = apply_rotary(b, k, cos, sin, hd, a.rotary_dim)
@@ -169,8 +189,9 @@ def decoder_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p
     """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). `mixer(xn)` returns
     (output, extra) where extra carries the layer's new K/V or state tensors."""
     eps = desc.rms_norm_eps
-    xn = rms_norm(b, x, w.plus_one(b, p + "input_layernorm.weight"), eps, "input_layernorm")
+    xn = rms_norm(b, x, norm_scale(b, desc, w, p + "input_layernorm.weight"), eps, "input_layernorm")
     mixed, extra = mixer(xn)
     h = b.op("Add", x, mixed, name="residual_attn")
-    hn = rms_norm(b, h, w.plus_one(b, p + "post_attention_layernorm.weight"), eps, "post_attention_layernorm")
+    hn = rms_norm(b, h, norm_scale(b, desc, w, p + "post_attention_layernorm.weight"), eps,
+                  "post_attention_layernorm")
     return b.op("Add", h, mlp(b, desc, w, hn, p, layer), name="residual_mlp"), extra

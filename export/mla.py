@@ -1,5 +1,6 @@
 """Sparse multi-head latent attention (DeepSeek-V3.2 / GLM-5 MLA with the lightning indexer) as a
-graph piece, built from plain dims and a canonical weight prefix; no checkpoint or family logic.
+graph piece, built from the layer's MLASpec (checkpoint/mla_specs.py: dims, RoPE, scale, indexer)
+and a canonical weight prefix; no family logic.
 
 Per token and layer the caches hold one latent row [kv_lora_rank + qk_rope_head_dim] =
 concat(c_kv, k_pe) (a PagedSparseAttention pool with ONE kv head, [N, S, 1, D]) and one indexer
@@ -22,110 +23,32 @@ scale is qk_head_dim^-0.5 x mscale(factor, mscale_all_dim)^2 (transformers' yarn
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
 from onnx import TensorProto
 
+from tandem.checkpoint.mla_specs import IndexerSpec, MLASpec
 from tandem.export.builder import TANDEM_DOMAIN, GraphBuilder
 from tandem.export.ops import lightning_indexer, paged_sparse_attention
 from tandem.export.primitives import Weights, cast, linear, rms_norm
 
 
 @dataclass(frozen=True)
-class MLADims:
-    num_heads: int
-    q_lora_rank: int | None          # None: one q_proj
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    qk_rope_head_dim: int
-    v_head_dim: int
-    rms_norm_eps: float
-    rope_interleaved: bool = True    # DeepSeek-V3's config.rope_interleave; V3.2 and GLM-5 always
-    bias: bool = False               # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj add a bias
-
-    @property
-    def qk_head_dim(self) -> int:
-        return self.qk_nope_head_dim + self.qk_rope_head_dim
-
-    @property
-    def latent_width(self) -> int:
-        return self.kv_lora_rank + self.qk_rope_head_dim
-
-
-@dataclass(frozen=True)
-class IndexerDims:
-    num_heads: int
-    head_dim: int
-    top_k: int
-    rope_interleaved: bool           # GLM-5: True; DeepSeek-V3.2: False (half split)
-    norm_eps: float = 1e-6           # k_norm (a LayerNorm with weight and bias)
-
-
-@dataclass(frozen=True)
-class Rope:
-    """RoPE of the rope slice, resolved at export: inverse frequencies [rope_dim / 2], the factor
-    multiplying cos and sin, and the attention softmax scale."""
-
-    inv_freq: np.ndarray
-    attention_factor: float
-    softmax_scale: float
-
-
-@dataclass(frozen=True)
 class MLAOutputs:
     output: str           # [B, W, H]
     latent_rows: str      # [B, W, 1, r + rope]: the latent pool rows of the new tokens
-    index_key_rows: str   # [B, W, Di] (None without an indexer)
-    selected: str         # [B, W, top_k] positions attended (the input selection when given)
+    index_key_rows: str   # [B, W, Di] (None without an indexer of its own)
+    selected: str         # [B, W, top_k] positions attended (the input selection when reused; [1, 1, 0]: dense)
 
 
-def _mscale(scale: float, mscale: float = 1.0) -> float:
-    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
-
-
-def rope_for(rope_parameters: dict, rope_dim: int, qk_head_dim: int, max_position_embeddings: int) -> Rope:
-    """transformers' default / YaRN inverse frequencies and factors (modeling_rope_utils)."""
-    kind = rope_parameters.get("rope_type", "default")
-    base = float(rope_parameters["rope_theta"])
-    pos_freqs = base ** (np.arange(0, rope_dim, 2, dtype=np.float32) / np.float32(rope_dim))
-    scale = qk_head_dim ** -0.5
-    if kind == "default":
-        return Rope((1.0 / pos_freqs).astype(np.float32), 1.0, scale)
-    if kind != "yarn":
-        raise ValueError(f"rope_type {kind!r}: sparse MLA supports 'default' and 'yarn'; convert the checkpoint's "
-                         "rope_parameters to one of them")
-    factor = rope_parameters.get("factor") or max_position_embeddings / rope_parameters[
-        "original_max_position_embeddings"]
-    mscale, mscale_all = rope_parameters.get("mscale"), rope_parameters.get("mscale_all_dim")
-    attention_factor = rope_parameters.get("attention_factor")
-    if attention_factor is None:
-        attention_factor = _mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all \
-            else _mscale(factor)
-    beta_fast, beta_slow = rope_parameters.get("beta_fast") or 32, rope_parameters.get("beta_slow") or 1
-    orig = rope_parameters["original_max_position_embeddings"]
-    dim_for = lambda rot: rope_dim * math.log(orig / (rot * 2 * math.pi)) / (2 * math.log(base))  # noqa: E731
-    low, high = dim_for(beta_fast), dim_for(beta_slow)
-    if rope_parameters.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rope_dim - 1)
-    high = high + 0.001 if low == high else high
-    ramp = np.clip((np.arange(rope_dim // 2, dtype=np.float32) - low) / (high - low), 0, 1).astype(np.float32)
-    extrapolation = 1 - ramp                   # 1: keep the original frequency, 0: interpolate by `factor`
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    if mscale_all:
-        scale *= _mscale(factor, mscale_all) ** 2
-    return Rope(inv_freq.astype(np.float32), float(attention_factor), float(scale))
-
-
-def rope_angles(b: GraphBuilder, rope: Rope, positions: str, dtype: str = "float32") -> tuple[str, str]:
-    """cos, sin [B, W, 1, rope_dim / 2] in `dtype` for int64 positions [B, W], one angle per pair
-    (the angles are float32)."""
+def rope_tables(b: GraphBuilder, a: MLASpec, positions: str, dtype: str = "float32") -> tuple[str, str]:
+    """cos, sin [B, W, 1, rope / 2] in `dtype` for int64 positions [B, W], one angle per pair,
+    times YaRN's attention factor (the angles are float32). The attention and the indexer share them."""
     with b.scope("rope"):
-        freqs = b.op("Mul", b.unsqueeze(b.op("Cast", positions, to=TensorProto.FLOAT), [2]), b.const(rope.inv_freq))
+        freqs = b.op("Mul", b.unsqueeze(b.op("Cast", positions, to=TensorProto.FLOAT), [2]), b.const(a.inv_freq()))
         freqs = b.unsqueeze(freqs, [2])
-        f = b.const(np.float32(rope.attention_factor))
+        f = b.const(np.float32(a.rope_attention_factor))
         return (cast(b, b.op("Mul", b.op("Cos", freqs), f), "float32", dtype),
                 cast(b, b.op("Mul", b.op("Sin", freqs), f), "float32", dtype))
 
@@ -145,80 +68,77 @@ def rotate(b: GraphBuilder, x: str, cos: str, sin: str, rope_dim: int, interleav
                      b.op("Add", b.op("Mul", x2, cos), b.op("Mul", x1, sin))], -1)
 
 
-def mla_attention(b: GraphBuilder, dims: MLADims, indexer: IndexerDims | None, rope: Rope, w: Weights, p: str,
-                  x: str, positions: str, context_lens: str, block_tables: str, latent_pool: str,
-                  index_pool: str | None = None, selected: str | None = None) -> MLAOutputs:
-    """Sparse MLA of the attention module with canonical prefix `p` (e.g. "model.layers.3.self_attn.")
-    on x [B, W, H] at int64 positions [B, W]. latent_pool [N, S, 1, r + rope], index_pool [N, S, Di].
-    Selection: the layer's own indexer (`indexer` and `index_pool`), else `selected` (a previous
-    layer's, GLM-5 "shared" layers), else dense."""
-    n, r, rd, nope = dims.num_heads, dims.kv_lora_rank, dims.qk_rope_head_dim, dims.qk_nope_head_dim
-    eps = dims.rms_norm_eps
+def mla_attention(b: GraphBuilder, a: MLASpec, w: Weights, p: str, x: str, cos: str, sin: str, context_lens: str,
+                  block_tables: str, latent_pool: str, index_pool: str | None = None,
+                  selected: str | None = None) -> MLAOutputs:
+    """Sparse MLA `a` of the attention module with canonical prefix `p` (e.g. "layers.3.self_attn.")
+    on x [B, W, H]; cos, sin from rope_tables at the rows' positions. latent_pool [N, S, 1, r + rope],
+    index_pool [N, S, Di]. Selection: the layer's own indexer (needs `index_pool`), else `selected`
+    (a previous layer's: GLM-5 "shared" layers, which must be given one), else dense."""
+    n, r, rd, nope = a.num_heads, a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim
+    own_indexer = a.indexer is not None and not a.indexer.reuse_previous
+    if a.indexer is not None and a.indexer.reuse_previous and selected is None:
+        raise ValueError(f"{p}: this layer reuses the previous layer's top-k, but no selection was passed in")
 
     def proj(x_in: str, name: str) -> str:  # the projections transformers builds with bias=attention_bias
         y = linear(b, w, x_in, p + name + ".weight", name)
-        return b.op("Add", y, w.plain(b, p + name + ".bias"), name=f"{name}/bias") if dims.bias else y
+        return b.op("Add", y, w.plain(b, p + name + ".bias"), name=f"{name}/bias") if a.bias else y
     with b.scope("mla"):
-        cos, sin = rope_angles(b, rope, positions, w.dtype)
-        if dims.q_lora_rank is None:
-            if indexer is not None:
-                raise ValueError(f"{p}: the lightning indexer reads q_a_layernorm's output; a layer without "
-                                 "q_lora_rank cannot have one (set q_lora_rank or drop the indexer)")
-            q, q_resid = linear(b, w, x, p + "q_proj.weight", "q_proj"), None
+        if a.q_lora_rank is None:
+            q, q_resid = linear(b, w, x, p + "q_proj.weight", "q_proj"), None   # bias-free in transformers
         else:
-            q_resid = rms_norm(b, proj(x, "q_a_proj"),
-                               w.plain(b, p + "q_a_layernorm.weight"), eps, "q_a_layernorm")
+            q_resid = rms_norm(b, proj(x, "q_a_proj"), w.plain(b, p + "q_a_layernorm.weight"), a.norm_eps,
+                               "q_a_layernorm")
             q = linear(b, w, q_resid, p + "q_b_proj.weight", "q_b_proj")
-        q = b.reshape(q, [0, 0, n, dims.qk_head_dim])
-        q_pe = rotate(b, b.slice(q, [nope], [dims.qk_head_dim], [3]), cos, sin, rd, dims.rope_interleaved)
+        q = b.reshape(q, [0, 0, n, a.qk_head_dim])
+        q_pe = rotate(b, b.slice(q, [nope], [a.qk_head_dim], [3]), cos, sin, rd, a.rope_interleave)
         kv_b = p + "kv_b_proj.weight"  # [n * (nope + v), r]
-        w_uk = w.derived(b, kv_b + ".w_uk", lambda: w.raw(kv_b).reshape(n, nope + dims.v_head_dim, r)[:, :nope]
+        w_uk = w.derived(b, kv_b + ".w_uk", lambda: w.raw(kv_b).reshape(n, nope + a.v_head_dim, r)[:, :nope]
                          .astype(w.np_dtype))                                        # [n, nope, r]
         q_nope = b.unsqueeze(b.slice(q, [0], [nope], [3]), [3])                      # [B, W, n, 1, nope]
         q_lat = b.squeeze(b.op("MatMul", q_nope, w_uk, name="absorb_uk"), [3])       # [B, W, n, r]
         query = b.concat([q_lat, q_pe], -1)                                          # [B, W, n, r + rope]
 
         kv = proj(x, "kv_a_proj_with_mqa")                                          # [B, W, r + rope]
-        c_kv = rms_norm(b, b.slice(kv, [0], [r], [2]), w.plain(b, p + "kv_a_layernorm.weight"), eps,
+        c_kv = rms_norm(b, b.slice(kv, [0], [r], [2]), w.plain(b, p + "kv_a_layernorm.weight"), a.norm_eps,
                         "kv_a_layernorm")
-        k_pe = b.unsqueeze(b.slice(kv, [r], [dims.latent_width], [2]), [2])
-        k_pe = rotate(b, k_pe, cos, sin, rd, dims.rope_interleaved)
+        k_pe = b.unsqueeze(b.slice(kv, [r], [a.latent_dim], [2]), [2])
+        k_pe = rotate(b, k_pe, cos, sin, rd, a.rope_interleave)
         rows = b.concat([b.unsqueeze(c_kv, [2]), k_pe], -1)                          # [B, W, 1, r + rope]
 
         index_rows = None
-        if indexer is not None:
+        if own_indexer:
             if index_pool is None:
                 raise ValueError(f"{p}: a layer with an indexer needs its index key pool")
-            selected, index_rows = _indexer(b, indexer, rd, w, p + "indexer.", x, q_resid, cos, sin, context_lens,
+            selected, index_rows = _indexer(b, a.indexer, rd, w, p + "indexer.", x, q_resid, cos, sin, context_lens,
                                             block_tables, index_pool)
         sel = selected if selected is not None else b.const(np.zeros((1, 1, 0), np.int64))
         attn = b.op(paged_sparse_attention.OP_TYPE, query, rows, rows, latent_pool, latent_pool, block_tables,
-                    context_lens, sel, domain=TANDEM_DOMAIN, scale=float(rope.softmax_scale), sliding_window=0,
+                    context_lens, sel, domain=TANDEM_DOMAIN, scale=a.scale, sliding_window=0,
                     select_new_rows=1, name="PagedSparseAttention")                   # [B, W, n, r + rope]
         # value = the latent part of the same rows: the pool serves as both caches (no second pool)
         latent = b.unsqueeze(b.slice(attn, [0], [r], [3]), [3])                     # [B, W, n, 1, r]
         w_uv = w.derived(b, kv_b + ".w_uv_t", lambda: np.ascontiguousarray(
-            w.raw(kv_b).reshape(n, nope + dims.v_head_dim, r)[:, nope:].transpose(0, 2, 1)).astype(w.np_dtype))
+            w.raw(kv_b).reshape(n, nope + a.v_head_dim, r)[:, nope:].transpose(0, 2, 1)).astype(w.np_dtype))
         heads = b.squeeze(b.op("MatMul", latent, w_uv, name="absorb_uv"), [3])     # [B, W, n, v]
-        out = proj(b.reshape(heads, [0, 0, n * dims.v_head_dim]), "o_proj")
+        out = proj(b.reshape(heads, [0, 0, n * a.v_head_dim]), "o_proj")
     return MLAOutputs(out, rows, index_rows, sel)
 
 
-def _indexer(b: GraphBuilder, d: IndexerDims, rope_dim: int, w: Weights, p: str, x: str, q_resid: str, cos: str,
+def _indexer(b: GraphBuilder, d: IndexerSpec, rope_dim: int, w: Weights, p: str, x: str, q_resid: str, cos: str,
              sin: str, context_lens: str, block_tables: str, index_pool: str) -> tuple[str, str]:
     """Lightning indexer of prefix `p` ("...self_attn.indexer.") -> (selected, new index key rows)."""
     with b.scope("indexer"):
         q = b.reshape(linear(b, w, q_resid, p + "wq_b.weight", "wq_b"), [0, 0, d.num_heads, d.head_dim])
-        q = b.concat([rotate(b, b.slice(q, [0], [rope_dim], [3]), cos, sin, rope_dim, d.rope_interleaved),
+        q = b.concat([rotate(b, b.slice(q, [0], [rope_dim], [3]), cos, sin, rope_dim, d.rope_interleave),
                       b.slice(q, [rope_dim], [d.head_dim], [3])], -1)
         k = b.op("LayerNormalization", linear(b, w, x, p + "wk.weight", "wk"), w.plain(b, p + "k_norm.weight"),
                  w.plain(b, p + "k_norm.bias"), axis=-1, epsilon=d.norm_eps, name="k_norm")   # [B, W, Di]
         k = b.unsqueeze(k, [2])
-        k = b.squeeze(b.concat([rotate(b, b.slice(k, [0], [rope_dim], [3]), cos, sin, rope_dim, d.rope_interleaved),
+        k = b.squeeze(b.concat([rotate(b, b.slice(k, [0], [rope_dim], [3]), cos, sin, rope_dim, d.rope_interleave),
                                 b.slice(k, [rope_dim], [d.head_dim], [3])], -1), [2])
         weights = b.op("Mul", cast(b, linear(b, w, x, p + "weights_proj.weight", "weights_proj"), w.dtype, "float32"),
-                       b.const(np.float32(d.num_heads ** -0.5)))
+                       b.const(np.float32(d.weights_scale)))
         selected = b.op(lightning_indexer.OP_TYPE, q, weights, k, index_pool, block_tables, context_lens,
-                        domain=TANDEM_DOMAIN, scale=float(d.head_dim ** -0.5), top_k=d.top_k,
-                        name="LightningIndexer")
+                        domain=TANDEM_DOMAIN, scale=d.scale, top_k=d.topk, name="LightningIndexer")
     return selected, k

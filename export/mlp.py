@@ -6,6 +6,8 @@
     MoE       router logits r = gate(x) (fp32)
               softmax router: p = softmax(r), top-k by p
               sigmoid router: p = sigmoid(r), top-k by p + e_score_correction_bias (if any)
+              groups (DeepSeek, n_group > 1): only the topk_group groups with the best sum of their
+              two best choice scores are eligible for the top-k
               weights p[top] (/ their sum when norm_topk_prob); routed sum x routed_scaling_factor
               + shared expert (x sigmoid(shared_expert_gate(x)) when gated)
 """
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import numpy as np
+from onnx import TensorProto
 
 from tandem.checkpoint.description import LayerSpec, MLPKind, ModelDescription
 from tandem.export.builder import GraphBuilder
@@ -53,6 +56,8 @@ def _route(b: GraphBuilder, desc: ModelDescription, w: Weights, x2: str, p: str)
     choice = probs                                                              # [T, E]
     if m.score_correction_bias:  # picks the experts; the weights stay the unbiased scores
         choice = b.op("Add", probs, w.plain(b, p + "gate.e_score_correction_bias", np.float32), name="choice")
+    if m.n_group > 1:
+        choice = _group_limited(b, choice, m.n_group, m.topk_group, m.num_experts)
     top_v, top_i = b.op("TopK", choice, b.const([m.top_k], np.int64), outputs=2, axis=-1)
     if choice != probs:
         top_v = b.op("GatherElements", probs, top_i, axis=1)
@@ -60,6 +65,21 @@ def _route(b: GraphBuilder, desc: ModelDescription, w: Weights, x2: str, p: str)
         top_v = b.op("Div", top_v, b.op("ReduceSum", top_v, b.const([-1], np.int64), keepdims=1))
     route = b.op("ScatterElements", b.op("Mul", probs, b.const(0.0, np.float32)), top_i, top_v, axis=1)
     return cast(b, route, "float32", w.dtype)
+
+
+def _group_limited(b: GraphBuilder, choice: str, n_group: int, topk_group: int, num_experts: int) -> str:
+    """choice [T, E] -> the same with -inf outside the topk_group best of n_group expert groups,
+    each scored by the sum of its two best choice scores (transformers' DeepseekV3TopkRouter)."""
+    with b.scope("groups"):
+        grouped = b.reshape(choice, [0, n_group, num_experts // n_group])                    # [T, G, E/G]
+        best2, _ = b.op("TopK", grouped, b.const([2], np.int64), outputs=2, axis=-1)
+        scores = b.op("ReduceSum", best2, b.const([-1], np.int64), keepdims=0)               # [T, G]
+        _, keep = b.op("TopK", scores, b.const([topk_group], np.int64), outputs=2, axis=-1)  # [T, topk_group]
+        ones = b.op("Expand", b.const(np.float32(1)), b.shape_of(keep))
+        kept = b.op("ScatterElements", b.op("Mul", scores, b.const(0.0, np.float32)), keep, ones, axis=1)
+        mask = b.op("Expand", b.unsqueeze(kept, [2]), b.shape_of(grouped))                   # [T, G, E/G]
+        eligible = b.op("Cast", b.reshape(mask, [0, num_experts]), to=TensorProto.BOOL)    # [T, E]
+        return b.op("Where", eligible, choice, b.const(-np.inf, np.float32), name="eligible")
 
 
 def _moe(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str, layer: LayerSpec) -> str:

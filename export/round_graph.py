@@ -33,7 +33,7 @@ import onnx
 from tandem import contract as c
 from tandem.checkpoint.description import ModelDescription
 from tandem.export.builder import GraphBuilder
-from tandem.export.graphs import _finish, _functions, head_pass, verify_body
+from tandem.export.graphs import _finish, _functions, head_pass, head_rows_outputs, verify_body
 from tandem.export.primitives import Weights
 from tandem.graph_kinds import GraphKind
 
@@ -66,11 +66,11 @@ def round_step(desc: ModelDescription, w: Weights, kind: GraphKind) -> onnx.Mode
         rows = b.const(np.arange(width)[None, :], np.int64)                                  # [1, W]
         shifted = b.concat([b.slice(c.INPUT_IDS, [1], [width], [1]), b.unsqueeze(nxt, [1])], 1)
         ids = b.op("Where", b.op("Equal", rows, b.unsqueeze(accepted, [1])), b.unsqueeze(nxt, [1]), shifted)
-    committed: dict[int, tuple[str, str]] = {}     # head -> its new K/V rows [B, W, ...]
+    committed: dict[int, dict[str, str]] = {}      # head -> its new rows [B, W, ...] by pool name
     drafts, probs, chain = [], [], []              # d'_s [B], p_s [B], g_{s-1} [B, H]
     with b.scope("reanchor/head0"):
         run = head_pass(b, desc, w, 0, ids, hidden, accepted)
-    committed[0] = (run.key, run.value)
+    committed[0] = run.rows
     drafts.append(run.draft), probs.append(run.prob), chain.append(run.hidden_last)
     for s in range(1, kind.drafts):
         head = 0 if kind.reused else s % desc.mtp.num_layers
@@ -78,21 +78,20 @@ def round_step(desc: ModelDescription, w: Weights, kind: GraphKind) -> onnx.Mode
             step_ids, step_hidden, last = _compacted(b, ids, hidden, accepted, drafts, chain, width)
             run = head_pass(b, desc, w, head, step_ids, step_hidden, last)
             if head not in committed:
-                committed[head] = (b.slice(run.key, [0], [width], [1]), b.slice(run.value, [0], [width], [1]))
+                committed[head] = {n: b.slice(t, [0], [width], [1]) for n, t in run.rows.items()}
         drafts.append(run.draft), probs.append(run.prob), chain.append(run.hidden_last)
     for head in heads:
         if head not in committed:
             with b.scope(f"reanchor/head{head}"):
                 run = head_pass(b, desc, w, head, ids, hidden, accepted)
-            committed[head] = (run.key, run.value)
+            committed[head] = run.rows
     with b.scope("outputs"):
         produced[c.NEXT_DRAFTS] = b.concat([b.unsqueeze(d, [1]) for d in drafts], 1)
         produced[c.DRAFT_PROBS] = b.concat([b.unsqueeze(p, [1]) for p in probs], 1)
         produced[c.DRAFT_HIDDEN] = b.concat([b.unsqueeze(g, [1]) for g in chain], 1)
-    for head, (k, v) in committed.items():
-        name = c.mtp_layer_name(head)
-        produced[c.new_key(name)], produced[c.new_value(name)] = k, v
-    return _finish(b, kind.name, ins, outs, produced, _functions(row_states=True))
+    for head, rows in committed.items():
+        produced.update(head_rows_outputs(desc, head, rows))
+    return _finish(b, kind.name, ins, outs, produced, _functions(desc, row_states=True))
 
 
 def _compacted(b: GraphBuilder, ids: str, hidden: str, accepted: str, drafts: list[str], chain: list[str],

@@ -2,8 +2,10 @@
 at `model.layers.{N}` with the Hub's copy of the embedding), written by tiny_checkpoints.write_tiny_checkpoint.
 
 Kinds (DSA_KINDS), all with hidden 64, 3 layers (layer 0 dense, 1-2 MoE with 8 experts), MLA with q
-LoRA 48, kv LoRA 32, nope 16 + rope 8, v 16, an indexer of 4 heads x 16 keeping the top 8 positions
-(prompts longer than 8 are really sparse) and one NextN layer:
+LoRA 48, kv LoRA 32, nope 16 + rope 8, v 16, an indexer of 16 heads x 16 keeping the top 8 positions
+(prompts longer than 8 are really sparse) and one NextN layer. 16 indexer heads, not fewer: a position
+scores exactly 0 when relu zeroes every head (probability 2^-heads), and equal scores across the
+k-th place make transformers' torch.topk pick an unspecified set:
     deepseek_v32      YaRN RoPE (factor 4, mscale = mscale_all_dim = 1), 2 expert groups of which 1 is kept
     glm_moe_dsa       plain RoPE, no groups, `indexer_types` full/shared/full (layer 1 reuses layer 0's top-k)
     deepseek_v32_fp8  deepseek_v32 in DeepSeek's fp8 format: every projection float8_e4m3fn with a float32
@@ -20,7 +22,7 @@ _DSA = dict(
     vocab_size=384, hidden_size=64, intermediate_size=160, moe_intermediate_size=32, num_hidden_layers=3,
     num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8, num_experts_per_tok=2,
     routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48,
-    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=4,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, index_topk=8, index_head_dim=16, index_n_heads=16,
     num_nextn_predict_layers=1, rms_norm_eps=1e-6, max_position_embeddings=4096, hidden_act="silu",
     tie_word_embeddings=False, attention_bias=False, bos_token_id=0,
 )

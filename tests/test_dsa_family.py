@@ -55,7 +55,7 @@ def test_deepseek_v32_description():
     assert isinstance(m, MLASpec) and all(x.mixer is m for x in d.all_layers)
     assert (m.num_heads, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == \
         (4, 48, 32, 16, 8, 16)
-    assert m.indexer == IndexerSpec(num_heads=4, head_dim=16, topk=8, rope_interleave=False, reuse_previous=False)
+    assert m.indexer == IndexerSpec(num_heads=16, head_dim=16, topk=8, rope_interleave=False, reuse_previous=False)
     assert m.rope_interleave and m.yarn.factor == 4.0 and m.yarn.original_max_position_embeddings == 512
     assert m.scale == pytest.approx(24 ** -0.5 * (0.1 * np.log(4.0) + 1) ** 2)  # mscale_all_dim folded in
     assert [x.mlp for x in d.layers] == [MLPKind.DENSE, MLPKind.MOE, MLPKind.MOE] and not d.norm_zero_centred
@@ -65,7 +65,7 @@ def test_deepseek_v32_description():
     assert (d.mtp.form, d.mtp.own_lm_head, d.mtp.layer.mlp, d.mtp.layer.mixer.indexer.reuse_previous) == \
         ("nextn", True, MLPKind.MOE, False)
     pools = [(p.name, p.row_shape) for p in m.cache_specs()]
-    assert pools == [("latent", (40,)), ("index_keys", (16,))]
+    assert pools == [("latent", (1, 40)), ("index_keys", (16,))]
     assert d.kv_bytes_per_token("float32", include_mtp=False) == 3 * 4 * (40 + 16)
 
 
@@ -261,14 +261,6 @@ def test_inspect_reports_mla_indexer_and_cache_bytes(dsa_root, capsys):
     assert report["fp8_block"] is None
     assert main(["inspect", str(dsa_root / "deepseek_v32_fp8")]) == 0
     assert "stored fp8 e4m3 in 128x128 blocks (read dequantized)" in capsys.readouterr().out
-
-
-def test_engines_are_refused_early_until_mla_is_exported(dsa_root, tmp_path):
-    from tandem.engines.builder import build_engines
-
-    with pytest.raises(ValueError, match="layer 0: MLA attention is not exported yet"):
-        build_engines(dsa_root / "glm_moe_dsa", tmp_path / "engines", show_progress=False)
-    assert not (tmp_path / "engines").exists()
 
 
 def test_nextn_layer_from_a_draft_folder(dsa_root, tmp_path):

@@ -9,8 +9,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from tandem.checkpoint.mla_specs import IndexerSpec, MLASpec, YarnSpec
 from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN, GraphBuilder
-from tandem.export.mla import IndexerDims, MLADims, mla_attention, rope_for
+from tandem.export.mla import mla_attention, rope_tables
 from tandem.export.ops import lightning_indexer, paged_sparse_attention
 from tandem.export.primitives import Weights
 from tandem.testing import dsa_reference
@@ -123,6 +124,22 @@ def tiny_attention(family, top_k, yarn, layer=0, seed=0, **extra):
     return config, attn, getattr(mod, prefix + "RotaryEmbedding")(config)
 
 
+def mla_spec(config, q_lora=16, top_k=None, interleave_indexer=False, reuse=False, bias=False, interleave=True):
+    """The MLASpec of tiny_attention's dims (heads 4, q LoRA 16, kv LoRA 12, nope 8 + rope 6, v 10;
+    indexer 8 heads x 10) and the config's RoPE; top_k None: no indexer."""
+    params = dict(config.rope_parameters)
+    yarn = None
+    if params.get("rope_type") == "yarn":
+        yarn = YarnSpec(factor=params["factor"], original_max_position_embeddings=params[
+            "original_max_position_embeddings"], beta_fast=params.get("beta_fast") or 32,
+            beta_slow=params.get("beta_slow") or 1, mscale=params.get("mscale"),
+            mscale_all_dim=params.get("mscale_all_dim"), attention_factor=params.get("attention_factor"),
+            truncate=params.get("truncate", True))
+    indexer = None if top_k is None else IndexerSpec(8, 10, top_k, interleave_indexer, reuse)
+    return MLASpec(4, q_lora, 12, 8, 6, 10, rope_theta=params["rope_theta"], rope_interleave=interleave, yarn=yarn,
+                   indexer=indexer, bias=bias, norm_eps=config.rms_norm_eps)
+
+
 def transformers_rows(config, attn, rotary, x, **kwargs):
     """Attention output [1, L, H] and the indexer's selection [1, L, k] (None without one) over x."""
     seq = x.shape[1]
@@ -138,25 +155,27 @@ def transformers_rows(config, attn, rotary, x, **kwargs):
     return out.numpy(), picked["sel"].numpy() if hook else None
 
 
-def mla_step(config, attn, dims, idx, selected_input=False, dtype="float32"):
-    """The MLA piece as an ONNX Runtime session: feeds -> {out, rows, index_rows, selected}; with
-    `selected_input`, the selection is a graph input (a GLM-5 "shared" layer). Activations, pools
-    and weights in `dtype`."""
+def mla_step(spec, attn, dtype="float32"):
+    """The MLA piece as an ONNX Runtime session: feeds -> {out, rows, index_rows, selected}; a
+    spec whose indexer reuses the previous layer's takes the selection as a graph input (GLM-5
+    "shared" layers). Activations, pools and weights in `dtype`."""
     tensors = {"a." + n: t.detach().numpy() for n, t in attn.state_dict().items()}
-    rope = rope_for(config.rope_parameters, dims.qk_rope_head_dim, dims.qk_head_dim, config.max_position_embeddings)
+    own = spec.indexer is not None and not spec.indexer.reuse_previous
+    reused = spec.indexer is not None and spec.indexer.reuse_previous
     b = GraphBuilder()
-    out = mla_attention(b, dims, idx, rope, Weights(_Dict(tensors), dtype), "a.", "x", "positions", "context_lens",
-                        "block_tables", "latent_pool", "index_pool" if idx else None,
-                        "selected" if selected_input else None)
+    w = Weights(_Dict(tensors), dtype)
+    cos, sin = rope_tables(b, spec, "positions", dtype)
+    out = mla_attention(b, spec, w, "a.", "x", cos, sin, "context_lens", "block_tables", "latent_pool",
+                        "index_pool" if own else None, "selected" if reused else None)
     f32, i64 = TensorProto.FLOAT if dtype == "float32" else TensorProto.FLOAT16, TensorProto.INT64
     ins = [helper.make_tensor_value_info(n, t, s) for n, t, s in (
         ("x", f32, ["B", "W", 32]), ("positions", i64, ["B", "W"]), ("context_lens", i64, ["B"]),
-        ("block_tables", i64, ["B", "P"]), ("latent_pool", f32, ["N", PAGE, 1, dims.latent_width]))]
-    if idx:
-        ins.append(helper.make_tensor_value_info("index_pool", f32, ["N", PAGE, idx.head_dim]))
-    if selected_input:
+        ("block_tables", i64, ["B", "P"]), ("latent_pool", f32, ["N", PAGE, 1, spec.latent_dim]))]
+    if own:
+        ins.append(helper.make_tensor_value_info("index_pool", f32, ["N", PAGE, spec.indexer.head_dim]))
+    if reused:
         ins.append(helper.make_tensor_value_info("selected", i64, ["B", "W", "K"]))
-    keys = ["out", "rows", "index_rows", "selected"][: 4 if idx else 2]
+    keys = ["out", "rows", "index_rows", "selected"][: 4 if own else 2]
     names = [out.output, out.latent_rows, out.index_key_rows, out.selected][: len(keys)]
     outs = [helper.make_tensor_value_info(n, t, [None] * r)
             for n, t, r in zip(names, (f32, f32, f32, i64), (3, 4, 3, 3))]
@@ -173,13 +192,14 @@ def mla_step(config, attn, dims, idx, selected_input=False, dtype="float32"):
     return lambda feeds: dict(zip(keys, sess.run(names, feeds)))
 
 
-def run_against_transformers(config, attn, rotary, dims, idx, w_rows, dtype="float32", atol=1e-4):
+def run_against_transformers(config, attn, rotary, spec, w_rows, dtype="float32", atol=1e-4):
     """Prefill two committed contexts (13 and 7 tokens) alone, commit their rows into shuffled
     pages, then run W new rows of both over them; compare with transformers on the full sequences."""
-    step = mla_step(config, attn, dims, idx, dtype=dtype)
+    step = mla_step(spec, attn, dtype=dtype)
+    idx = spec.indexer
     ctx = np.array([13, 7], np.int64)
     xs = [torch.randn(1, int(n) + w_rows, 32, generator=torch.Generator().manual_seed(s)) for s, n in enumerate(ctx)]
-    pools = {"latent_pool": np.zeros((N_PAGES, PAGE, 1, dims.latent_width), dtype)}
+    pools = {"latent_pool": np.zeros((N_PAGES, PAGE, 1, spec.latent_dim), dtype)}
     if idx:
         pools["index_pool"] = np.zeros((N_PAGES, PAGE, idx.head_dim), dtype)
     tables = np.random.default_rng(1).permutation(N_PAGES)[: 2 * MAX_PAGES].reshape(2, MAX_PAGES).astype(np.int64)
@@ -201,7 +221,7 @@ def run_against_transformers(config, attn, rotary, dims, idx, w_rows, dtype="flo
             theirs = {int(j) for j in picked[0, pos] if j <= pos}       # past the row: masked anyway
             ours = {int(j) for j in got["selected"][s, i] if j >= 0}
             assert ours == theirs, (s, i)
-            assert len(ours) == min(idx.top_k, pos + 1)
+            assert len(ours) == min(idx.topk, pos + 1)
 
 
 @pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
@@ -209,23 +229,20 @@ def run_against_transformers(config, attn, rotary, dims, idx, w_rows, dtype="flo
 @pytest.mark.parametrize("w_rows", [5, 1])
 def test_absorbed_mla_equals_transformers(family, top_k, yarn, w_rows):
     config, attn, rotary = tiny_attention(family, top_k, yarn)
-    dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps)
-    idx = IndexerDims(8, 10, top_k, rope_interleaved=family == "glm_moe_dsa")
-    run_against_transformers(config, attn, rotary, dims, idx, w_rows)
+    spec = mla_spec(config, top_k=top_k, interleave_indexer=family == "glm_moe_dsa")
+    run_against_transformers(config, attn, rotary, spec, w_rows)
 
 
 def test_absorbed_mla_with_attention_bias_equals_transformers():
     config, attn, rotary = tiny_attention("deepseek_v32", 8, True, attention_bias=True)
     assert attn.kv_a_proj_with_mqa.bias is not None
-    dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps, bias=True)
-    run_against_transformers(config, attn, rotary, dims, IndexerDims(8, 10, 8, False), 5)
+    run_against_transformers(config, attn, rotary, mla_spec(config, top_k=8, bias=True), 5)
 
 
 def test_absorbed_mla_float16_is_close_to_transformers():
     """float16 weights, activations and pools (dense: fp16 rounding may reorder close index scores)."""
     config, attn, rotary = tiny_attention("deepseek_v32", 64, True)
-    dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps)
-    run_against_transformers(config, attn, rotary, dims, IndexerDims(8, 10, 64, False), 5, "float16", atol=1e-2)
+    run_against_transformers(config, attn, rotary, mla_spec(config, top_k=64), 5, "float16", atol=1e-2)
 
 
 def test_glm_shared_layer_attends_the_previous_layers_selection():
@@ -233,38 +250,39 @@ def test_glm_shared_layer_attends_the_previous_layers_selection():
     config, full, rotary = tiny_attention("glm_moe_dsa", 8, True, **kinds)
     _, shared, _ = tiny_attention("glm_moe_dsa", 8, True, layer=1, seed=1, **kinds)
     assert shared.indexer is None
-    dims = MLADims(4, 16, 12, 8, 6, 10, config.rms_norm_eps)
     x = torch.randn(1, 17, 32, generator=torch.Generator().manual_seed(3))
     _, picked = transformers_rows(config, full, rotary, x)
     want, _ = transformers_rows(config, shared, rotary, x, prev_topk_indices=torch.from_numpy(picked))
     feeds = {"x": x.numpy(), "positions": np.arange(17)[None], "context_lens": np.zeros(1, np.int64),
              "block_tables": np.arange(MAX_PAGES)[None], "latent_pool": np.zeros((N_PAGES, PAGE, 1, 18), np.float32)}
-    ours = mla_step(config, full, dims, IndexerDims(8, 10, 8, True))(
+    ours = mla_step(mla_spec(config, top_k=8, interleave_indexer=True), full)(
         {**feeds, "index_pool": np.zeros((N_PAGES, PAGE, 10), np.float32)})["selected"]
-    got = mla_step(config, shared, dims, None, selected_input=True)({**feeds, "selected": ours})["out"]
+    reuse = mla_spec(config, top_k=8, interleave_indexer=True, reuse=True)
+    got = mla_step(reuse, shared)({**feeds, "selected": ours})["out"]
     np.testing.assert_allclose(got, want, atol=1e-4)
 
 
 @pytest.mark.parametrize("interleave", [True, False])
 def test_absorbed_mla_without_q_lora_equals_deepseek_v3(interleave):
     config, attn, rotary = tiny_attention("deepseek_v3", 0, True, q_lora_rank=None, rope_interleave=interleave)
-    dims = MLADims(4, None, 12, 8, 6, 10, config.rms_norm_eps, rope_interleaved=interleave)
-    run_against_transformers(config, attn, rotary, dims, None, 5)
+    run_against_transformers(config, attn, rotary, mla_spec(config, q_lora=None, interleave=interleave), 5)
 
 
 @pytest.mark.parametrize("params", [
     {}, {"attention_factor": 1.3}, {"mscale": None, "mscale_all_dim": None},
     {"truncate": False, "factor": 40.0, "original_max_position_embeddings": 4096},
     {"factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 16}])
-def test_rope_for_equals_transformers_yarn(params):
+def test_spec_rope_and_scale_equal_transformers_yarn(params):
+    """MLASpec's YaRN inverse frequencies, cos/sin factor and softmax scale (what rope_tables and
+    the attention use) against transformers' for the tiny dims."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     config, _, rotary = tiny_attention("deepseek_v32", 8, True)
     config.rope_parameters = {**YARN, **params}
     inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](config)
-    rope = rope_for(config.rope_parameters, 6, 14, config.max_position_embeddings)
-    np.testing.assert_allclose(rope.inv_freq, inv_freq.numpy(), rtol=1e-6)
-    assert rope.attention_factor == pytest.approx(factor, rel=1e-7)
+    spec = mla_spec(config, top_k=8)
+    np.testing.assert_allclose(spec.inv_freq(), inv_freq.numpy(), rtol=1e-6)
+    assert spec.rope_attention_factor == pytest.approx(factor, rel=1e-7)
     from transformers.models.deepseek_v32.modeling_deepseek_v32 import yarn_apply_mscale
 
-    assert rope.softmax_scale == pytest.approx(yarn_apply_mscale(config.rope_parameters, 14 ** -0.5), rel=1e-7)
+    assert spec.scale == pytest.approx(yarn_apply_mscale(config.rope_parameters, 14 ** -0.5), rel=1e-7)

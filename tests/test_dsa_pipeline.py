@@ -1,0 +1,122 @@
+"""DeepSeek-V3.2 / GLM-5 end to end: engines built by `build_engines` from the tiny checkpoints
+(indexer top 8, prompts past it), run by `LLM`.
+
+Held to transformers: plain greedy tokens and logits. Held to plain greedy: speculative decoding
+with the NextN head and with test-double drafters, batches 1-8 staggered, unified and multi-call
+rounds, under preemption. A round that accepts n drafts commits the same latent and indexer-key
+rows as n + 1 plain decode steps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.checkpoint.mla_specs import INDEX_KEYS, LATENT
+from tandem.engines.builder import build_engines
+from tandem.engines.options import BuildOptions
+from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.sampling_params import SamplingParams
+from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
+from tandem.testing.tiny_dsa import DSA_KINDS
+
+from .pipeline_fixtures import install_drafter, record_logits, run
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+OPTIONS = BuildOptions(batch_sizes=(1, 4, 8), spec_k=2, prefill_chunk=8, max_seq_len=128, page_size=4)
+PROMPTS = [[5, 17, 33, 200, 7, 90, 12, 14, 150, 61, 8, 9, 30, 41], [9, 120, 77], [44],
+           [3, 250, 8, 160, 21, 6, 7, 99, 100, 101, 102], [300, 12, 12, 12], list(range(1, 19)), [77, 78],
+           [101, 5, 9, 11, 13]]
+PLAIN = SamplingParams(max_tokens=20, ignore_eos=True, speculative=False)
+GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dsa(tmp_path_factory):
+    """kind -> (checkpoint folder, engine dir)."""
+    root = tmp_path_factory.mktemp("dsa_engines")
+    out = {}
+    for kind in ("deepseek_v32", "glm_moe_dsa"):
+        write_tiny_checkpoint(root / kind, kind)
+        build_engines(root / kind, root / f"{kind}.engines", OPTIONS, show_progress=False)
+        out[kind] = (root / kind, root / f"{kind}.engines")
+    return out
+
+
+@pytest.fixture(scope="module")
+def plain(dsa):
+    return run(dsa["deepseek_v32"][1], PROMPTS, PLAIN)[0]
+
+
+@pytest.mark.parametrize("kind", ["deepseek_v32", "glm_moe_dsa"])
+def test_plain_greedy_tokens_and_logits_equal_transformers(dsa, kind, monkeypatch):
+    folder, engines = dsa[kind]
+    torch.set_num_threads(1)
+    target = getattr(transformers, DSA_KINDS[kind][0]).from_pretrained(folder, dtype=torch.float32).eval()
+    logits = record_logits(monkeypatch)
+    prompt = PROMPTS[0]                                    # 14 tokens > top-k 8, and 24 more generated
+    out = LLM(engines).generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, speculative=False))[0]
+    with torch.no_grad():
+        want = target.generate(torch.tensor([prompt]), max_new_tokens=24, min_new_tokens=24, do_sample=False,
+                               output_logits=True, return_dict_in_generate=True)
+    assert out.token_ids == want.sequences[0, len(prompt):].tolist()
+    np.testing.assert_allclose(np.stack(logits), torch.cat(want.logits).numpy(), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("drafter", ["wrong", "oracle", "prefix:1", "heads"])
+@pytest.mark.parametrize("round_kind", ["unified", "multi"])
+def test_speculative_equals_plain_greedy(dsa, plain, monkeypatch, drafter, round_kind):
+    if drafter != "heads":
+        install_drafter(monkeypatch, drafter, {f"r{i}": out for i, out in plain.items()})
+    outputs, llm = run(dsa["deepseek_v32"][1], PROMPTS, GREEDY, EngineConfig(round=round_kind), stagger=2)
+    assert outputs == plain
+    metrics = [s.metrics for s in llm.test_sequences]
+    assert sum(m.rounds for m in metrics) > 0
+    if drafter == "oracle":
+        assert sum(m.accepted for m in metrics) == sum(m.drafted for m in metrics) > 0
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_batches_staggered(dsa, plain, batch):
+    outputs, _ = run(dsa["deepseek_v32"][1], PROMPTS[:batch], GREEDY, stagger=3)
+    assert outputs == {i: plain[i] for i in range(batch)}
+
+
+def test_glm_speculative_equals_plain(dsa):
+    engines = dsa["glm_moe_dsa"][1]
+    assert run(engines, PROMPTS, GREEDY, stagger=2)[0] == run(engines, PROMPTS, PLAIN)[0]
+
+
+def test_under_preemption(dsa, plain):
+    config = EngineConfig(memory_budget_bytes=80_000, max_num_seqs=8)
+    outputs, llm = run(dsa["deepseek_v32"][1], PROMPTS, GREEDY, config)
+    assert outputs == plain
+    assert sum(s.metrics.preemptions for s in llm.test_sequences) > 0
+
+
+@pytest.mark.parametrize("n_right", [0, 1, 2])
+def test_commit_of_n_accepted_equals_n_plus_one_decode_steps(dsa, plain, monkeypatch, n_right):
+    """After a round that accepts n drafts, every trunk layer's latent and indexer-key rows equal
+    those n + 1 plain decode steps write."""
+    engines = dsa["deepseek_v32"][1]
+    prompt = PROMPTS[3]
+    install_drafter(monkeypatch, f"prefix:{n_right}", {"x": plain[3]})
+    spec = LLM(engines)
+    seq = spec.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True), request_id="x")
+    while seq.metrics.rounds == 0:
+        spec.step()
+    assert seq.metrics.accepted == n_right and seq.committed == len(prompt) + n_right + 1
+
+    base = LLM(engines)
+    other = base.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True, speculative=False))
+    while other.committed < seq.committed:
+        base.step()
+    page = spec.page_size
+    for layer in base.runner.trunk_kv:
+        assert set(base.pools.paged[layer]) == {LATENT, INDEX_KEYS}
+        for name in (LATENT, INDEX_KEYS):
+            for pos in range(seq.committed):
+                a = spec.pools.paged[layer][name][seq.table.groups[None].pages[pos // page], pos % page]
+                b = base.pools.paged[layer][name][other.table.groups[None].pages[pos // page], pos % page]
+                np.testing.assert_allclose(a, b, atol=1e-5)
