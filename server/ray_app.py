@@ -44,6 +44,7 @@ from tandem.server.ray_routing import ROUTING_STATS_PERIOD_S, ROUTING_STATS_TIME
 log = logging.getLogger("tandem.server")
 APP_NAME = "tandem"
 REPLICA_HEADER = "x-tandem-replica"   # which replica served a response
+RETRIED_HEADER = "x-tandem-retried"   # how many times a request was sent again after its replica died
 METRICS_PUSH_S = 0.5                  # how often a replica sends its metrics to the board
 METRICS_STALE_S = 5.0                 # a replica silent this long (dead, replaced) leaves /metrics
 _QUIET = {"enable_access_log": False}   # no log line per metrics push, routing-stats poll or relayed call
@@ -201,13 +202,16 @@ class Gateway:
 
     async def relay(self, request: HttpRequest, send) -> None:
         died = None
-        for _ in range(RETRIES + 1):
+        for attempt in range(RETRIES + 1):
             stream, started, sse = self.engine.handle.remote(request), False, False
             try:
                 async for message in stream:
                     if message["type"] == "http.response.start":
                         sse = dict(message.get("headers", [])).get(b"content-type", b"").startswith(
                             b"text/event-stream")
+                        if attempt:   # the client may want to know its request ran twice
+                            message = {**message, "headers": [*message.get("headers", []),
+                                                              (RETRIED_HEADER.encode(), str(attempt).encode())]}
                     await send(message)
                     started = True
                 return

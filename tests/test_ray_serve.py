@@ -1,0 +1,200 @@
+"""tandem on Ray Serve (server/ray_app.py): two replicas of the tiny engines on a local Ray instance
+started here, driven over HTTP through the gateway. One Ray instance for the module (~20 s to start
+Ray and load both replicas); the failover test kills a replica and runs last."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tandem.pipeline.llm import LLM
+from tandem.pipeline.sampling_params import SamplingParams
+from tandem.server.app import ServerSettings
+
+ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'tandem[ray]' (the test extra has it)")
+serve = pytest.importorskip("ray.serve")
+from tandem.server.ray_app import APP_NAME, REPLICA_HEADER, RETRIED_HEADER, Scaling, application  # noqa: E402
+
+LONG = 480    # tokens of a "long" request: ~1 s on a replica; max_seq_len is 512
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_url(engine_dirs):
+    term = signal.getsignal(signal.SIGTERM)    # ray.init installs its own
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    try:
+        port = _free_port()
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = application(engine_dirs["qwen3_5_mtp3"], ServerSettings(model_name="tiny"), scaling=Scaling(replicas=2))
+        serve.run(app, name=APP_NAME, route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, term)
+
+
+@pytest.fixture(scope="module")
+def offline(engine_dirs):
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    return lambda prompts, n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+
+
+def body(prompt: str, n: int, stream: bool = False) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+
+
+def sse_text(lines: list[str]) -> tuple[str, dict | None]:
+    """(text of a completion stream, its error event if it ended with one)."""
+    text, error = [], None
+    for line in lines:
+        data = json.loads(line[len("data: "):]) if line.startswith("data: {") else None
+        if data and "error" in data:
+            error = data["error"]
+        elif data:
+            text.append(data["choices"][0]["text"])
+    return "".join(text), error
+
+
+def requests_by_replica(url: str) -> dict[str, float]:
+    """Finished requests per replica, from /metrics/replicas (tandem_requests_total)."""
+    out: dict[str, float] = {}
+    for fam in text_string_to_metric_families(httpx.get(f"{url}/metrics/replicas").text):
+        for s in fam.samples:
+            if s.name == "tandem_requests_total":
+                out[s.labels["replica"]] = out.get(s.labels["replica"], 0) + s.value
+    return out
+
+
+def wait_for_counts(url: str, before: dict[str, float], total: int, timeout: float = 10) -> dict[str, float]:
+    """Per-replica counts since `before`, once they add up to `total` (replicas push every 0.5 s)."""
+    for _ in range(int(timeout / 0.1)):
+        now = requests_by_replica(url)
+        delta = {r: v - before.get(r, 0) for r, v in now.items() if v - before.get(r, 0)}
+        if sum(delta.values()) >= total:
+            return delta
+        time.sleep(0.1)
+    raise AssertionError(f"per-replica counters never reached {total}: {delta}")
+
+
+class Stream(threading.Thread):
+    """A streamed completion read in a thread: its replica (header), its lines, when it ended."""
+
+    def __init__(self, url: str, prompt: str, n: int):
+        super().__init__(daemon=True)
+        self.url, self.request = url, body(prompt, n, stream=True)
+        self.replica, self.lines, self.started = None, [], threading.Event()
+
+    def run(self):
+        with httpx.stream("POST", f"{self.url}/v1/completions", json=self.request, timeout=60) as r:
+            self.replica = r.headers[REPLICA_HEADER]
+            self.started.set()
+            self.lines.extend(line for line in r.iter_lines() if line)
+
+    def begin(self) -> Stream:
+        self.start()
+        assert self.started.wait(30), "the stream never started"
+        while not self.lines:          # a first token: the request is running on its replica
+            time.sleep(0.01)
+        return self
+
+
+def test_two_replicas_match_offline_greedy_and_share_the_load(ray_url, offline):
+    prompts = [f"def f{i}(x):" if i % 2 else f"The number {i} is" for i in range(16)]
+    refs = offline(prompts, 16)
+    before = requests_by_replica(ray_url)
+
+    async def one(client: httpx.AsyncClient, i: int):
+        stream = i % 2 == 0
+        if not stream:
+            r = await client.post("/v1/completions", json=body(prompts[i], 16))
+            assert r.status_code == 200, r.text
+            return r.headers[REPLICA_HEADER], r.json()["choices"][0]["text"]
+        async with client.stream("POST", "/v1/completions", json=body(prompts[i], 16, stream=True)) as r:
+            lines = [line async for line in r.aiter_lines() if line]
+            return r.headers[REPLICA_HEADER], sse_text(lines)[0]
+
+    async def all16():
+        async with httpx.AsyncClient(base_url=ray_url, timeout=60) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(16)))
+
+    results = asyncio.run(all16())
+    assert [text for _, text in results] == [ref.text for ref in refs]   # token for token, every request
+    served = wait_for_counts(ray_url, before, 16)
+    assert len(served) == 2 and sum(served.values()) == 16, served   # both replicas served requests
+    assert {replica for replica, _ in results} == set(served)
+
+
+def test_new_requests_go_to_the_replica_not_busy_with_a_long_one(ray_url):
+    before = requests_by_replica(ray_url)
+    long = Stream(ray_url, "a long one", LONG).begin()
+    shorts = []
+    while len(long.lines) < LONG // 2 and len(shorts) < 6:   # well before the long request ends
+        r = httpx.post(f"{ray_url}/v1/completions", json=body("short", 2), timeout=30)
+        assert r.status_code == 200, r.text
+        shorts.append(r.headers[REPLICA_HEADER])
+    long.join(30)
+    assert len(shorts) >= 2, "the long request ended too soon to route short ones beside it"
+    assert long.replica not in shorts, (long.replica, shorts)
+    served = wait_for_counts(ray_url, before, 1 + len(shorts))
+    assert served == {long.replica: 1, shorts[0]: len(shorts)}, served   # from the replicas' own counters
+
+
+def test_a_killed_replica_fails_its_streams_clearly_and_is_replaced(ray_url, offline):
+    first = Stream(ray_url, "stream 0", LONG).begin()
+    second = Stream(ray_url, "stream 1", LONG).begin()
+    assert first.replica != second.replica           # the least loaded replica takes the next request
+    waiting: dict = {}
+    plain = threading.Thread(target=lambda: waiting.update(
+        r=httpx.post(f"{ray_url}/v1/completions", json=body("not streamed", LONG), timeout=60)), daemon=True)
+    plain.start()
+    time.sleep(0.3)                                   # routed: one replica now holds two requests
+    third = Stream(ray_url, "stream 2", LONG).begin()
+    victim = first.replica if third.replica == second.replica else second.replica
+    doomed = first if first.replica == victim else second
+    assert not doomed.lines[-1].endswith("[DONE]"), "the victim's stream ended before the kill"
+
+    actor = ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#TandemEngine#{victim}", namespace="serve")
+    os.kill(ray.get(actor.__ray_call__.remote(lambda self: os.getpid())), signal.SIGKILL)
+    killed = time.monotonic()
+    for t in (first, second, third, plain):
+        t.join(60)
+
+    text, error = sse_text(doomed.lines)
+    assert error is not None and error["code"] == 503 and "replica" in error["message"], doomed.lines[-3:]
+    assert doomed.lines[-1] == "data: [DONE]"
+    refs = offline(["stream 0", "stream 1", "stream 2", "not streamed"], LONG)
+    for stream, ref in zip((first, second, third), refs):
+        if stream is not doomed:                      # the other replica's streams are untouched
+            assert sse_text(stream.lines) == (ref.text, None)
+    r = waiting["r"]                                  # died on the victim before sending anything: retried
+    assert r.status_code == 200 and r.headers.get(RETRIED_HEADER) == "1", (r.status_code, r.headers)
+    assert r.json()["choices"][0]["text"] == refs[3].text
+
+    while True:                                       # Ray replaces the replica
+        engine = serve.status().applications[APP_NAME].deployments["TandemEngine"]
+        if engine.status == "HEALTHY" and engine.replica_states.get("RUNNING") == 2:
+            break
+        assert time.monotonic() - killed < 60, engine
+        time.sleep(0.2)
+    ref = offline(["after"], 8)[0]
+    for _ in range(4):
+        r = httpx.post(f"{ray_url}/v1/completions", json=body("after", 8), timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
+        assert r.headers[REPLICA_HEADER] != victim
