@@ -33,3 +33,101 @@ def boundary_ties(scores_row, top_k, tol):
     attended set depends on how equal scores are ordered)."""
     visible = np.sort(scores_row[np.isfinite(scores_row)])[::-1]
     return len(visible) > top_k and visible[top_k - 1] - visible[top_k] <= tol
+
+
+# ---- NextN head in torch (tests only: imports torch and transformers lazily) -------------------------
+
+def load_target(model_dir, dtype=None):
+    """transformers' DeepseekV32ForCausalLM / GlmMoeDsaForCausalLM for a tiny DSA checkpoint, float32."""
+    import json
+    from pathlib import Path
+
+    import torch
+    import transformers
+
+    arch = json.loads((Path(model_dir) / "config.json").read_text())["architectures"][0]
+    return getattr(transformers, arch).from_pretrained(model_dir, dtype=dtype or torch.float32).eval()
+
+
+class NextNReference:
+    """The DSA NextN layer (`model.layers.{N}`, N = num_hidden_layers) in explicit math on
+    transformers' own decoder-layer class (its MLA, lightning indexer and DeepSeek MoE), recomputed
+    over the whole sequence at every draft step:
+
+        x = eh_proj(cat[enorm(embed(t_{i+1})), hnorm(h_i)])      row i, h the target's post-norm hidden
+        g = shared_head.norm(layer(x))                            causal over the rows, top-k by its indexer
+        d = argmax(shared_head.head(g[last]))                     (vLLM's DeepSeek MTP: the layer's own head)
+
+    Draft step s > 0 appends the row (d_s, g_{s-1}) and runs again (k drafts from the one layer:
+    transformers' MtpLayer chaining, post-norm hidden). transformers 5.24 builds no MTP model for
+    these configs (no `num_mtp_layers`), so its generate(use_mtp=True) path does not apply."""
+
+    def __init__(self, target, model_dir):
+        import copy
+        from pathlib import Path
+
+        import torch
+        from safetensors.torch import load_file
+
+        cfg = copy.deepcopy(target.config)
+        n = cfg.num_hidden_layers
+        cfg.num_hidden_layers, cfg.mlp_layer_types = 1, ["sparse"]          # the NextN layer is an MoE layer
+        if hasattr(cfg, "indexer_types"):
+            cfg.indexer_types = ["full"]                                    # with its own indexer
+        cfg._attn_implementation = "eager"
+        layer_cls = type(target.model.layers[0])
+        self.target, self.rotary = target, target.model.rotary_emb
+        self.layer = layer_cls(cfg, 0)
+        prefix = f"model.layers.{n}."
+        stored = {k[len(prefix):]: v for k, v in load_file(Path(model_dir) / "model.safetensors").items()
+                  if k.startswith(prefix)}
+        experts = cfg.n_routed_experts
+        state = {k: v for k, v in stored.items() if ".experts." not in k}
+        state["mlp.experts.gate_up_proj"] = torch.stack([torch.cat([stored[f"mlp.experts.{e}.gate_proj.weight"],
+                                                                    stored[f"mlp.experts.{e}.up_proj.weight"]])
+                                                         for e in range(experts)])
+        state["mlp.experts.down_proj"] = torch.stack([stored[f"mlp.experts.{e}.down_proj.weight"]
+                                                      for e in range(experts)])
+        own = {k: state.pop(k) for k in list(state) if k.split(".")[0] in ("enorm", "hnorm", "eh_proj", "shared_head",
+                                                                            "embed_tokens")}
+        missing, unexpected = self.layer.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"NextN layer from {model_dir}: missing {missing}, unexpected {unexpected}")
+        self.layer.eval()
+        self.own = {k: v.float() for k, v in own.items()}
+        self.eps = cfg.rms_norm_eps
+
+    def _norm(self, x, name):
+        import torch
+
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.own[name]
+
+    def rows(self, tokens, hidden):
+        """tokens [T] (t_{i+1}), hidden [T, H] (h_i or g) -> (g [T, H], logits [T, V]) over positions 0..T-1."""
+        import torch
+
+        with torch.no_grad():
+            e = self.target.model.embed_tokens(torch.as_tensor(tokens)[None])
+            x = torch.cat([self._norm(e, "enorm.weight"), self._norm(hidden[None], "hnorm.weight")], -1)
+            x = x @ self.own["eh_proj.weight"].T
+            t = x.shape[1]
+            pos = torch.arange(t)[None]
+            mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)[None, None]
+            y = self.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(x, pos))
+            y = y[0] if isinstance(y, tuple) else y          # GLM-5's layer also returns its top-k
+            g = self._norm(y, "shared_head.norm.weight")[0]
+            return g, g @ self.own["shared_head.head.weight"].T
+
+    def drafts(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+        """(the target's next token t_P, drafts d_1..d_k) after `tokens`."""
+        import torch
+
+        with torch.no_grad():
+            h = self.target.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
+            nxt = int(self.target.lm_head(h[-1]).argmax())
+        ids, hidden, out = list(tokens[1:]) + [nxt], h, []
+        for _ in range(k):
+            g, logits = self.rows(ids, hidden)
+            out.append(int(logits[-1].argmax()))
+            ids, hidden = ids + [out[-1]], torch.cat([hidden, g[-1:]])
+        return nxt, out

@@ -16,10 +16,10 @@ from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
+from tandem.testing.dsa_reference import NextNReference, load_target
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
-from tandem.testing.tiny_dsa import DSA_KINDS
 
-from .pipeline_fixtures import install_drafter, record_logits, run
+from .pipeline_fixtures import install_drafter, record_drafts, record_logits, run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -53,7 +53,7 @@ def plain(dsa):
 def test_plain_greedy_tokens_and_logits_equal_transformers(dsa, kind, monkeypatch):
     folder, engines = dsa[kind]
     torch.set_num_threads(1)
-    target = getattr(transformers, DSA_KINDS[kind][0]).from_pretrained(folder, dtype=torch.float32).eval()
+    target = load_target(folder)
     logits = record_logits(monkeypatch)
     prompt = PROMPTS[0]                                    # 14 tokens > top-k 8, and 24 more generated
     out = LLM(engines).generate([prompt], SamplingParams(max_tokens=24, ignore_eos=True, speculative=False))[0]
@@ -64,8 +64,23 @@ def test_plain_greedy_tokens_and_logits_equal_transformers(dsa, kind, monkeypatc
     np.testing.assert_allclose(np.stack(logits), torch.cat(want.logits).numpy(), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("drafter", ["wrong", "oracle", "prefix:1", "heads"])
-@pytest.mark.parametrize("round_kind", ["unified", "multi"])
+@pytest.mark.parametrize("kind,round_kind", [("deepseek_v32", "unified"), ("glm_moe_dsa", "multi")])
+def test_drafts_of_every_round_equal_the_nextn_reference(dsa, monkeypatch, kind, round_kind):
+    """k = 2 drafts per round from the one NextN layer (its own latent and indexer caches, own head),
+    on every round of generations that pass top-k: == the torch reference's full recomputation."""
+    folder, engines = dsa[kind]
+    torch.set_num_threads(1)
+    nextn = NextNReference(load_target(folder), folder)
+    rounds = record_drafts(monkeypatch)
+    LLM(engines, EngineConfig(round=round_kind, adaptive_width=False)).generate(
+        [PROMPTS[0], PROMPTS[3]], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert len(rounds) >= 6 and {len(d) for _, d in rounds} == {2}
+    for tokens, drafts in rounds:
+        assert nextn.drafts(tokens[:-1], len(drafts)) == (tokens[-1], drafts), len(tokens)
+
+
+@pytest.mark.parametrize("drafter,round_kind", [("wrong", "unified"), ("oracle", "unified"), ("prefix:1", "multi"),
+                                                ("heads", "unified"), ("heads", "multi")])
 def test_speculative_equals_plain_greedy(dsa, plain, monkeypatch, drafter, round_kind):
     if drafter != "heads":
         install_drafter(monkeypatch, drafter, {f"r{i}": out for i, out in plain.items()})
