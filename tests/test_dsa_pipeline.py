@@ -113,7 +113,8 @@ def test_under_preemption(dsa, plain):
 @pytest.mark.parametrize("n_right", [0, 1, 2])
 def test_commit_of_n_accepted_equals_n_plus_one_decode_steps(dsa, plain, monkeypatch, n_right):
     """After a round that accepts n drafts, every trunk layer's latent and indexer-key rows equal
-    those n + 1 plain decode steps write."""
+    those n + 1 plain decode steps write, and the NextN layer's own latent and indexer-key rows
+    equal those a fresh prefill of the same tokens writes (incremental re-anchoring == recomputation)."""
     engines = dsa["deepseek_v32"][1]
     prompt = PROMPTS[3]
     install_drafter(monkeypatch, f"prefix:{n_right}", {"x": plain[3]})
@@ -135,3 +136,16 @@ def test_commit_of_n_accepted_equals_n_plus_one_decode_steps(dsa, plain, monkeyp
                 a = spec.pools.paged[layer][name][seq.table.groups[None].pages[pos // page], pos % page]
                 b = base.pools.paged[layer][name][other.table.groups[None].pages[pos // page], pos % page]
                 np.testing.assert_allclose(a, b, atol=1e-5)
+
+    fresh = LLM(engines)   # prefill only (a step would decode right after the last chunk)
+    again = fresh.add_request(seq.tokens[:-1], SamplingParams(max_tokens=2, ignore_eos=True), request_id="y")
+    fresh.scheduler.admit()
+    while again.committed < seq.committed:
+        fresh.engine._prefill(fresh.scheduler.prefill_batch())
+    assert again.head_committed == seq.head_committed > len(prompt)
+    assert set(spec.pools.paged["mtp0"]) == {LATENT, INDEX_KEYS}
+    for name in (LATENT, INDEX_KEYS):
+        for pos in range(seq.head_committed):
+            a = spec.pools.paged["mtp0"][name][seq.table.groups[None].pages[pos // page], pos % page]
+            b = fresh.pools.paged["mtp0"][name][again.table.groups[None].pages[pos // page], pos % page]
+            np.testing.assert_allclose(a, b, atol=1e-5)
