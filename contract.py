@@ -48,6 +48,9 @@ MIN_TEMPERATURE = 1e-5  # below it a row is greedy (as vLLM): logits / T would o
 # relaxed acceptance (export/acceptance.py): verify inputs that engines built before them lack; the
 # runtime binds them only where an engine has them (without: exact acceptance), so no version bump
 RELAXED_TOPK, RELAXED_DELTA, RELAXED_ROWS = "relaxed_topk", "relaxed_delta", "relaxed_rows"
+# grammar masks (structured outputs): a verify input of the same kind, engines built before it lack it; the runtime
+# binds it only where an engine has it and runs grammar requests without speculation elsewhere
+TOKEN_BITMASK = "token_bitmask"
 
 HIDDEN = "hidden"
 LOGITS = "logits"
@@ -56,6 +59,11 @@ NEXT_TOKEN = "next_token"
 DRAFT_TOKEN, DRAFT_PROB, HIDDEN_OUT = "draft_token", "draft_prob", "hidden_out"
 HIDDEN_ROWS = "hidden_rows"   # heads anchored on the previous head: every row's hidden
 NEXT_DRAFTS, DRAFT_PROBS, DRAFT_HIDDEN = "next_drafts", "draft_probs", "draft_hidden"   # unified round
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words of one row of TOKEN_BITMASK: one bit per token, ceil(vocab / 32)."""
+    return (vocab_size + 31) // 32
 
 
 def block_tables(window: int | None) -> str:
@@ -203,6 +211,8 @@ def verify_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list
            TensorSpec(RELAXED_TOPK, "int64", ("batch",), "relaxed acceptance: draft in the target's top-k, 0 = off"),
            TensorSpec(RELAXED_DELTA, "float32", ("batch",), "relaxed acceptance: draft prob >= top prob - delta"),
            TensorSpec(RELAXED_ROWS, "int64", ("batch", "rows"), "1 where row i may relax (judging d_{i+1}), else 0"),
+           TensorSpec(TOKEN_BITMASK, "int32", ("batch", "rows", mask_words(desc.vocab_size)),
+                      "grammar mask of row i: bit t % 32 of word t // 32 set where token t is allowed (all ones: off)"),
            *layer_in]
     outs = [TensorSpec(ACCEPTED, "int64", ("batch",), "drafts accepted (0..k); rows 0..accepted are committed"),
             TensorSpec(NEXT_TOKEN, "int64", ("batch",), "the token after the accepted ones (correction or bonus)"),

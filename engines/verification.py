@@ -75,6 +75,9 @@ def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) 
     out[c.RELAXED_TOPK] = rng.choice([0, 1, 8], b).astype(np.int64)        # verify: relaxed acceptance
     out[c.RELAXED_DELTA] = rng.choice([0.0, 0.5], b).astype(np.float32)
     out[c.RELAXED_ROWS] = rng.integers(0, 2, (b, w)).astype(np.int64)
+    words = c.mask_words(desc.vocab_size)   # verify: grammar masks, half the rows all ones (no grammar)
+    out[c.TOKEN_BITMASK] = np.where(rng.random((b, w, 1)) < 0.5, -1,
+                                    rng.integers(-(2**31), 2**31, (b, w, words))).astype(np.int32)
     names = {s.name for s in specs}
     return {k: v for k, v in out.items() if k in names}
 

@@ -33,6 +33,12 @@ in distribution, and relaxing would change the distribution it samples (TensorRT
 greedy MTP only). The output is then no longer what plain greedy decoding gives: an opt-in
 trade of exactness for accepted length.
 
+Grammar masks (structured outputs, contract.TOKEN_BITMASK [B, W, ceil(V/32)] int32): row i's mask is
+the grammar's state after the pending token and d_1..d_i; a token whose bit is clear gets logit -1e30
+before anything above reads the logits, so t_i is the argmax / a sample of the masked distribution:
+a forbidden draft never equals t_i (rejected), and the correction or bonus token obeys the grammar.
+All-ones rows (requests without a grammar) leave the logits as they are.
+
 Sampling order (pipeline/sampler.py does the same on the host): temperature, top-k, top-p on what
 top-k kept (the top token always stays); inverse-CDF over the vocabulary in id order, never past
 the last token with non-zero probability.
@@ -107,8 +113,20 @@ def _relaxed_ok(b: GraphBuilder, logits: str, ids: str, r: Relaxed) -> str:
         return b.op("And", ok, allowed)
 
 
-def greedy(b: GraphBuilder, logits: str, ids: str, relaxed: Relaxed | None = None) -> tuple[str, str]:
+def masked(b: GraphBuilder, logits: str, bitmask: str) -> str:
+    """logits [B, W, V] with -1e30 where bit t % 32 of bitmask[b, w, t // 32] is clear."""
+    with b.scope("grammar_mask"):
+        bits = b.const((np.int64(1) << np.arange(32)).astype(np.uint32).view(np.int32))          # [32]: 1 << j
+        hit = b.op("BitwiseAnd", b.unsqueeze(bitmask, [3]), bits)                            # [B, W, M, 32]
+        allowed = b.reshape(b.op("Not", b.op("Equal", hit, b.const(0, np.int32))), [0, 0, -1])  # [B, W, 32 M]
+        allowed = b.slice(allowed, [0], b.shape_of(logits, 2, 3), [2])                        # [B, W, V]
+        return b.op("Where", allowed, logits, b.const(_NEG, np.float32))
+
+
+def greedy(b: GraphBuilder, logits: str, ids: str, relaxed: Relaxed | None = None,
+           bitmask: str | None = None) -> tuple[str, str]:
     with b.scope("accept_greedy"):
+        logits = masked(b, logits, bitmask) if bitmask else logits
         also = _relaxed_ok(b, logits, ids, relaxed) if relaxed else None
         return _compare(b, b.op("ArgMax", logits, axis=-1, keepdims=0), ids, also)   # t_i: [B, W]
 
@@ -144,8 +162,9 @@ def _inverse_cdf(b: GraphBuilder, probs: str, uniforms: str) -> str:
 
 
 def sampled(b: GraphBuilder, logits: str, ids: str, temperature: str, top_k: str, top_p: str,
-            uniforms: str, relaxed: Relaxed | None = None) -> tuple[str, str]:
+            uniforms: str, relaxed: Relaxed | None = None, bitmask: str | None = None) -> tuple[str, str]:
     with b.scope("accept_sampled"):
+        logits = masked(b, logits, bitmask) if bitmask else logits
         f32 = lambda v: b.const(v, np.float32)  # noqa: E731
         is_sampled = b.op("GreaterOrEqual", temperature, f32(MIN_TEMPERATURE))    # [B]
         t = b.unsqueeze(b.op("Where", is_sampled, temperature, f32(1.0)), [1, 2])

@@ -195,9 +195,9 @@ def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: b
     relaxed = acceptance.Relaxed(c.RELAXED_TOPK, c.RELAXED_DELTA, c.RELAXED_ROWS)
     if sampling:
         accepted, nxt = acceptance.sampled(b, logits, c.INPUT_IDS, c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS,
-                                           relaxed=relaxed)
+                                           relaxed=relaxed, bitmask=c.TOKEN_BITMASK)
     else:
-        accepted, nxt = acceptance.greedy(b, logits, c.INPUT_IDS, relaxed=relaxed)
+        accepted, nxt = acceptance.greedy(b, logits, c.INPUT_IDS, relaxed=relaxed, bitmask=c.TOKEN_BITMASK)
     produced = {c.ACCEPTED: accepted, c.NEXT_TOKEN: nxt, c.HIDDEN: hidden}
     for i, rows in kv.items():
         produced.update(new_rows_outputs(desc.layers[i].mixer, i, rows))

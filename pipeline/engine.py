@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tandem import contract as c
+from tandem.pipeline.grammar import allowed_tokens
 from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.relaxed import RelaxedRows
@@ -105,8 +106,11 @@ def _head_rows(j: int, base: int, n: int) -> tuple[int, int]:
 
 
 def _next_token(seq: Sequence, logits: np.ndarray) -> int:
-    """The token appended next, from one row of logits; a sampled one takes the uniform of the
-    position it fills (greedy rows skip computing it: it is on every plain decode step)."""
+    """The token appended next, from one row of logits (masked by the request's grammar, if any); a
+    sampled one takes the uniform of the position it fills (greedy rows skip computing it: it is on
+    every plain decode step)."""
+    if seq.grammar is not None:
+        logits = seq.grammar.mask_logits(logits, seq.output_ids())
     if seq.params.greedy:
         return int(np.argmax(logits))
     return sample(logits, seq.params, float(uniforms([seq.seed], np.array([len(seq.tokens)]))[0]))
@@ -115,7 +119,15 @@ def _next_token(seq: Sequence, logits: np.ndarray) -> int:
 def _next_tokens(seqs: list[Sequence], logits: np.ndarray) -> list[int]:
     """_next_token for each sequence's row of logits [n, V]: greedy rows by one argmax over the batch."""
     greedy = np.argmax(logits, axis=-1).tolist()
-    return [t if s.params.greedy else _next_token(s, row) for s, t, row in zip(seqs, greedy, logits)]
+    return [t if s.params.greedy and s.grammar is None else _next_token(s, row)
+            for s, t, row in zip(seqs, greedy, logits)]
+
+
+def _masked(logits: np.ndarray, bitmask: np.ndarray | None) -> np.ndarray:
+    """One row of logits under the first row of a grammar's verify masks (None: as it is)."""
+    if bitmask is None:
+        return logits
+    return np.where(allowed_tokens(bitmask[0], len(logits)), logits, -np.inf).astype(logits.dtype)
 
 
 def _sampling_inputs(p: SamplingParams) -> dict:
@@ -228,14 +240,26 @@ class Engine:
     def _speculative_round(self, seqs: list[Sequence]) -> None:
         with self._phase("draft"):
             drafts = self._draft(seqs)
+        with self._phase("grammar"):
+            masks = self._grammar_masks(seqs, drafts)
         for width in sorted({len(d) + 1 for d in drafts.values()}):
             group = [s for s in seqs if len(drafts[s.request_id]) + 1 == width]
             sampling = any(not s.params.greedy for s in group)
             if self.unified and self.synthetic_acceptance is None and self.unified.serves(width, sampling):
                 with self._phase("round"):
-                    self.unified.run(group, self._verify_rows(group, drafts, width), drafts, width, sampling)
+                    self.unified.run(group, self._verify_rows(group, drafts, width, masks), drafts, width, sampling)
             else:
-                self._verify_and_commit(group, drafts, width)
+                self._verify_and_commit(group, drafts, width, masks)
+
+    @staticmethod
+    def _grammar_masks(seqs: list[Sequence], drafts: dict[str, list[int]]) -> dict[str, np.ndarray]:
+        """Grammar requests: the verify rows' masks, drafts cut at the first the grammar forbids
+        (pipeline/grammar.py); other requests bind all-ones rows and cost nothing here."""
+        masks = {}
+        for s in seqs:
+            if s.grammar is not None:
+                drafts[s.request_id], masks[s.request_id] = s.grammar.draft_masks(s.output_ids(), drafts[s.request_id])
+        return masks
 
     def round_k(self, seq: Sequence, batch: int) -> int:
         """Drafts this round: the request's (or global) k, else the width the controller picked this
@@ -342,14 +366,16 @@ class Engine:
                         chains[seq.request_id].append(out[c.HIDDEN_OUT].copy())
         return drafts
 
-    def _verify_and_commit(self, seqs: list[Sequence], drafts: dict[str, list[int]], width: int) -> None:
+    def _verify_and_commit(self, seqs: list[Sequence], drafts: dict[str, list[int]], width: int,
+                           masks: dict[str, np.ndarray]) -> None:
         sampling = any(not s.params.greedy for s in seqs)
-        rows = self._verify_rows(seqs, drafts, width)
+        rows = self._verify_rows(seqs, drafts, width, masks)
         with self._phase("verify"):
             if self.synthetic_acceptance is None:
                 outs = self.runner.verify(rows, sampling) if width > 1 else self.runner.target_step(rows)
                 accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs.rows()]
-                nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else sample(o[c.LOGITS][0], s.params, r.uniforms[0])
+                nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else sample(_masked(o[c.LOGITS][0], r.bitmask), s.params,
+                                                                          r.uniforms[0])
                        for o, s, r in zip(outs.rows(), seqs, rows)]
             else:
                 accepted, nxt, outs = self._synthetic_verify(seqs, rows, width)
@@ -368,12 +394,14 @@ class Engine:
         with self._phase("reanchor"):
             self._reanchor(anchor)
 
-    def _verify_rows(self, seqs: list[Sequence], drafts: dict[str, list[int]], width: int) -> list[Rows]:
-        """[pending, d_1..d_k] per sequence with its sampling inputs (verify and unified rounds)."""
+    def _verify_rows(self, seqs: list[Sequence], drafts: dict[str, list[int]], width: int,
+                     masks: dict[str, np.ndarray]) -> list[Rows]:
+        """[pending, d_1..d_k] per sequence with its sampling inputs and grammar masks (verify and unified rounds)."""
         # row i decides the token at position len(tokens) + i: its uniform is that position's
         u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
         rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
-                     slot=s.slot, uniforms=u[i], **_sampling_inputs(s.params)) for i, s in enumerate(seqs)]
+                     slot=s.slot, uniforms=u[i], bitmask=masks.get(s.request_id), **_sampling_inputs(s.params))
+                for i, s in enumerate(seqs)]
         self.relaxed.fill(seqs, drafts, rows)
         return rows
 

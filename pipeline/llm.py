@@ -30,6 +30,7 @@ from tandem.graph_kinds import GraphKind
 from tandem.pipeline.allocator import FreeList, PageGroups
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.engine import Engine, StepOutput
+from tandem.pipeline.grammar import Grammars
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.pools import Pools, plan_pools
 from tandem.pipeline.relaxed import RelaxedRows, think_markers
@@ -139,6 +140,8 @@ class LLM:
                              unified=self._unified_round([kind for kind, _ in kinds]))
         self.engine.relaxed = RelaxedRows(config.relaxed_acceptance, think_markers(self.tokenizer),
                                           str(self.engine_dir / "tokenizer.json"))
+        self.grammars = Grammars(self.engine_dir / "tokenizer.json", self.desc.vocab_size, self.desc.eos_token_ids)
+        self._grammar_widths: dict[int, bool] = {}   # verify width -> its engines take grammar masks
         self._ids = itertools.count()
 
     def _unified_round(self, kinds: list[GraphKind]) -> UnifiedRound | None:
@@ -199,6 +202,13 @@ class LLM:
         if speculative and k + 1 not in self.verify_widths:
             raise RequestError("spec_k", f"k={k} needs verify width {k + 1}; the engines have widths "
                                f"{sorted(self.verify_widths)}")
+        if params.grammar is not None:
+            self.grammars.compile(params.grammar)
+            if self.config.synthetic_acceptance is not None:
+                raise RequestError(params.grammar.field, "structured outputs cannot run with synthetic_acceptance "
+                                   "(it accepts drafts whatever the grammar says): serve without it")
+            # engines built before grammar masks verify without them: such requests decode without drafting
+            speculative = speculative and all(self._masks_at(w) for w in self.verify_widths if w <= k + 1)
         limit = self.max_seq_len - (k + 1 if speculative else 1)
         if len(ids) + params.max_tokens > limit:
             raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -211,6 +221,11 @@ class LLM:
                                f"memory holds {capacity}; raise memory_budget_bytes")
         return CheckedRequest(ids, speculative, k if speculative else 0, k_fixed)
 
+    def _masks_at(self, width: int) -> bool:
+        if width not in self._grammar_widths:
+            self._grammar_widths[width] = self.runner.verify_has(contract.TOKEN_BITMASK, width)
+        return self._grammar_widths[width]
+
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
         """Queue a request (ValueError, naming the field, if check_request refuses it)."""
@@ -219,6 +234,8 @@ class LLM:
         seq = Sequence(request_id or f"req-{next(self._ids)}", req.ids, params,
                        IncrementalDetokenizer(self.tokenizer, params.stop), self.page_size, req.speculative,
                        req.k, req.k_fixed)
+        if params.grammar is not None:
+            seq.grammar = self.grammars.matcher(params.grammar)
         self.scheduler.add(seq)
         return seq
 

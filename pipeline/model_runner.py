@@ -42,6 +42,7 @@ class Rows:
     relaxed_topk: int = 0                  # verify: relaxed acceptance (pipeline/relaxed.py), 0 = off
     relaxed_delta: float = 0.0
     relaxed_rows: list[int] | None = None  # 1 where row i may relax
+    bitmask: np.ndarray | None = None      # verify: grammar masks [n, words] (pipeline/grammar.py), None: all allowed
 
 
 @dataclass
@@ -98,6 +99,12 @@ class ModelRunner:
         """A unified round (export/round_graph.py): it reads the trunk's pools and every head's."""
         return self._call(kind, rows, {**self.fixed, **{k: v for f in self.head_fixed.values() for k, v in f.items()}})
 
+    def verify_has(self, name: str, width: int) -> bool:
+        """Whether the width-`width` verify engines take input `name` (an optional one such as
+        contract.TOKEN_BITMASK, which engines built before it lack); asks the smallest bucket's binding."""
+        return all(name in self._binding(GraphKind.verify(s), self.batch_sizes[0], width, 1, self.fixed).inputs
+                   for s in (False, True) if GraphKind.verify(s).engine_key(width) in self.files)
+
     def head(self, j: int, rows: list[Rows]) -> Outputs:
         return self._call(GraphKind.mtp_head(j), rows, self.head_fixed[j])
 
@@ -147,6 +154,10 @@ class ModelRunner:
             width = max(len(r.ids) for r in part)
             pages = min(self.max_pages, _pow2(max(1, max(len(r.pages) for r in part))))
             binding = self._binding(graph, batch, width, pages, fixed)
+            if graph != TARGET_STEP and c.TOKEN_BITMASK not in binding.inputs and any(r.bitmask is not None
+                                                                                     for r in part):
+                raise ValueError(f"{graph.name}: a grammar mask for an engine built before grammar masks; rebuild the "
+                                 "engine dir (`tandem build-engines`), or run grammar requests without speculation")
             self._decode_fills.pop((graph, batch, width, pages), None)   # decode() must refill it
             self._fill(binding.inputs, part, batch, width, pages, self._table_names(graph))
             outputs = self._run(graph, binding)
@@ -210,7 +221,7 @@ class ModelRunner:
             buf[name].fill(SCRATCH)
         for name, value in ((c.STATE_SLOTS, SCRATCH), (c.STATE_ROWS, 1), (c.LAST_ROW, 0), (c.TEMPERATURE, 0.0),
                             (c.TOP_K, 0), (c.TOP_P, 1.0), (c.UNIFORMS, 0.5), (c.HIDDEN_IN, 0.0),
-                            (c.RELAXED_TOPK, 0), (c.RELAXED_DELTA, 0.0), (c.RELAXED_ROWS, 0)):
+                            (c.RELAXED_TOPK, 0), (c.RELAXED_DELTA, 0.0), (c.RELAXED_ROWS, 0), (c.TOKEN_BITMASK, -1)):
             if name in buf:
                 buf[name].fill(value)
         for b, r in enumerate(part):
@@ -231,6 +242,8 @@ class ModelRunner:
             if c.RELAXED_TOPK in buf and r.relaxed_topk:   # engines built before relaxed acceptance lack it
                 buf[c.RELAXED_TOPK][b], buf[c.RELAXED_DELTA][b] = r.relaxed_topk, r.relaxed_delta
                 buf[c.RELAXED_ROWS][b, :n] = r.relaxed_rows
+            if r.bitmask is not None and c.TOKEN_BITMASK in buf:   # the target step's logits are masked on the host
+                buf[c.TOKEN_BITMASK][b, : len(r.bitmask)] = r.bitmask
 
     @staticmethod
     def _fill_table_row(buf: dict[str, np.ndarray], b: int, pages, width: int, tables: tuple[str, ...]) -> None:

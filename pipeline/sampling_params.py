@@ -1,12 +1,16 @@
-"""Per-request generation settings, validated at construction (relaxed acceptance among them)."""
+"""Per-request generation settings, validated at construction (relaxed acceptance and grammars among them)."""
 
 from __future__ import annotations
 
 import math
 import numbers
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem.contract import MIN_TEMPERATURE
+
+if TYPE_CHECKING:
+    from tandem.pipeline.grammar import GrammarSpec
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ class SamplingParams:
     k: int | None = None              # draft tokens per round for this request (None: the engine's)
     p_min: float = 0.0                # stop drafting when the head's probability falls below this
     relaxed: RelaxedAcceptance | None = None  # relaxed acceptance (greedy only); None: the engine's default
+    grammar: GrammarSpec | None = None  # structured output (pipeline/grammar.py): every token obeys it
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -80,6 +85,10 @@ class SamplingParams:
             raise ValueError(f"relaxed acceptance applies to greedy decoding only, but temperature is "
                              f"{self.temperature}: send temperature 0, or drop relaxed_acceptance (sampling "
                              "already accepts drafts by their probability)")
+        if self.grammar is not None:
+            from tandem.pipeline.grammar import GrammarSpec  # here: grammar.py imports request_checks, which imports us
+            if not isinstance(self.grammar, GrammarSpec):
+                raise ValueError(f"grammar must be a GrammarSpec, got {type(self.grammar).__name__}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -89,6 +89,7 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     seed: int | None = None     # the request's, else drawn from OS entropy at creation
     table: PageTables = field(default=None)   # one block table per page group (the scheduler's groups on admission)
+    grammar: object | None = None   # structured output: its pipeline.grammar.Matcher, which follows output_ids()
 
     def __post_init__(self):
         if not self.tokens:

@@ -96,8 +96,8 @@ def make_runtime(cuda, engine_dir):
     from tandem.engines.backends.onnxruntime_backend import session
 
     files = {p.read_bytes(): p for p in Path(engine_dir).glob("*.onnx")}
-    types = {"tensor(int64)": np.dtype(np.int64), "tensor(float)": np.dtype(np.float32),
-             "tensor(float16)": np.dtype(np.float16)}
+    types = {"tensor(int64)": np.dtype(np.int64), "tensor(int32)": np.dtype(np.int32),
+             "tensor(float)": np.dtype(np.float32), "tensor(float16)": np.dtype(np.float16)}
     trt = types_module.ModuleType("tensorrt")
     trt.TensorIOMode = types_module.SimpleNamespace(INPUT="input", OUTPUT="output")
     trt.nptype = lambda dtype: dtype

@@ -70,10 +70,16 @@ class PagedState:
 
     def run(self, sess: ort.InferenceSession, extra: dict) -> dict:
         names = [i.name for i in sess.get_inputs()]
-        feeds = {**self.feeds(names), **(relaxed_off(extra[c.INPUT_IDS].shape) if c.INPUT_IDS in extra else {}),
-                 **extra}
+        off = {**relaxed_off(extra[c.INPUT_IDS].shape), **grammar_off(extra[c.INPUT_IDS].shape, self.desc.vocab_size)
+               } if c.INPUT_IDS in extra else {}
+        feeds = {**self.feeds(names), **off, **extra}
         feeds = {k: v for k, v in feeds.items() if k in names}
         return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
+
+
+def grammar_off(shape: tuple[int, int], vocab_size: int) -> dict[str, np.ndarray]:
+    """The verify graphs' grammar mask for ids of `shape`, every token allowed."""
+    return {c.TOKEN_BITMASK: np.full((*shape, c.mask_words(vocab_size)), -1, np.int32)}
 
 
 def relaxed_off(shape: tuple[int, int]) -> dict[str, np.ndarray]:

@@ -253,7 +253,8 @@ class _Sessions(dict):
         return self[file]
 
 
-_NUMPY_TYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(float16)": np.float16}
+_NUMPY_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+                "tensor(float16)": np.float16}
 
 
 class _Binding:

@@ -28,8 +28,9 @@ from tandem.engines.backends.memory import Transfers, aligned_zeros
 from tandem.engines.backends.onnxruntime_backend import _ensure_global_pool
 
 _ONNX_TYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
-               np.dtype(np.int64): TensorProto.INT64}
-_NUMPY_TYPES = {"tensor(int64)": np.int64, "tensor(float)": np.float32, "tensor(float16)": np.float16}
+               np.dtype(np.int64): TensorProto.INT64, np.dtype(np.int32): TensorProto.INT32}
+_NUMPY_TYPES = {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float)": np.float32,
+                "tensor(float16)": np.float16}
 
 
 def commit_graph(dtype) -> onnx.ModelProto:

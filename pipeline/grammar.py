@@ -1,0 +1,169 @@
+"""Grammar constraints (structured outputs) on the host: what a request asks for, the compiled
+matcher that follows its output, and the token bitmasks the engines and the host sampler apply.
+
+llguidance does the grammar work (docs/structured_outputs.md says why it and not xgrammar): a
+JSON schema, a regex or a Lark grammar compiles to a matcher over the engine dir's tokenizer.
+
+    GrammarSpec   what a request asks for (frozen, validated at construction; no tokenizer needed)
+    Grammars      the engine dir's tokenizer for llguidance; compiles a spec (RequestError if bad)
+    Matcher       one sequence's grammar state: consumed output tokens, masks, draft masks
+
+Bitmask layout (contract.TOKEN_BITMASK): int32 words, bit t % 32 of word t // 32 set where token t
+is allowed. A speculative round needs one mask per verify row: row i's mask is the state after
+the pending token and the drafts d_1..d_i, so the host consumes the drafts one by one, fills a
+mask before each, and rolls them back (the verify graph decides which are kept).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import llguidance
+import numpy as np
+
+from tandem.contract import mask_words
+from tandem.pipeline.request_checks import RequestError
+
+KINDS = ("json_schema", "json_object", "regex", "lark")
+# compact JSON: without it a model may pad with whitespace forever (llguidance's default is flexible)
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """kind: json_schema (source: the schema as JSON text), json_object (source ""), regex, lark.
+    `field` names the request field it came from, for error messages."""
+
+    kind: str
+    source: str = ""
+    field: str = "response_format"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise RequestError(self.field, f"{self.field}: grammar kind must be one of {', '.join(KINDS)}, "
+                                           f"got {self.kind!r}")
+        if not isinstance(self.source, str):
+            raise RequestError(self.field, f"{self.field}: the grammar must be a string, got "
+                                           f"{type(self.source).__name__}")
+        if self.kind != "json_object" and not self.source.strip():
+            raise RequestError(self.field, f"{self.field}: an empty {self.kind} was sent; send the {self.kind}")
+
+    @classmethod
+    def json_schema(cls, schema: dict | bool, field: str = "response_format") -> GrammarSpec:
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(field, f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
+        return cls("json_schema", json.dumps(schema), field)   # key order kept: properties come out in it
+
+    def llguidance_grammar(self) -> str:
+        """The llguidance grammar text (a JSON schema can still be invalid: Grammars.compile says)."""
+        if self.kind == "json_schema":
+            return llguidance.LLMatcher.grammar_from_json_schema(self.source, overrides=_JSON_OPTIONS)
+        if self.kind == "json_object":
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+        if self.kind == "regex":
+            return llguidance.LLMatcher.grammar_from_regex(self.source)
+        return self.source
+
+
+class Grammars:
+    """Compiles GrammarSpecs over one tokenizer (tokenizer.json of the engine dir), `vocab_size`
+    logits wide (the model's, which may exceed the tokenizer's), ending on any of `eos_ids`."""
+
+    def __init__(self, tokenizer_json: str | Path, vocab_size: int, eos_ids: tuple[int, ...]):
+        self.vocab_size, self.words = vocab_size, mask_words(vocab_size)
+        self.tokenizer = llguidance.LLTokenizer(Path(tokenizer_json).read_text(), n_vocab=vocab_size,
+                                                eos_token=list(eos_ids))
+        self._compiled: dict[GrammarSpec, str] = {}
+
+    def compile(self, spec: GrammarSpec) -> str:
+        """The checked grammar text; RequestError naming the field and the parser's message if bad."""
+        text = self._compiled.get(spec)
+        if text is None:
+            try:
+                text = spec.llguidance_grammar()
+            except (ValueError, RuntimeError) as e:
+                raise RequestError(spec.field, f"{spec.field}: the {spec.kind} does not compile: {e}") from None
+            failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(text, self.tokenizer)
+            if failed:
+                raise RequestError(spec.field, f"{spec.field}: the {spec.kind} does not compile: {messages[0]}")
+            if len(self._compiled) > 256:   # a long-running server sees many one-off schemas
+                self._compiled.clear()
+            self._compiled[spec] = text
+        return text
+
+    def matcher(self, spec: GrammarSpec) -> Matcher:
+        return Matcher(llguidance.LLMatcher(self.tokenizer, self.compile(spec), log_level=0), self.vocab_size)
+
+
+def allowed(mask: np.ndarray, token: int) -> bool:
+    """Whether `token`'s bit is set in one row of a bitmask [words]."""
+    return bool((int(mask[token >> 5]) >> (token & 31)) & 1)
+
+
+def allowed_tokens(mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """bool [vocab_size] of one row of a bitmask (int32 little-endian words -> bits in id order)."""
+    return np.unpackbits(mask.view(np.uint8), bitorder="little")[:vocab_size].astype(bool)
+
+
+class Matcher:
+    """One sequence's grammar state. `consumed` output tokens are in it; `sync` catches it up with the
+    sequence's output, so every commit path (prefill, plain decode, verify, unified rounds) only appends
+    tokens and the matcher follows before the next mask is taken. After the end of the grammar (EOS)
+    only EOS is allowed, and tokens past it are not consumed (the sequence stops there)."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+        self.ll, self.vocab_size, self.words = matcher, vocab_size, mask_words(vocab_size)
+        self.consumed = 0
+        self._row = np.empty(self.words, np.int32)
+
+    def sync(self, output: list[int]) -> None:
+        """Consume output[consumed:]; a token the grammar refuses is a bug in masking upstream."""
+        for t in output[self.consumed :]:
+            if self.ll.is_stopped():
+                break
+            if not self.ll.consume_token(t):
+                raise RuntimeError(f"token {t} at output position {self.consumed} breaks the request's grammar: "
+                                   f"{self.ll.get_error()}")
+            self.consumed += 1
+        self.consumed = len(output)
+
+    def fill(self, row: np.ndarray) -> np.ndarray:
+        """Write the mask of the current state into row [words] (int32) and return it."""
+        self.ll.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        return row
+
+    def mask_logits(self, logits: np.ndarray, output: list[int]) -> np.ndarray:
+        """A copy of one row of logits [V] with forbidden tokens at -inf, after catching up with `output`."""
+        self.sync(output)
+        keep = allowed_tokens(self.fill(self._row), self.vocab_size)
+        return np.where(keep[: len(logits)], logits, -np.inf).astype(logits.dtype)
+
+    def draft_masks(self, output: list[int], drafts: list[int]) -> tuple[list[int], np.ndarray]:
+        """Masks of the verify rows [pending, d_1..d_k] -> (drafts kept, masks [kept + 1, words]).
+        A draft the grammar forbids ends the drafts there (the verify graph would reject it), unless the
+        grammar allows one token only (or, once complete, only EOS): then that token is the draft."""
+        self.sync(output)
+        masks = np.empty((len(drafts) + 1, self.words), np.int32)
+        kept: list[int] = []
+        consumed = 0
+        for i, d in enumerate(drafts):
+            row = self.fill(masks[i])
+            if not allowed(row, d):
+                forced = np.flatnonzero(allowed_tokens(row, self.vocab_size))
+                if len(forced) != 1 and not self.ll.is_stopped():   # stopped: the EOS tokens only, any will do
+                    break
+                d = int(forced[0])
+            kept.append(d)
+            if self.ll.is_stopped():   # the grammar is complete: d is EOS, nothing follows it (and llguidance
+                break                  # does not count an EOS consumed here as a token to roll back)
+            if not self.ll.consume_token(d):   # allowed, so never: a refusal would leave the matcher broken
+                raise RuntimeError(f"the grammar refused draft {d} its own mask allows: {self.ll.get_error()}")
+            consumed += 1
+            if self.ll.is_stopped():
+                break
+        self.fill(masks[len(kept)])
+        if consumed:
+            self.ll.rollback(consumed)
+        return kept, masks[: len(kept) + 1]

@@ -1,0 +1,233 @@
+"""Structured outputs under speculative decoding: the grammar mask inside the verify graph's
+acceptance (a draft the grammar forbids is rejected even where the target's argmax is that draft;
+the correction comes from the masked distribution), the host matcher's draft masks, and the
+shipped model's outputs under JSON schemas: every one parses and validates, speculation on or off,
+greedy or sampled, unified or multi-call rounds, and greedy speculative == greedy plain token for token."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import onnx
+import pytest
+
+from tandem import contract as c
+from tandem.checkpoint import open_checkpoint
+from tandem.engines.builder import build_engines
+from tandem.engines.options import BuildOptions
+from tandem.export.graphs import target_step, verify_step
+from tandem.export.layers import Weights
+from tandem.pipeline.grammar import Grammars, GrammarSpec, allowed, allowed_tokens
+from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.request_checks import RequestError
+from tandem.pipeline.sampling_params import SamplingParams
+from tandem.testing.acceptance_reference import accept
+
+from .paged_driver import PagedState, session
+
+SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-code"
+K = 3
+PROMPTS = [[5, 17, 33, 200, 7, 64, 91], [9, 120, 77, 301, 15]]
+
+SCHEMAS = {
+    "nested": {"type": "object", "additionalProperties": False, "required": ["user", "kind", "score"], "properties": {
+        "user": {"type": "object", "additionalProperties": False, "required": ["id", "tags"], "properties": {
+            "id": {"type": "integer", "minimum": 0, "maximum": 999},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3}}},
+        "kind": {"enum": ["add", "remove", "list"]},
+        "score": {"type": "integer", "minimum": -5, "maximum": 5}}},
+    "array": {"type": "array", "minItems": 1, "maxItems": 3, "items": {
+        "type": "object", "additionalProperties": False, "required": ["name", "ok"],
+        "properties": {"name": {"type": "string", "maxLength": 10}, "ok": {"type": "boolean"}}}},
+    "bounded": {"type": "object", "additionalProperties": False, "required": ["x", "label"], "properties": {
+        "x": {"type": "number", "minimum": 0, "maximum": 1, "multipleOf": 0.25},
+        "label": {"type": "string", "pattern": "^[a-z]{1,6}$"}}},
+}
+CODE_PROMPTS = ["def fibonacci(n):\n    ", "import os\n\n\ndef list_files(root):\n    ", "class Stack:\n    def "]
+
+
+def _bits(vocab: int, allowed_ids) -> np.ndarray:
+    """A bitmask row [words] allowing exactly `allowed_ids`."""
+    keep = np.zeros(c.mask_words(vocab) * 32, np.uint8)
+    keep[list(allowed_ids)] = 1
+    return np.packbits(keep, bitorder="little").view(np.int32)
+
+
+# ---- the mask inside the verify graph ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def graphs(tiny_root):
+    ckpt = open_checkpoint(tiny_root / "qwen3_5_mtp1")
+    w = Weights(ckpt)
+    d = ckpt.description
+    return d, session(target_step(d, w)), session(verify_step(d, w, False)), session(verify_step(d, w, True))
+
+
+def _prefilled(desc, target):
+    state = PagedState(desc, len(PROMPTS))
+    ids = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int64)
+    rows = np.array([len(p) for p in PROMPTS], np.int64)
+    for b, p in enumerate(PROMPTS):
+        ids[b, : len(p)] = p
+    out = state.run(target, {c.INPUT_IDS: ids, c.STATE_ROWS: rows})
+    state.commit(out, rows)
+    return state, np.array([out[c.LOGITS][b, rows[b] - 1].argmax() for b in range(len(PROMPTS))])
+
+
+def _greedy_chain(desc, target):
+    """[pending, d_1..d_K] where every draft is the target's argmax (all accepted unmasked), and the
+    target's logits over those rows."""
+    _, pending = _prefilled(desc, target)
+    ids = pending[:, None]
+    for _ in range(K):
+        state, _ = _prefilled(desc, target)
+        logits = state.run(target, {c.INPUT_IDS: ids, c.STATE_ROWS: np.full(len(ids), ids.shape[1])})[c.LOGITS]
+        ids = np.concatenate([ids, logits[:, -1].argmax(-1)[:, None]], 1)
+    state, _ = _prefilled(desc, target)
+    return ids, state.run(target, {c.INPUT_IDS: ids, c.STATE_ROWS: np.full(len(ids), K + 1)})[c.LOGITS]
+
+
+def test_a_draft_the_grammar_forbids_is_rejected_where_the_target_would_accept_it(graphs):
+    desc, target, verify, verify_sample = graphs
+    ids, logits = _greedy_chain(desc, target)
+    n, v = len(ids), desc.vocab_size
+    all_ones = np.full((n, K + 1, c.mask_words(v)), -1, np.int32)
+    sampling = {c.TEMPERATURE: np.zeros(n, np.float32), c.TOP_K: np.zeros(n, np.int64),
+                c.TOP_P: np.ones(n, np.float32), c.UNIFORMS: np.full((n, K + 1), 0.5, np.float32)}
+    for sess, extra in ((verify, {}), (verify_sample, sampling)):
+        state, _ = _prefilled(desc, target)
+        free = state.run(sess, {c.INPUT_IDS: ids, c.TOKEN_BITMASK: all_ones, **extra})
+        assert (free[c.ACCEPTED] == K).all()                         # unmasked: every draft is the argmax
+        masks = all_ones.copy()
+        masks[:, 1] = [_bits(v, set(range(v)) - {int(ids[b, 2])}) for b in range(n)]   # row 1 forbids d_2
+        state, _ = _prefilled(desc, target)
+        out = state.run(sess, {c.INPUT_IDS: ids, c.TOKEN_BITMASK: masks, **extra})
+        np.testing.assert_array_equal(out[c.ACCEPTED], 1)
+        second = np.argsort(-logits[:, 1], axis=-1, kind="stable")[:, 1]   # the masked distribution's argmax
+        np.testing.assert_array_equal(out[c.NEXT_TOKEN], second)
+
+
+def test_masked_acceptance_matches_the_reference_on_masked_logits(graphs):
+    """Random masks (each keeps a random half of the tokens plus the row's argmax or not), greedy and
+    sampled rows: accepted / next token == the numpy reference run on logits with -inf where masked,
+    and no accepted draft or next token is ever a forbidden one."""
+    desc, target, _, verify_sample = graphs
+    ids, logits = _greedy_chain(desc, target)
+    n, v = len(ids), desc.vocab_size
+    rng = np.random.default_rng(0)
+    for trial in range(6):
+        keep = rng.random((n, K + 1, v)) < 0.5
+        masks = np.stack([np.stack([_bits(v, np.flatnonzero(keep[b, i])) for i in range(K + 1)]) for b in range(n)])
+        temp = np.array([0.0, 0.9] if trial % 2 else [0.7, 0.0], np.float32)
+        top_k, top_p = np.array([0, 20]), np.array([1.0, 0.9], np.float32)
+        u = rng.random((n, K + 1)).astype(np.float32)
+        state, _ = _prefilled(desc, target)
+        out = state.run(verify_sample, {c.INPUT_IDS: ids, c.TOKEN_BITMASK: masks, c.TEMPERATURE: temp,
+                                        c.TOP_K: top_k, c.TOP_P: top_p, c.UNIFORMS: u})
+        ref_acc, ref_next = accept(np.where(keep, logits, -np.inf), ids, temp, top_k, top_p, u)
+        np.testing.assert_array_equal(out[c.ACCEPTED], ref_acc)
+        np.testing.assert_array_equal(out[c.NEXT_TOKEN], ref_next)
+        for b in range(n):
+            a = int(out[c.ACCEPTED][b])
+            assert all(keep[b, i, ids[b, i + 1]] for i in range(a)) and keep[b, a, out[c.NEXT_TOKEN][b]]
+
+
+# ---- the host matcher ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def grammars():
+    desc = open_checkpoint(SHIPPED).description
+    return Grammars(SHIPPED / "tokenizer.json", desc.vocab_size, desc.eos_token_ids)
+
+
+def test_draft_masks_follow_the_drafts_cut_at_a_forbidden_one_and_roll_back(grammars):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(SHIPPED / "tokenizer.json"))
+    m = grammars.matcher(GrammarSpec("regex", "ab(c|d)ef"))
+    ids = tok.encode("abcef", add_special_tokens=False).ids
+    out = ids[:1]
+    bad = tok.encode("x", add_special_tokens=False).ids[0]
+    kept, masks = m.draft_masks(out, [bad, ids[1]])                  # after "ab": c or d, not x
+    assert kept == [] and masks.shape == (1, grammars.words) and not allowed(masks[0], bad)
+    kept, masks = m.draft_masks(out, ids[1:])
+    assert kept == ids[1:] and masks.shape == (3, grammars.words) and allowed(masks[0], ids[1])
+    again, masks_again = m.draft_masks(out, ids[1:])                  # rolled back: the same state as before
+    assert again == kept and (masks_again == masks).all()
+    # where the grammar allows one token only (EOS after a full match), that token replaces a wrong draft
+    done = grammars.matcher(GrammarSpec("regex", "abc"))
+    kept, masks = done.draft_masks(tok.encode("abc", add_special_tokens=False).ids, [bad, bad])
+    eos = sorted(grammars.tokenizer.eos_tokens)
+    assert kept == eos[:1] and np.flatnonzero(allowed_tokens(masks[0], grammars.vocab_size)).tolist() == eos
+    assert done.draft_masks(tok.encode("abc", add_special_tokens=False).ids, [bad])[0] == eos[:1]   # rolled back
+
+
+def test_bad_grammars_are_refused_naming_the_field(grammars):
+    with pytest.raises(RequestError, match="response_format.*does not compile"):
+        grammars.compile(GrammarSpec.json_schema({"type": "objectx"}))
+    with pytest.raises(RequestError, match="guided_regex.*does not compile"):
+        grammars.compile(GrammarSpec("regex", "a(b", field="guided_regex"))
+    with pytest.raises(RequestError, match="grammar kind"):
+        GrammarSpec("yaml", "x")
+    with pytest.raises(RequestError, match="empty"):
+        GrammarSpec("regex", " ")
+
+
+# ---- the shipped model under JSON schemas -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    out = tmp_path_factory.mktemp("shipped_grammar") / "engines"
+    build_engines(SHIPPED, out, BuildOptions(batch_sizes=(1, 4), spec_k=3, prefill_chunk=32, max_seq_len=256),
+                  show_progress=False)
+    return out
+
+
+@pytest.mark.parametrize("mode", ["unified", "multi"])
+def test_every_output_validates_and_speculative_greedy_equals_plain(shipped, mode):
+    """unified: every schema, greedy and sampled; multi-call rounds: greedy (the same masks, other callers)."""
+    llm = LLM(shipped, EngineConfig(round=mode, adaptive_width=False))   # fixed k: rounds every step
+    temps = (0.0, 0.9) if mode == "unified" else (0.0,)
+    for name, schema in SCHEMAS.items():
+        g = GrammarSpec.json_schema(schema)
+        runs = {}
+        for spec in (True, False):
+            for temp in temps:
+                params = SamplingParams(max_tokens=120, grammar=g, speculative=spec, temperature=temp, seed=7)
+                runs[spec, temp] = llm.generate(CODE_PROMPTS, params)
+                for r in runs[spec, temp]:
+                    assert r.finish_reason == "stop", (name, spec, temp, r.text)
+                    jsonschema.validate(json.loads(r.text), schema)
+        for temp in temps:   # the seed's uniforms decide sampled tokens whatever the drafts
+            assert [r.token_ids for r in runs[True, temp]] == [r.token_ids for r in runs[False, temp]], (name, temp)
+        assert sum(r.metrics.accepted for r in runs[True, 0.0]) > 0
+
+
+def test_engines_without_the_mask_input_run_grammar_requests_without_drafting(tiny_root, tmp_path, monkeypatch):
+    """An engine dir built before grammar masks: a grammar request decodes plainly (valid output,
+    no verify rounds) instead of verifying drafts the grammar never saw."""
+    from tandem.export import acceptance
+
+    greedy, sampled = acceptance.greedy, acceptance.sampled
+    options = BuildOptions(batch_sizes=(1,), spec_k=2, prefill_chunk=8, max_seq_len=128, page_size=4)
+    with monkeypatch.context() as old:
+        verify_io = c.verify_step_io
+        old.setattr(c, "verify_step_io", lambda *a, **k: (
+            [s for s in verify_io(*a, **k)[0] if s.name != c.TOKEN_BITMASK], verify_io(*a, **k)[1]))
+        old.setattr(acceptance, "greedy", lambda *a, relaxed=None, bitmask=None: greedy(*a, relaxed=relaxed))
+        old.setattr(acceptance, "sampled", lambda *a, relaxed=None, bitmask=None: sampled(*a, relaxed=relaxed))
+        build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "old", options, show_progress=False)
+    llm = LLM(tmp_path / "old")
+    verify_files = [e["file"] for e in llm.manifest["engines"] if e["graph"].startswith("verify")]
+    assert verify_files and all(c.TOKEN_BITMASK not in {i.name for i in onnx.load(tmp_path / "old" / f).graph.input}
+                                for f in verify_files)
+    schema = SCHEMAS["bounded"]   # every string and number bounded: a random model ends it within max_tokens
+    grammar = GrammarSpec.json_schema(schema)
+    r = llm.generate("def f(x):", SamplingParams(max_tokens=100, grammar=grammar))[0]
+    jsonschema.validate(json.loads(r.text), schema)
+    assert r.metrics.rounds == 0
+    plain = llm.generate("def f(x):", SamplingParams(max_tokens=100, grammar=grammar, speculative=False))[0]
+    assert r.token_ids == plain.token_ids
