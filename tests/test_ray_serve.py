@@ -44,8 +44,7 @@ def ray_url(engine_dirs):
         serve.run(app, name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        ray.shutdown()   # stops Serve with the instance
         signal.signal(signal.SIGTERM, term)
 
 
@@ -198,3 +197,53 @@ def test_a_killed_replica_fails_its_streams_clearly_and_is_replaced(ray_url, off
         r = httpx.post(f"{ray_url}/v1/completions", json=body("after", 8), timeout=30)
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
         assert r.headers[REPLICA_HEADER] != victim
+
+
+# ---- without a Ray instance (milliseconds) ---------------------------------------------------
+def test_ranking_puts_fewest_sequences_first_then_most_free_pages():
+    from tandem.server.ray_routing import load_of, rank_by_load
+
+    loads = {"busy": load_of({"running": 3, "waiting": 1, "kv_pages_free": 90}, None),
+             "idle": load_of({"running": 0, "waiting": 0, "kv_pages_free": 100}, None),
+             "long_contexts": load_of({"running": 0, "waiting": 0, "kv_pages_free": 10}, None),
+             "new": load_of(None, None),                          # not reported yet: empty
+             "twin": load_of({"running": 0, "waiting": 0, "kv_pages_free": 100}, None)}
+    assert rank_by_load(loads) == [["new"], ["idle", "twin"], ["long_contexts"], ["busy"]]
+    # requests in flight (Serve's cache) count instead of the report, which lags behind them
+    assert load_of({"running": 5, "kv_pages_free": 7}, 1).sequences == 1
+    assert rank_by_load({"a": load_of({"running": 0}, 2), "b": load_of({"running": 4}, 0)}) == [["b"], ["a"]]
+
+
+def test_metrics_merge_sums_per_name_and_keeps_replicas_apart():
+    from tandem.server.metrics import merged_exposition
+
+    def text(requests: int, rate: float) -> str:
+        return ("# TYPE tandem_requests_total counter\n"
+                f'tandem_requests_total{{status="stop"}} {requests}\n'
+                "# TYPE tandem_spec_acceptance_rate gauge\n"
+                f'tandem_spec_acceptance_rate{{position="1"}} {rate}\n')
+
+    def samples(exposition: str) -> dict:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(exposition) for s in fam.samples}
+
+    texts = {"r1": text(3, 0.5), "r2": text(5, 0.7)}
+    assert samples(merged_exposition(texts, per_replica=False)) == {
+        ("tandem_requests_total", (("status", "stop"),)): 8,
+        ("tandem_spec_acceptance_rate", (("position", "1"),)): pytest.approx(0.6)}
+    per_replica = samples(merged_exposition(texts, per_replica=True))
+    assert per_replica[("tandem_requests_total", (("replica", "r2"), ("status", "stop")))] == 5
+    assert len(per_replica) == 4
+
+
+def test_bad_ray_options_are_refused_with_the_fix():
+    from tandem.server.ray_app import build
+
+    with pytest.raises(ValueError, match="both --min-replicas and --max-replicas"):
+        Scaling(min_replicas=1)
+    with pytest.raises(ValueError, match="min_replicas <= max_replicas"):
+        Scaling(min_replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="engine_dir=ENGINE_DIR"):
+        build({"replicas": "2"})
+    with pytest.raises(ValueError, match="unknown argument.*replica_count"):
+        build({"engine_dir": "x", "replica_count": "2"})
