@@ -124,3 +124,52 @@ def test_sparsity_changes_the_output(dsa):
                 layer.self_attn.indexer.index_topk = TOP_K
     assert np.abs(dense[:TOP_K] - want[:TOP_K]).max() < 1e-5       # rows that see <= top_k positions
     assert np.abs(dense[TOP_K:] - want[TOP_K:]).max() > 1e-2
+
+
+def dequantized_copy(src, dst):
+    """The fp8 checkpoint with each block-quantized weight dequantized by torch (float32 weight times
+    its 128x128 block's scale_inv) and the quantization_config dropped: what transformers loads."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    stored = load_file(dst / "model.safetensors")
+    out = {}
+    for name, t in stored.items():
+        if name.endswith("_scale_inv"):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            s = stored[name + "_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+            t = t.to(torch.float32) * s[: t.shape[0], : t.shape[1]]
+        out[name] = t
+    save_file(out, dst / "model.safetensors")
+    config = json.loads((dst / "config.json").read_text())
+    del config["quantization_config"]
+    (dst / "config.json").write_text(json.dumps(config))
+    return dst
+
+
+def test_fp8_checkpoint_greedy_equals_the_dequantized_transformers_model(tmp_path):
+    """The fp8 kind's target graph, decoding greedily through the paged pools (prefill then one row
+    per step), == transformers' greedy on torch's dequantization of the same checkpoint."""
+    torch.set_num_threads(1)
+    folder = write_tiny_checkpoint(tmp_path / "fp8", "deepseek_v32_fp8")
+    ckpt = open_checkpoint(folder)
+    sess = session(target_step(ckpt.description, Weights(ckpt)))
+    reference = transformers.DeepseekV32ForCausalLM.from_pretrained(
+        dequantized_copy(folder, tmp_path / "dequantized"), dtype=torch.float32).eval()
+    prompt, steps = PROMPTS[1], 16
+    with torch.no_grad():
+        want = reference.generate(torch.tensor([prompt]), max_new_tokens=steps, min_new_tokens=steps,
+                                  do_sample=False, output_logits=True, return_dict_in_generate=True)
+    state, ids, tokens, logits = PagedState(ckpt.description, 1, pages_per_seq=8), list(prompt), [], []
+    for _ in range(steps):
+        out = state.run(sess, {c.INPUT_IDS: np.array([ids]), c.STATE_ROWS: np.array([len(ids)])})
+        state.commit(out, np.array([len(ids)]))
+        logits.append(out[c.LOGITS][0, -1])
+        ids = [int(logits[-1].argmax())]
+        tokens += ids
+    assert tokens == want.sequences[0, len(prompt):].tolist()
+    np.testing.assert_allclose(np.stack(logits), torch.cat(want.logits).numpy(), atol=TOL, rtol=0)
