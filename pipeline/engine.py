@@ -253,8 +253,8 @@ class Engine:
 
     @staticmethod
     def _grammar_masks(seqs: list[Sequence], drafts: dict[str, list[int]]) -> dict[str, np.ndarray]:
-        """Grammar requests: the verify rows' masks, drafts cut at the first the grammar forbids
-        (pipeline/grammar.py); other requests bind all-ones rows and cost nothing here."""
+        """Grammar requests: the verify rows' masks, a wrong draft replaced where the grammar allows one
+        token only (pipeline/grammar.py); other requests bind all-ones rows and cost nothing here."""
         masks = {}
         for s in seqs:
             if s.grammar is not None:

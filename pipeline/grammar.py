@@ -141,12 +141,14 @@ class Matcher:
         return np.where(keep[: len(logits)], logits, -np.inf).astype(logits.dtype)
 
     def draft_masks(self, output: list[int], drafts: list[int]) -> tuple[list[int], np.ndarray]:
-        """Masks of the verify rows [pending, d_1..d_k] -> (drafts kept, masks [kept + 1, words]).
-        A draft the grammar forbids ends the drafts there (the verify graph would reject it), unless the
-        grammar allows one token only (or, once complete, only EOS): then that token is the draft."""
+        """Masks of the verify rows [pending, d_1..d_k] -> (drafts, masks [k + 1, words]).
+        Where the grammar allows one token only (or, once complete, only EOS) a wrong draft becomes that
+        token. A draft it forbids otherwise stays (the verify graph rejects it: the row's mask lacks it)
+        and the rows after it get all-ones masks: nothing they decide is kept. Keeping the drafts'
+        count keeps a batch's verify widths equal (one engine call, not one per width)."""
         self.sync(output)
-        masks = np.empty((len(drafts) + 1, self.words), np.int32)
-        kept: list[int] = []
+        masks = np.full((len(drafts) + 1, self.words), -1, np.int32)
+        drafts = list(drafts)
         consumed = 0
         for i, d in enumerate(drafts):
             row = self.fill(masks[i])
@@ -154,16 +156,17 @@ class Matcher:
                 forced = np.flatnonzero(allowed_tokens(row, self.vocab_size))
                 if len(forced) != 1 and not self.ll.is_stopped():   # stopped: the EOS tokens only, any will do
                     break
-                d = int(forced[0])
-            kept.append(d)
-            if self.ll.is_stopped():   # the grammar is complete: d is EOS, nothing follows it (and llguidance
-                break                  # does not count an EOS consumed here as a token to roll back)
+                drafts[i] = d = int(forced[0])
+            if self.ll.is_stopped():   # the grammar is complete: d is EOS, nothing after it is kept (and
+                break                  # llguidance does not count an EOS consumed here as a token to roll back)
             if not self.ll.consume_token(d):   # allowed, so never: a refusal would leave the matcher broken
                 raise RuntimeError(f"the grammar refused draft {d} its own mask allows: {self.ll.get_error()}")
             consumed += 1
-            if self.ll.is_stopped():
+            if self.ll.is_stopped():   # complete after d: row i + 1 allows EOS only, later rows decide nothing
+                self.fill(masks[i + 1])
                 break
-        self.fill(masks[len(kept)])
+        else:
+            self.fill(masks[len(drafts)])
         if consumed:
             self.ll.rollback(consumed)
-        return kept, masks[: len(kept) + 1]
+        return drafts, masks

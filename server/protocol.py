@@ -3,7 +3,8 @@
 Extensions beyond the OpenAI schema (as vLLM accepts them): `top_k`, `ignore_eos`, and the
 speculative options `speculative` (bool, default true), `spec_k` (draft tokens per round) and
 `relaxed_acceptance` ({"top_k": 10, "delta": 0.5, "thinking_only": true}: accept near-greedy drafts,
-greedy requests only; {"top_k": 0, ...} turns a server default off; docs/server.md)."""
+greedy requests only; {"top_k": 0, ...} turns a server default off; docs/server.md). Structured
+outputs: `response_format` and vLLM's `guided_json` / `guided_regex` / `guided_grammar` (server/structured.py)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from tandem.pipeline.request_checks import INT64_MAX, INT64_MIN, RequestError, check_text
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
+from tandem.server.structured import StructuredFields
 
 # Strict as the OpenAI API types them: no "yes" for a boolean, no true or "1" for an integer,
 # no "0.5" for a number (a JSON integer is a number). Integers stop at int64, as the engines' do.
@@ -32,7 +34,7 @@ class RelaxedAcceptanceBody(BaseModel):
     thinking_only: StrictBool = False
 
 
-class _Common(BaseModel):
+class _Common(StructuredFields):   # response_format and guided_* (server/structured.py)
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
@@ -57,7 +59,7 @@ class _Common(BaseModel):
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=stop,
                               ignore_eos=self.ignore_eos, speculative=self.speculative, k=self.spec_k,
                               relaxed=RelaxedAcceptance(**self.relaxed_acceptance.model_dump())
-                              if self.relaxed_acceptance else None)
+                              if self.relaxed_acceptance else None, grammar=self.grammar())
 
     def check_text_fields(self) -> None:
         """ValueError (-> 400) naming a text field that is not valid Unicode (a lone surrogate)."""

@@ -143,7 +143,9 @@ def grammars():
     return Grammars(SHIPPED / "tokenizer.json", desc.vocab_size, desc.eos_token_ids)
 
 
-def test_draft_masks_follow_the_drafts_cut_at_a_forbidden_one_and_roll_back(grammars):
+def test_draft_masks_follow_the_drafts_and_roll_back(grammars):
+    """Row i's mask is the state after d_1..d_i; after a forbidden draft the rows are all ones (the
+    verify graph rejects it there, later rows decide nothing); the matcher is left where it was."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(SHIPPED / "tokenizer.json"))
@@ -151,17 +153,19 @@ def test_draft_masks_follow_the_drafts_cut_at_a_forbidden_one_and_roll_back(gram
     ids = tok.encode("abcef", add_special_tokens=False).ids
     out = ids[:1]
     bad = tok.encode("x", add_special_tokens=False).ids[0]
-    kept, masks = m.draft_masks(out, [bad, ids[1]])                  # after "ab": c or d, not x
-    assert kept == [] and masks.shape == (1, grammars.words) and not allowed(masks[0], bad)
-    kept, masks = m.draft_masks(out, ids[1:])
-    assert kept == ids[1:] and masks.shape == (3, grammars.words) and allowed(masks[0], ids[1])
+    drafts, masks = m.draft_masks(out, [bad, ids[1]])                # after "ab": c or d, not x
+    assert drafts == [bad, ids[1]] and masks.shape == (3, grammars.words)
+    assert not allowed(masks[0], bad) and allowed(masks[0], ids[1]) and (masks[1:] == -1).all()
+    drafts, masks = m.draft_masks(out, ids[1:])
+    assert drafts == ids[1:] and allowed(masks[0], ids[1]) and allowed(masks[1], ids[2])
+    eos = sorted(grammars.tokenizer.eos_tokens)
+    assert np.flatnonzero(allowed_tokens(masks[2], grammars.vocab_size)).tolist() == eos   # "abcef" is complete
     again, masks_again = m.draft_masks(out, ids[1:])                  # rolled back: the same state as before
-    assert again == kept and (masks_again == masks).all()
+    assert again == drafts and (masks_again == masks).all()
     # where the grammar allows one token only (EOS after a full match), that token replaces a wrong draft
     done = grammars.matcher(GrammarSpec("regex", "abc"))
-    kept, masks = done.draft_masks(tok.encode("abc", add_special_tokens=False).ids, [bad, bad])
-    eos = sorted(grammars.tokenizer.eos_tokens)
-    assert kept == eos[:1] and np.flatnonzero(allowed_tokens(masks[0], grammars.vocab_size)).tolist() == eos
+    drafts, masks = done.draft_masks(tok.encode("abc", add_special_tokens=False).ids, [bad, bad])
+    assert drafts == [eos[0], bad] and np.flatnonzero(allowed_tokens(masks[0], grammars.vocab_size)).tolist() == eos
     assert done.draft_masks(tok.encode("abc", add_special_tokens=False).ids, [bad])[0] == eos[:1]   # rolled back
 
 
@@ -231,3 +235,71 @@ def test_engines_without_the_mask_input_run_grammar_requests_without_drafting(ti
     assert r.metrics.rounds == 0
     plain = llm.generate("def f(x):", SamplingParams(max_tokens=100, grammar=grammar, speculative=False))[0]
     assert r.token_ids == plain.token_ids
+
+
+# ---- the server: response_format and guided_* through the official openai client ---------------
+
+@pytest.fixture(scope="module")
+def live(shipped):
+    from .test_server import Live
+
+    with Live(shipped, default_max_tokens=120) as server:
+        yield server
+
+
+def _client(live):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="unused", max_retries=0)
+
+
+def _json_schema_format(schema):
+    return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+def test_chat_json_schema_streamed_and_not_validates(live, speculative):
+    c = _client(live)
+    messages = [{"role": "user", "content": "Give me a record."}]
+    for name in ("nested", "array"):
+        schema = SCHEMAS[name]
+        for temperature in (0.0, 0.9):
+            kw = dict(model="tiny", messages=messages, temperature=temperature, seed=3,
+                      response_format=_json_schema_format(schema), extra_body={"speculative": speculative})
+            whole = c.chat.completions.create(**kw)
+            text = whole.choices[0].message.content
+            jsonschema.validate(json.loads(text), schema)
+            streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(**kw, stream=True)
+                               if ch.choices)
+            assert streamed == text, (name, temperature)
+
+
+def test_json_object_and_guided_regex_and_grammar(live):
+    c = _client(live)
+    out = c.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], temperature=0.0,
+                                    response_format={"type": "json_object"}, max_tokens=120)
+    if out.choices[0].finish_reason == "stop":    # an unbounded object may run past max_tokens
+        assert isinstance(json.loads(out.choices[0].message.content), dict)
+    out = c.completions.create(model="tiny", prompt="def f(x):", temperature=0.0, max_tokens=20,
+                               extra_body={"guided_regex": "(yes|no) [0-9]{2}"})
+    assert out.choices[0].text in {f"{w} {n:02d}" for w in ("yes", "no") for n in range(100)}
+    out = c.completions.create(model="tiny", prompt="x = ", temperature=0.5, seed=1, max_tokens=20,
+                               extra_body={"guided_grammar": 'start: "[" num ("," num)* "]"\nnum: /[0-9]/'})
+    assert json.loads(out.choices[0].text) and all(0 <= v <= 9 for v in json.loads(out.choices[0].text))
+
+
+def test_bad_grammars_are_400_and_the_server_keeps_serving(live):
+    import httpx
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+    cases = [({"response_format": _json_schema_format({"type": "objectx"})}, "response_format.json_schema.schema"),
+             ({"response_format": {"type": "json_schema"}}, "response_format"),
+             ({"guided_regex": "a(b"}, "guided_regex"),
+             ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
+             ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
+             ({"response_format": {"type": "xml"}}, "response_format.type")]
+    for extra, param in cases:
+        r = httpx.post(f"{live.url}/v1/chat/completions", json={**body, **extra}, timeout=60)
+        assert r.status_code in (400, 422), (extra, r.text)
+        assert r.json()["error"]["param"] == param, (extra, r.json())
+    ok = _client(live).chat.completions.create(model="tiny", messages=body["messages"], max_tokens=4)
+    assert ok.choices[0].finish_reason in ("length", "stop")
