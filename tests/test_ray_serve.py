@@ -188,15 +188,28 @@ def test_a_killed_replica_fails_its_streams_clearly_and_is_replaced(ray_url, off
 
     while True:                                       # Ray replaces the replica
         engine = serve.status().applications[APP_NAME].deployments["TandemEngine"]
-        if engine.status == "HEALTHY" and engine.replica_states.get("RUNNING") == 2:
+        replicas = engine_replicas()
+        if victim not in replicas and len(replicas) == 2 and engine.replica_states.get("RUNNING") == 2:
             break
-        assert time.monotonic() - killed < 60, engine
+        assert time.monotonic() - killed < 60, (engine, replicas)
         time.sleep(0.2)
+
     ref = offline(["after"], 8)[0]
-    for _ in range(4):
-        r = httpx.post(f"{ray_url}/v1/completions", json=body("after", 8), timeout=30)
-        assert r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text
-        assert r.headers[REPLICA_HEADER] != victim
+
+    async def four():                                 # in flight together: two on each replica
+        async with httpx.AsyncClient(base_url=ray_url, timeout=30) as client:
+            return await asyncio.gather(*(client.post("/v1/completions", json=body("after", 8)) for _ in range(4)))
+
+    after = asyncio.run(four())
+    assert all(r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text for r in after)
+    assert {r.headers[REPLICA_HEADER] for r in after} == replicas   # the replacement serves too
+
+
+def engine_replicas() -> set[str]:
+    """Ids of the engine replicas alive now (their actors' names end with them)."""
+    prefix = f"SERVE_REPLICA::{APP_NAME}#TandemEngine#"
+    return {a["name"][len(prefix):] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["name"].startswith(prefix)}
 
 
 # ---- without a Ray instance (milliseconds) ---------------------------------------------------
