@@ -5,18 +5,31 @@ selection branch, and the visibility mask is built once per graph and sliding wi
 shared by every attention layer (the body rebuilds it in each layer from that layer's shapes:
 about 30 small nodes, a third of the tiny model's decode step in the profile; docs/performance.md).
 
-Shared, per (block tables, context lens, window), built before the first such node:
+Shared, per (block tables, context lens, window, graph pass), built before the first such node:
 
     T = P x S (block-table width x page size), W = the query's rows, B = batch
-    mask [B, 1, 1, W, T + W]: committed j < ctx[b] (and pos - j < window) | new w' <= w (and w - w' < window)
+    keys are laid out by position: slot j holds position j (the W new rows are scattered to slots
+    ctx[b] + w; W spare slots at the end make room when the table has no page for them yet)
+    mask [B, 1, 1, W+1, T+W]: row w sees j <= ctx[b] + w (and ctx[b] + w - j < window)
 
 Per layer (D / Dv / Hkv / G from the layer's own tensors, static after ORT's constant folding):
 
-    K, V pages --Gather(block_tables)--> [B, T, Hkv, D] --Cast fp32, Concat(new rows)--> [B, T+W, Hkv, D]
-    q [B,Hkv,G,W,D] x K^T x scale --Where(mask)--> Softmax --> x V --> [B, W, Hq, Dv] --CastLike(query)
+    K, V pages --Gather(block_tables)--> [B, T, Hkv, D] --Cast fp32, Concat(new), ScatterND(new at ctx+w)
+    q [B,Hkv,G,W,D] --Pad one row--> x K^T x scale --Where(mask)--> Softmax --> x V --> drop the pad row
+    --> [B, W, Hq, Dv] --CastLike(query)
+
+Why by position, and why the pad row: each row's result must not depend on how many rows the
+call has, so that a verify row gives bit for bit what the decode step at that position gives
+(speculative greedy == plain greedy even at near-ties; with int8 activations a 1e-7 difference can
+cross a rounding step and move a logit by 1e-2). By position, a verify row and the decode step
+see the same key at the same slot (softmax and x V sum over slots; masked slots add exact zeros).
+ONNX Runtime's MatMul with a non-constant B takes another path for a 1-row A than for 2 or more
+rows (other rounding), so every call has at least 2 query rows.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import onnx
@@ -26,6 +39,13 @@ from tandem.export.builder import GraphBuilder
 from tandem.export.ops import paged_sparse_attention as psa
 
 _NEG = -1e30  # as the body: finite, every row sees at least itself
+
+
+@dataclass(frozen=True)
+class Shared:
+    """Built once per pass and window: the visibility mask and where the new rows go."""
+    mask: str    # [B, 1, 1, W+1, T+W] bool
+    where: str   # [B, W, 2] int64: (b, ctx_b + w), ScatterND indices of the new rows
 
 
 def dense_attention_nodes(model: onnx.ModelProto) -> set[str]:
@@ -70,30 +90,29 @@ def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str]) -> tuple
     return out, lowered
 
 
-def _mask(b: GraphBuilder, q: str, kc: str, tables: str, ctx: str, window: int) -> str:
-    """[B, 1, 1, W, T+W] bool: which of the T committed slots and W new rows each new row sees."""
+def _mask(b: GraphBuilder, q: str, kc: str, tables: str, ctx: str, window: int) -> Shared:
+    """The pass's key positions and mask. Keys are laid out by position (see _attention), so
+    key slot j holds position j: row w (position ctx + w) sees j <= ctx + w (and ctx + w - j <
+    window). Row W is the pad row (sees everything up to ctx + W; its output is dropped)."""
     i64 = lambda x: b.const(x, np.int64)  # noqa: E731
-    t_len = b.op("Mul", b.shape_of(tables, 1, 2), b.shape_of(kc, 1, 2))          # [1] = P * S
-    w_len = b.shape_of(q, 1, 2)
-    t = b.op("Range", i64(0), b.squeeze(t_len, [0]), i64(1))                       # [T]
-    w = b.op("Range", i64(0), b.squeeze(w_len, [0]), i64(1))                       # [W]
-    ctx3 = b.unsqueeze(ctx, [1, 2])                                                # [B, 1, 1]
-    t3 = b.unsqueeze(t, [0, 1])                                                    # [1, 1, T]
-    mask_c = b.op("Less", t3, ctx3)                                                # [B, 1, T] committed
-    dw = b.op("Sub", b.unsqueeze(w, [1]), b.unsqueeze(w, [0]))                     # [W, W] = w - w'
-    mask_n = b.op("GreaterOrEqual", dw, i64(0))
+    w_len = b.shape_of(q, 1, 2)                                                    # [1] = W
+    t_len = b.op("Add", b.op("Mul", b.shape_of(tables, 1, 2), b.shape_of(kc, 1, 2)), w_len)  # [1] = P*S + W
+    t = b.op("Range", i64(0), b.squeeze(t_len, [0]), i64(1))                       # [T+W]
+    w = b.op("Range", i64(0), b.op("Add", b.squeeze(w_len, [0]), i64(1)), i64(1))  # [W+1]
+    pos_q = b.op("Add", b.unsqueeze(ctx, [1]), b.unsqueeze(w, [0]))                # [B, W+1]
+    ahead = b.op("Sub", b.unsqueeze(pos_q, [2]), b.unsqueeze(t, [0, 1]))           # [B, W+1, T+W] = pos - j
+    mask = b.op("GreaterOrEqual", ahead, i64(0))
     if window > 0:
-        pos_q = b.op("Add", ctx3, b.unsqueeze(w, [0, 2]))                          # [B, W, 1]
-        mask_c = b.op("And", mask_c, b.op("Less", b.op("Sub", pos_q, t3), i64(window)))
-        mask_n = b.op("And", mask_n, b.op("Less", dw, i64(window)))
-    batch = b.shape_of(tables, 0, 1)
-    mask_c = b.op("Expand", mask_c, b.concat([batch, w_len, t_len], 0))            # [B, W, T]
-    mask_n = b.op("Expand", b.unsqueeze(mask_n, [0]), b.concat([batch, w_len, w_len], 0))
-    return b.unsqueeze(b.concat([mask_c, mask_n], 2), [1, 2])                      # [B, 1, 1, W, T+W]
+        mask = b.op("And", mask, b.op("Less", ahead, i64(window)))
+    new_pos = b.slice(pos_q, [0], [-1], [1])                                       # [B, W]: the new rows' positions
+    batch = b.op("Expand", b.unsqueeze(b.op("Range", i64(0), b.squeeze(b.shape_of(ctx, 0, 1), [0]), i64(1)), [1]),
+                 b.shape_of(new_pos))                                              # [B, W]
+    where = b.concat([b.unsqueeze(batch, [2]), b.unsqueeze(new_pos, [2])], 2)      # [B, W, 2] = (b, ctx_b + w)
+    return Shared(b.unsqueeze(mask, [1, 2]), where)                                # mask [B, 1, 1, W+1, T+W]
 
 
-def _attention(b: GraphBuilder, node: onnx.NodeProto, mask: str, scale: float) -> None:
-    """The body's attention for one layer under a shared mask; writes the node's own output name."""
+def _attention(b: GraphBuilder, node: onnx.NodeProto, shared: Shared, scale: float) -> None:
+    """The body's attention for one layer under the pass's shared mask; writes the node's own output name."""
     q, k, v, kc, vc, tables, _, _ = node.input
     i64 = lambda x: b.const(x, np.int64)  # noqa: E731
     f32 = lambda x: b.op("Cast", x, to=TensorProto.FLOAT)  # noqa: E731 (ORT drops it on float32 tensors)
@@ -101,16 +120,19 @@ def _attention(b: GraphBuilder, node: onnx.NodeProto, mask: str, scale: float) -
     def rows(cache, new):                                                          # [B, T+W, Hkv, D]
         paged = b.op("Gather", cache, tables, axis=0)                              # [B, P, S, Hkv, D]
         flat = b.reshape(paged, b.concat([i64([0, -1]), b.shape_of(cache, 2, 4)], 0))
-        return b.concat([f32(flat), f32(new)], 1)
+        spread = b.concat([f32(flat), f32(new)], 1)          # W spare slots: room when ctx + W > P*S
+        return b.op("ScatterND", spread, shared.where, f32(new))                   # new row w at slot ctx + w
 
     hkv = b.shape_of(k, 2, 3)
     g = b.op("Div", b.shape_of(q, 2, 3), hkv)
     q5 = b.op("Transpose", b.reshape(f32(q), b.concat([i64([0, 0]), hkv, g, b.shape_of(q, 3, 4)], 0)),
               perm=[0, 2, 3, 1, 4])                                                # [B, Hkv, G, W, D]
+    q5 = b.op("Pad", q5, i64([0, 0, 0, 0, 0, 0, 0, 0, 1, 0]))                     # [B, Hkv, G, W+1, D]
     k5 = b.unsqueeze(b.op("Transpose", rows(kc, k), perm=[0, 2, 3, 1]), [2])       # [B, Hkv, 1, D, T+W]
     v5 = b.unsqueeze(b.op("Transpose", rows(vc, v), perm=[0, 2, 1, 3]), [2])       # [B, Hkv, 1, T+W, Dv]
     scores = b.op("Mul", b.op("MatMul", q5, k5), b.const(np.float32(scale)))
-    probs = b.op("Softmax", b.op("Where", mask, scores, b.const(np.float32(_NEG))), axis=-1)
-    out = b.op("Transpose", b.op("MatMul", probs, v5), perm=[0, 3, 1, 2, 4])       # [B, W, Hkv, G, Dv]
+    probs = b.op("Softmax", b.op("Where", shared.mask, scores, b.const(np.float32(_NEG))), axis=-1)
+    out = b.slice(b.op("MatMul", probs, v5), [0], [-1], [3])                       # drop the pad row
+    out = b.op("Transpose", out, perm=[0, 3, 1, 2, 4])                             # [B, W, Hkv, G, Dv]
     out = b.reshape(out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
     b.op("CastLike", out, q, outputs=[node.output[0]], name=node.name + "/output")

@@ -155,8 +155,7 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, g: LinearAtten
         decay = b.op("Mul", neg_a, b.op("Softplus", b.op("Add", a_proj, w.plain(b, q + "dt_bias", np.float32))))
         with b.scope("conv"):
             padded = b.concat([conv_state, b.op("Transpose", qkv, perm=[0, 2, 1])], 2)   # [B, C, K-1+W]
-            conv = b.op("Conv", padded, w.plain(b, q + "conv1d.weight"), group=g.conv_dim,
-                        kernel_shape=[g.conv_kernel])
+            conv = causal_conv(b, padded, w.plain(b, q + "conv1d.weight"), g.conv_kernel, qkv)
             mixed = f32(b.op("Transpose", silu(b, conv), perm=[0, 2, 1]))                # [B, W, C]
         kd = g.key_dim
         shape_k = [0, 0, g.num_key_heads, g.key_head_dim]
@@ -174,6 +173,18 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, g: LinearAtten
         gated = b.op("Mul", cast(b, normed, "float32", w.dtype), silu(b, z))
         out = linear(b, w, b.reshape(gated, [0, 0, g.value_dim]), q + "out_proj.weight", "out_proj")
     return GDNOutputs(out, outs[2] if row_states else outs[1], padded)
+
+
+def causal_conv(b: GraphBuilder, padded: str, weight: str, kernel: int, rows_of: str) -> str:
+    """Depthwise causal conv1d: padded [B, C, K-1+W], weight [C, 1, K] -> [B, C, W], each output the
+    sum over its window of K inputs. Gather + Mul + ReduceSum rather than Conv: ONNX Runtime's Conv
+    rounds a 1-position output (decode) differently from the same position among W (verify), and
+    the exactness contract needs each row's result independent of how many rows a call has."""
+    w_len = b.squeeze(b.shape_of(rows_of, 1, 2), [0])                                      # W
+    t = b.op("Range", b.const(np.array(0, np.int64)), w_len, b.const(np.array(1, np.int64)))
+    idx = b.op("Add", b.unsqueeze(t, [1]), b.const(np.arange(kernel)[None, :], np.int64))  # [W, K]
+    windows = b.op("Gather", padded, idx, axis=2)                                           # [B, C, W, K]
+    return b.op("ReduceSum", b.op("Mul", windows, weight), b.const(np.array([-1], np.int64)), keepdims=0)
 
 
 def l2_norm(b: GraphBuilder, x: str, dim: int) -> str:

@@ -45,6 +45,7 @@ def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None) -> on
     nodes, dense = lower_dense_attention(nodes, dense_attention_nodes(out))
     del out.graph.node[:]
     out.graph.node.extend(nodes)
+    _alias_shared_dequantize_inputs(out.graph)
     if lowered and not any(o.domain == MS_DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
     for op, count in ((gated_deltanet.OP_TYPE, lowered), (paged_sparse_attention.OP_TYPE, dense)):
@@ -53,6 +54,31 @@ def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None) -> on
             del out.functions[:]
             out.functions.extend(keep)
     return out
+
+
+def _alias_shared_dequantize_inputs(graph: onnx.GraphProto) -> None:
+    """Give every DequantizeLinear its own initializer names: ONNX Runtime fuses DequantizeLinear +
+    MatMul into MatMulNBits only where the quantized weight has one consumer. A weight read in
+    several passes of one graph (the lm_head in a unified round's verify and draft passes, a reused
+    head) would otherwise stay DequantizeLinear + float MatMul there: other numerics than the same
+    weight's MatMulNBits in the decode step (speculative != plain greedy at near-ties) and a
+    dequantization every call. The alias is a second TensorProto over the same bytes (same
+    external-data offset), so nothing is stored twice."""
+    inits = {t.name: t for t in graph.initializer}
+    uses: dict[str, int] = {}
+    for node in graph.node:
+        if node.op_type != "DequantizeLinear":
+            continue
+        for i, name in enumerate(node.input):
+            if name not in inits:
+                continue
+            uses[name] = uses.get(name, 0) + 1
+            if uses[name] > 1:
+                alias = onnx.TensorProto()
+                alias.CopyFrom(inits[name])
+                alias.name = f"{name}#{uses[name]}"
+                graph.initializer.append(alias)
+                node.input[i] = alias.name
 
 
 def _lower_gdn(node: onnx.NodeProto, unroll: int | None, masks: dict) -> list[onnx.NodeProto]:

@@ -53,6 +53,23 @@ def engine_dirs(tiny_root, tmp_path_factory):
     return build_test_engines(tiny_root, tmp_path_factory)
 
 
+@pytest.fixture(scope="session")
+def quantized_dirs(tiny_root, tmp_path_factory):
+    """Weight-only int8 and int4 engine directories of the tiny qwen3_5_mtp3, built once per session."""
+    from tandem.engines.builder import build_engines
+    from tandem.engines.options import BuildOptions
+
+    out = {}
+    for fmt in ("int8", "int4"):
+        path = tmp_path_factory.mktemp("quantized") / fmt
+        result = build_engines(tiny_root / "qwen3_5_mtp3", path, BuildOptions(weights=fmt, batch_sizes=(1, 4),
+                                                                             prefill_chunk=8, max_seq_len=256),
+                               show_progress=False)
+        assert result.status == "built"                   # every engine verified against the export
+        out[fmt] = path
+    return out
+
+
 @pytest.fixture
 def tiny_copy(tiny_root, tmp_path):
     """copy(kind) -> a private copy of a tiny checkpoint that the test may break."""

@@ -64,7 +64,7 @@ def test_lowered_graphs_match_function_bodies(tiny_root, tmp_path, kind):
         assert not any(n.op_type == "PagedSparseAttention" for n in lowered.graph.node)
         windows = {layer.mixer.window for layer in desc.layers if isinstance(layer.mixer, AttentionSpec)}
         ranges = sum(n.op_type == "Range" and n.name.startswith("/dense_attention/") for n in lowered.graph.node)
-        assert ranges == 2 * len(windows)        # one shared mask (two Ranges) per window, not per layer
+        assert ranges == 3 * len(windows)        # one shared mask (three Ranges) per window, not per layer
         low = session(lowered)
         a = PagedState(desc, 2).run(plain, {c.INPUT_IDS: ids, **extra})
         b = PagedState(desc, 2).run(low, {c.INPUT_IDS: ids, **extra})

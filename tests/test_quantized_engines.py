@@ -9,7 +9,6 @@ import onnx
 import pytest
 
 from tandem.checkpoint import open_checkpoint
-from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions, OptionsError
 from tandem.export.exporter import export_checkpoint
 from tandem.export.quantize import WeightQuant
@@ -56,19 +55,6 @@ def test_options_refuse_unknown_formats_and_blocks():
         BuildOptions(weights="int3")
     with pytest.raises(OptionsError, match="--quant-block 24"):
         BuildOptions(weights="int8", quant_block=24)
-
-
-@pytest.fixture(scope="module")
-def quantized_dirs(tiny_root, tmp_path_factory):
-    out = {}
-    for fmt in ("int8", "int4"):
-        path = tmp_path_factory.mktemp("quantized") / fmt
-        result = build_engines(tiny_root / "qwen3_5_mtp3", path, BuildOptions(weights=fmt, batch_sizes=(1, 4),
-                                                                             prefill_chunk=8, max_seq_len=256),
-                               show_progress=False)
-        assert result.status == "built"                   # every engine verified against the export
-        out[fmt] = path
-    return out
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
