@@ -155,6 +155,24 @@ def test_new_requests_go_to_the_replica_not_busy_with_a_long_one(ray_url):
     assert served == {long.replica: 1, shorts[0]: len(shorts)}, served   # from the replicas' own counters
 
 
+def test_errors_and_limits_are_those_of_the_single_process_server(ray_url):
+    url = f"{ray_url}/v1/completions"
+    r = httpx.post(url, json={**body("x", 2), "model": "other"})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    r = httpx.post(url, json={**body("x", 2), "stream": "yes"})
+    assert r.status_code == 422 and r.json()["error"]["param"] == "stream"
+
+    def chunks():   # 2 MiB without content-length: the gateway forwards 1 MiB + 1 byte, the replica answers
+        yield b'{"model": "tiny", "max_tokens": 2, "prompt": "'
+        for _ in range(32):
+            yield b"x" * (64 << 10)
+        yield b'"}'
+
+    r = httpx.post(url, content=chunks(), headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "exceeds the limit" in r.json()["error"]["message"]
+    assert httpx.get(f"{ray_url}/v1/models").json()["data"][0]["id"] == "tiny"
+
+
 def test_a_killed_replica_fails_its_streams_clearly_and_is_replaced(ray_url, offline):
     first = Stream(ray_url, "stream 0", LONG).begin()
     second = Stream(ray_url, "stream 1", LONG).begin()
