@@ -27,11 +27,14 @@ from tandem import contract as c  # noqa: E402
 from tandem.checkpoint.description import description_from_dict  # noqa: E402
 from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
 from tandem.engines.manifest import read_manifest  # noqa: E402
-from tests.paged_driver import PagedState  # noqa: E402
+from tests.paged_driver import PagedState, relaxed_off  # noqa: E402
 
 
-def engine_file(engine_dir: Path, graph: str) -> Path:
-    files = sorted(f for f in read_manifest(engine_dir)["files"] if Path(f).stem.split(".")[0] == graph)
+def engine_file(engine_dir: Path, graph: str, rows: int) -> Path:
+    """The graph's lowered engine file; of a per-width graph (verify, round), the one of `rows` rows."""
+    files = sorted(f for f in read_manifest(engine_dir)["files"]
+                   if f.endswith(".onnx") and not f.endswith(".opt.onnx") and Path(f).stem.split(".")[0] == graph
+                   and Path(f).suffixes[:-1] in ([], [f".w{rows}"]))
     if not files:
         raise SystemExit(f"{engine_dir}: no engine file for graph {graph!r}")
     return engine_dir / files[0]
@@ -45,7 +48,28 @@ def feeds(sess, desc, batch: int, rows: int, context: int, page_size: int) -> di
     extra = {c.INPUT_IDS: rng.integers(0, desc.vocab_size, (batch, rows)), c.STATE_ROWS: np.full(batch, rows)}
     names = [i.name for i in sess.get_inputs()]
     f = {**state.feeds(names), **{k: np.asarray(v, np.int64) for k, v in extra.items()}}
-    return {k: v for k, v in f.items() if k in names}
+    f.update(relaxed_off((batch, rows)))
+    f = {k: v for k, v in f.items() if k in names}
+    return {**f, **_rest(sess, f, rng)}
+
+
+def _rest(sess, given: dict, rng) -> dict:
+    """The inputs PagedState does not make (the heads' pools of a unified round, the grammar mask):
+    random pools / all-allowed masks, their symbolic dims read off the inputs already given."""
+    dims = {}
+    for i in sess.get_inputs():
+        if i.name in given:
+            dims.update({d: n for d, n in zip(i.shape, given[i.name].shape) if isinstance(d, str)})
+    out = {}
+    for i in sess.get_inputs():
+        if i.name in given:
+            continue
+        shape = [dims[d] if isinstance(d, str) else d for d in i.shape]
+        if "float" in i.type:
+            out[i.name] = rng.standard_normal(shape).astype(np.float32)
+        else:   # a bitmask: every bit set, every token allowed
+            out[i.name] = np.full(shape, -1, np.int32 if "int32" in i.type else np.int64)
+    return out
 
 
 def main() -> None:
@@ -61,7 +85,7 @@ def main() -> None:
     manifest = read_manifest(args.dir_a)
     desc = description_from_dict(manifest["description"])
     page_size = manifest["options"]["page_size"]
-    a, b = (session(engine_file(d, args.graph)) for d in (args.dir_a, args.dir_b))
+    a, b = (session(engine_file(d, args.graph, args.rows)) for d in (args.dir_a, args.dir_b))
     print(f"{machine()}; {args.graph}, {args.rows} row(s), context {args.context}, {args.calls} calls each, "
           f"interleaved\n  A = {args.dir_a}\n  B = {args.dir_b}")
     for batch in args.batch:
