@@ -76,6 +76,23 @@ def _is_graph_kind(name) -> bool:
     return True
 
 
+def family_chat_formats(architecture: str) -> dict:
+    """What the model's family declares (CHAT_FORMATS): {"tool_calls": format or None, "reasoning": ...}."""
+    from tandem.checkpoint.families import FAMILIES   # here: the manifest reader stays light to import
+
+    module = FAMILIES.get(architecture)
+    return dict(getattr(module, "CHAT_FORMATS", {}).get(architecture, {"tool_calls": None, "reasoning": None}))
+
+
+def chat_formats(manifest: dict) -> dict:
+    """The tool-call and reasoning formats the server parses for an engine dir: the manifest's
+    "chat_formats" (the build writes them), else its model family's (engine dirs built before)."""
+    formats = manifest.get("chat_formats")
+    if isinstance(formats, dict):
+        return formats
+    return family_chat_formats(manifest.get("description", {}).get("architecture", ""))
+
+
 def write_manifest(folder: Path, manifest: dict) -> None:
     """Also records each named file's size next to its sha256: a load checks sizes with a stat."""
     sizes = {name: (Path(folder) / name).stat().st_size for name in manifest.get("files", {})}

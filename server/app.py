@@ -10,6 +10,7 @@ only ever sees requests it can run. A watchdog notices if the engine thread ends
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -22,6 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tandem.engines.manifest import chat_formats
 from tandem.pipeline.llm import LLM
 from tandem.pipeline.request_checks import check_text
 from tandem.server import metrics as m
@@ -29,6 +31,7 @@ from tandem.server.chat_template import ChatTemplate, ChatTemplateError
 from tandem.server.engine_loop import EngineError, EngineLoop
 from tandem.server.limits import RequestGuard
 from tandem.server.protocol import ChatRequest, CompletionRequest, error_body, json_bytes
+from tandem.server.tool_calls import AnswerParser, check_tools, message, template_messages, tool_choice_grammar
 
 log = logging.getLogger("tandem.server")
 DISCONNECT_POLL_S = 0.1    # how often a non-streamed request checks that its client is still there
@@ -70,6 +73,7 @@ def create_app(llm: LLM, settings: ServerSettings,
                on_fatal: Callable[[BaseException | None], None] | None = None) -> FastAPI:
     loop = EngineLoop(llm, settings.max_queued)
     chat_template = ChatTemplate.from_engine_dir(llm.engine_dir)
+    formats = chat_formats(llm.manifest)   # the family's tool-call and reasoning syntax (server/tool_calls.py)
     state = {"ready": False, "draining": False}
 
     async def watchdog():
@@ -164,9 +168,14 @@ def create_app(llm: LLM, settings: ServerSettings,
             raise ApiError(429, f"too many requests in flight ({settings.max_queued}); retry shortly",
                            "rate_limit_error", headers={"Retry-After": "1"})
 
-    async def start(prompt, req) -> tuple[str, asyncio.Queue]:
+    async def start(prompt, req, grammar=None) -> tuple[str, asyncio.Queue]:
         try:
             params = req.sampling_params(settings.default_max_tokens)
+            if grammar is not None:   # tool_choice required / named: the call's grammar
+                if params.grammar is not None:
+                    raise ApiError(400, f"tool_choice {req.tool_choice_value()!r} and {params.grammar.field} both "
+                                        "constrain the output: send one of them", param="tool_choice")
+                params = dataclasses.replace(params, grammar=grammar)
             checked = await asyncio.to_thread(llm.check_request, prompt, params)  # tokenizing may take a while
             return await loop.submit(checked.ids, params)
         except ValueError as e:
@@ -185,18 +194,26 @@ def create_app(llm: LLM, settings: ServerSettings,
         check(req)
         if chat_template is None:
             raise ApiError(400, "this model has no chat template (tokenizer_config.json); use /v1/completions")
-        messages = [{"role": msg.role, "content": msg.text()} for msg in req.messages]
+        tools, choice = req.tool_dicts(), req.tool_choice_value()
         try:
-            prompt = chat_template.render(messages, req.add_generation_prompt)
+            check_tools(formats.get("tool_calls"), tools, choice)
+            prompt = chat_template.render(template_messages(req.messages), req.add_generation_prompt, tools,
+                                          req.chat_template_kwargs)
+            grammar = tool_choice_grammar(formats["tool_calls"], tools, choice, req.parallel_tool_calls) if tools \
+                else None
         except ChatTemplateError as e:
             raise ApiError(400, str(e), param="messages") from e
-        rid, out = await start(prompt, req)
-        return await respond(request, rid, out, req, chat=True)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
+        answer = AnswerParser(formats, prompt, tools, parse_tools=choice != "none")
+        rid, out = await start(prompt, req, grammar)
+        return await respond(request, rid, out, req, chat=True, answer=answer)
 
-    async def respond(request: Request, rid: str, out: asyncio.Queue, req, chat: bool):
+    async def respond(request: Request, rid: str, out: asyncio.Queue, req, chat: bool,
+                      answer: AnswerParser | None = None):
         created = int(time.time())
         if req.stream:
-            return StreamingResponse(stream(rid, out, req, chat, created), media_type="text/event-stream")
+            return StreamingResponse(stream(rid, out, req, chat, created, answer), media_type="text/event-stream")
         text, finish, seq = [], None, None
         gone = asyncio.create_task(_client_gone(request))
         try:
@@ -220,7 +237,9 @@ def create_app(llm: LLM, settings: ServerSettings,
         usage = _usage(seq)
         body = "".join(text)
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": body}, "finish_reason": finish}
+            msg = message(answer.feed(body) + answer.finish())
+            finish = "tool_calls" if msg.get("tool_calls") and finish == "stop" else finish
+            choice = {"index": 0, "message": msg, "finish_reason": finish}
             return {"id": rid, "object": "chat.completion", "created": created, "model": settings.model_name,
                     "choices": [choice], "usage": usage}
         if req.echo and isinstance(req.prompt, str):
@@ -229,12 +248,12 @@ def create_app(llm: LLM, settings: ServerSettings,
         return {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
                 "choices": [choice], "usage": usage}
 
-    async def stream(rid: str, out: asyncio.Queue, req, chat: bool, created: int):
+    async def stream(rid: str, out: asyncio.Queue, req, chat: bool, created: int, answer: AnswerParser | None):
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, first: bool = False) -> str:
+        def chunk(text: str | None, finish: str | None, first: bool = False, delta: dict | None = None) -> str:
             if chat:
-                delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
+                delta = {"role": "assistant", "content": ""} if first else (delta or {})
                 choice = {"index": 0, "delta": delta, "finish_reason": finish}
             else:
                 choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
@@ -250,7 +269,13 @@ def create_app(llm: LLM, settings: ServerSettings,
                 if isinstance(item, EngineError):
                     yield f"data: {json.dumps(error_body(str(item), 'server_error', 500))}\n\n"
                     break
-                if item.text or item.finished:
+                if chat:   # reasoning, content and tool-call deltas; the finish reason on a chunk of its own
+                    for delta in answer.feed(item.text) + (answer.finish() if item.finished else []):
+                        yield chunk(None, None, delta=delta)
+                    if item.finished:
+                        stop = item.finish_reason
+                        yield chunk(None, "tool_calls" if answer.calls and stop == "stop" else stop)
+                elif item.text or item.finished:
                     yield chunk(item.text, item.finish_reason if item.finished else None)
                 if item.finished:
                     finished = True

@@ -51,10 +51,12 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template in {jinja if jinja.exists() else path} does not parse ({e}); "
                                     "fix it in the checkpoint and rebuild the engine directory") from e
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
+               kwargs: dict | None = None) -> str:
+        """kwargs: the request's chat_template_kwargs (enable_thinking, ...), below the fixed names."""
         try:
-            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                        **self.special)
+            return self.template.render({**(kwargs or {}), "messages": messages, "tools": tools,
+                                         "add_generation_prompt": add_generation_prompt, **self.special})
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template refused these messages: {e}") from e
 

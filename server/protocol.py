@@ -101,9 +101,44 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: StrictStr = Field(min_length=1, max_length=128, pattern=r"^[^<>\n]+$")   # no markup in a call's name
+    description: StrictStr | None = None
+    parameters: dict | None = None
+
+
+class ToolBody(BaseModel):
+    type: Literal["function"]
+    function: FunctionBody
+
+
+class NamedFunction(BaseModel):
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: StrictBool = True
+    tools: list[ToolBody] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
+    chat_template_kwargs: dict | None = None     # e.g. {"enable_thinking": false}, passed to the template
+
+    def tool_dicts(self) -> list[dict] | None:
+        return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
+
+    def tool_choice_value(self):
+        """"none" / "auto" / "required" / {"type": "function", "function": {"name": ...}}; tools default to auto."""
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return self.tool_choice.model_dump()
+        return self.tool_choice or ("auto" if self.tools else "none")
 
     def check_text_fields(self) -> None:
         super().check_text_fields()

@@ -182,12 +182,17 @@ def test_bad_grammars_are_refused_naming_the_field(grammars):
 
 # ---- the shipped model under JSON schemas -------------------------------------------------------
 
-@pytest.fixture(scope="module")
+_BUILT: dict[str, Path] = {}   # tests/test_tool_calls.py imports the fixture: one build per session
+
+
+@pytest.fixture(scope="session")
 def shipped(tmp_path_factory):
-    out = tmp_path_factory.mktemp("shipped_grammar") / "engines"
-    build_engines(SHIPPED, out, BuildOptions(batch_sizes=(1, 4), spec_k=3, prefill_chunk=32, max_seq_len=256),
-                  show_progress=False)
-    return out
+    if "shipped" not in _BUILT:
+        out = tmp_path_factory.mktemp("shipped_grammar") / "engines"
+        build_engines(SHIPPED, out, BuildOptions(batch_sizes=(1, 4), spec_k=3, prefill_chunk=32, max_seq_len=256),
+                      show_progress=False)
+        _BUILT["shipped"] = out
+    return _BUILT["shipped"]
 
 
 @pytest.mark.parametrize("mode", ["unified", "multi"])

@@ -37,6 +37,10 @@ ARCHITECTURES = {
     "GlmMoeDsaForCausalLM": ("glm_moe_dsa", "model.", None),
 }
 IGNORED_PREFIXES = ()
+# chat formats the server parses: GLM-5 writes <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call>;
+# DeepSeek-V3.2's DSML tool calls are not parsed yet (refused); both think in <think>
+CHAT_FORMATS = {"DeepseekV32ForCausalLM": {"tool_calls": None, "reasoning": "think"},
+                "GlmMoeDsaForCausalLM": {"tool_calls": "glm", "reasoning": "think"}}
 BLOCK_FP8 = True  # DeepSeek's fp8 block-quantized releases are read dequantized (validation.block_fp8_scales)
 ROPE_TYPES = ("default", "yarn")
 # config key -> the only value transformers 5.24 computes (when the key is present at all)

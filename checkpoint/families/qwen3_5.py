@@ -14,6 +14,9 @@ ARCHITECTURES = {
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "model.language_model.", "text_config"),
 }
 IGNORED_PREFIXES = ("model.visual.",)
+# chat formats the server parses (server/tool_calls.py, server/reasoning.py): Qwen3.5 writes
+# <tool_call><function=NAME><parameter=KEY>VALUE</parameter></function></tool_call> (transformers 5.24)
+CHAT_FORMATS = {arch: {"tool_calls": "qwen3_xml", "reasoning": "think"} for arch in ARCHITECTURES}
 mtp_layout = qwen_hybrid.mtp_layout  # the heads under `mtp.`
 
 

@@ -13,6 +13,7 @@ ARCHITECTURES = {
     "Qwen3_5MoeForConditionalGeneration": ("qwen3_5_moe", "model.language_model.", "text_config"),
 }
 IGNORED_PREFIXES = ("model.visual.",)
+CHAT_FORMATS = {arch: {"tool_calls": "qwen3_xml", "reasoning": "think"} for arch in ARCHITECTURES}  # as qwen3_5
 mtp_layout = qwen_hybrid.mtp_layout  # the heads under `mtp.`
 
 

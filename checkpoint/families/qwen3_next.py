@@ -16,6 +16,8 @@ from tandem.checkpoint.families.qwen_hybrid import Source
 FAMILY = "qwen3_next"
 ARCHITECTURES = {"Qwen3NextForCausalLM": ("qwen3_next", "model.", None)}
 IGNORED_PREFIXES = ()
+# chat formats the server parses: Qwen3's <tool_call>{"name": ..., "arguments": {...}}</tool_call>, <think>
+CHAT_FORMATS = {arch: {"tool_calls": "hermes_json", "reasoning": "think"} for arch in ARCHITECTURES}
 mtp_layout = qwen_hybrid.mtp_layout  # the heads under `mtp.`
 
 
