@@ -62,7 +62,7 @@ def quantized_dirs(tiny_root, tmp_path_factory):
     out = {}
     for fmt in ("int8", "int4"):
         path = tmp_path_factory.mktemp("quantized") / fmt
-        result = build_engines(tiny_root / "qwen3_5_mtp3", path, BuildOptions(weights=fmt, batch_sizes=(1, 4),
+        result = build_engines(tiny_root / "qwen3_5_mtp3", path, BuildOptions(weights=fmt, batch_sizes=(1, 8),
                                                                              prefill_chunk=8, max_seq_len=256),
                                show_progress=False)
         assert result.status == "built"                   # every engine verified against the export

@@ -12,8 +12,10 @@ from tandem.checkpoint import open_checkpoint
 from tandem.engines.options import BuildOptions, OptionsError
 from tandem.export.exporter import export_checkpoint
 from tandem.export.quantize import WeightQuant
-from tandem.pipeline.llm import LLM
+from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
+
+from .pipeline_fixtures import run
 
 PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3], [44]]
 
@@ -59,10 +61,18 @@ def test_options_refuse_unknown_formats_and_blocks():
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_speculative_equals_plain_inside_quantized_engines(quantized_dirs, fmt):
-    llm = LLM(quantized_dirs[fmt])
-    plain = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True, speculative=False))
-    spec = llm.generate(PROMPTS, SamplingParams(max_tokens=16, ignore_eos=True))
-    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    """Batches 1 to 8: one prompt alone, then eight arriving one per step (staggered)."""
+    alone = SamplingParams(max_tokens=16, ignore_eos=True, speculative=False)
+    drafting = EngineConfig(adaptive_width=False)   # random heads: the adaptive width would turn drafting off
+    llm = LLM(quantized_dirs[fmt], drafting)
+    plain = llm.generate(PROMPTS[:1], alone)
+    assert [o.token_ids for o in llm.generate(PROMPTS[:1], SamplingParams(max_tokens=16, ignore_eos=True))] == \
+        [o.token_ids for o in plain]
+    prompts = [PROMPTS[i % len(PROMPTS)][: 3 + i] + [i] for i in range(8)]
+    plain, _ = run(quantized_dirs[fmt], prompts, alone, stagger=1)
+    spec, llm = run(quantized_dirs[fmt], prompts, SamplingParams(max_tokens=16, ignore_eos=True), drafting, stagger=1)
+    assert spec == plain
+    assert all(s.metrics.rounds > 0 for s in llm.test_sequences)     # every sequence was verified
 
 
 def test_int8_logits_stay_close_to_float(quantized_dirs, engine_dirs, monkeypatch):
