@@ -60,7 +60,7 @@ def cmd_build_engines(args: argparse.Namespace) -> int:
             verify_widths=parse_int_list(args.verify_widths, "--verify-widths") if args.verify_widths else None,
             max_seq_len=args.max_seq_len, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
             dtype=args.dtype, weights=args.weights, quant_block=args.quant_block, draft=args.draft,
-            no_mtp=args.no_mtp, unified_round=not args.no_unified_round)
+            no_mtp=args.no_mtp, unified_round=not args.no_unified_round, index_share=not args.no_index_share)
         result = build_engines(args.model_dir, args.out, options, show_progress=not args.quiet)
     except CheckpointError as e:
         return _refused(args.model_dir, e.problems)
@@ -256,6 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-mtp", action="store_true", help="plain decoding only: no heads, no verify engines")
     p.add_argument("--no-unified-round", action="store_true",
                    help="leave out the one-call round graphs (rounds then run verify, re-anchor and draft calls)")
+    p.add_argument("--no-index-share", action="store_true",
+                   help="sparse-MLA heads (DeepSeek-V3.2 / GLM-5): run the draft's lightning indexer at every draft "
+                        "step of a round, not only the first")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_build_engines)
 

@@ -44,7 +44,8 @@ from tandem.engines.progress import Progress
 from tandem.engines.verification import compare, fixed_inputs, timed
 from tandem.export.exporter import export_checkpoint
 
-_EXPORT_OPTIONS = ("dtype", "weights", "quant_block", "no_mtp", "page_size", "unified_round")  # change the graphs
+_EXPORT_OPTIONS = ("dtype", "weights", "quant_block", "no_mtp", "page_size", "unified_round",  # change the graphs
+                   "index_share")
 _SAME_TOOLS = ("tandem", "backend", "contract_version")
 
 
@@ -94,7 +95,8 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
         export_dir = tmp / "_export"
         with Progress("export", 1, show_progress) as bar:
             export_checkpoint(ckpt, export_dir, dtype=options.dtype, quant=options.quant,
-                              rounds=tuple(bucket_plan.unified_round_kinds(desc, options)[0]))
+                              rounds=tuple(bucket_plan.unified_round_kinds(desc, options)[0]),
+                              index_share=options.index_share)
             bar.step()
         for name in {e["file"] for e in reusable.values()} | ({"weights.bin"} if reusable else set()):
             if (out / name).exists():

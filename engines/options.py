@@ -35,6 +35,8 @@ class BuildOptions:
     draft: str | None = None
     no_mtp: bool = False
     unified_round: bool = True    # also build the one-call round graph per (batch, verify width)
+    index_share: bool = True      # sparse-MLA heads (DeepSeek-V3.2 / GLM-5): the round graph's draft steps after
+                                  # the first reuse its top-k instead of running the lightning indexer again
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):

@@ -79,14 +79,16 @@ EXPORT_DTYPES = ("float32", "float16")  # weights and activations; see export/la
 
 
 def build_graphs(ckpt: Checkpoint, dtype: str = "float32", gdn_chunk_size: int = 0,
-                 quant: WeightQuant | None = None, rounds: tuple[GraphKind, ...] = ()) -> dict[str, onnx.ModelProto]:
+                 quant: WeightQuant | None = None, rounds: tuple[GraphKind, ...] = (),
+                 index_share: bool = True) -> dict[str, onnx.ModelProto]:
     """quant: weight-only int8 / int4 linear layers (export/quantize.py); None keeps them in `dtype`.
-    rounds: the unified round graphs to add (export/round_graph.py)."""
-    return dict(_graphs(ckpt, dtype, gdn_chunk_size, quant, rounds))
+    rounds: the unified round graphs to add (export/round_graph.py); index_share: their sparse-MLA
+    draft steps reuse the first step's top-k."""
+    return dict(_graphs(ckpt, dtype, gdn_chunk_size, quant, rounds, index_share))
 
 
 def _graphs(ckpt: Checkpoint, dtype: str, gdn_chunk_size: int, quant: WeightQuant | None,
-            rounds: tuple[GraphKind, ...]):
+            rounds: tuple[GraphKind, ...], index_share: bool = True):
     """(name, graph) one at a time: each graph carries its own copy of the weights it reads, so a
     caller that writes and drops each before the next holds one graph's weights, not all of them
     (150M model: 6.9 GB build peak with every graph held at once)."""
@@ -94,21 +96,22 @@ def _graphs(ckpt: Checkpoint, dtype: str, gdn_chunk_size: int, quant: WeightQuan
         raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     desc, w = ckpt.description, Weights(ckpt, dtype, quant)
     for kind in exported_kinds(desc.mtp.num_layers if desc.mtp else 0, rounds):
-        yield kind.name, _graph(desc, w, kind, gdn_chunk_size)
+        yield kind.name, _graph(desc, w, kind, gdn_chunk_size, index_share)
 
 
-def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int) -> onnx.ModelProto:
+def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int, index_share: bool = True) -> onnx.ModelProto:
     if kind.is_target_step:
         return target_step(desc, w, gdn_chunk_size)
     if kind.is_verify:
         return verify_step(desc, w, sampling=kind.sampling)
     if kind.is_round:
-        return round_step(desc, w, kind)
+        return round_step(desc, w, kind, index_share)
     return mtp_head(desc, w, kind.head)
 
 
 def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float32",
-                      quant: WeightQuant | None = None, rounds: tuple[GraphKind, ...] = ()) -> ExportResult:
+                      quant: WeightQuant | None = None, rounds: tuple[GraphKind, ...] = (),
+                      index_share: bool = True) -> ExportResult:
     """Export all graphs of `ckpt` into `out_dir` (created; existing graph files are replaced)."""
     start = time.perf_counter()
     out = Path(out_dir)
@@ -118,7 +121,7 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
     shared = _SharedWeights(out / WEIGHTS_FILE)
     files, hashes, nodes = {}, {}, {}
     try:
-        for name, model in _graphs(ckpt, dtype, 0, quant, rounds):
+        for name, model in _graphs(ckpt, dtype, 0, quant, rounds, index_share):
             shared.externalize(model)
             data = model.SerializeToString(deterministic=True)
             files[name], nodes[name] = f"{name}.onnx", len(model.graph.node)

@@ -117,7 +117,9 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
         p = f"layers.{i}."
         with b.scope(f"model/layers.{i}"):
             if layer.kind == LayerKind.FULL_ATTENTION:
-                def mixer(xn, i=i, p=p, spec=layer.mixer, sel=selected):
+                reuse = isinstance(layer.mixer, MLASpec) and layer.mixer.indexer and layer.mixer.indexer.reuse_previous
+
+                def mixer(xn, i=i, p=p, spec=layer.mixer, sel=selected if reuse else None):
                     out, rows, picked = attention_layer(b, desc, spec, w, xn, p, paging, i, sel)
                     return out, (rows, picked)
             else:
@@ -229,19 +231,22 @@ def head_rows_outputs(desc: ModelDescription, head: int, rows: dict[str, str]) -
 class HeadPass:
     """One MTP head layer over R rows: the greedy draft at last_row [B], its probability [B], the
     head hidden at last_row [B, H] and at every row [B, R, H], and the rows' new paged rows by
-    pool name (K/V, or the latent and index keys)."""
+    pool name (K/V, or the latent and index keys), and the top-k its rows attended [B, R, K] (None
+    without sparse attention)."""
 
     draft: str
     prob: str
     hidden_last: str
     hidden_rows: str
     rows: dict[str, str]
+    selected: str | None = None
 
 
 def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, ids: str, hidden: str,
-              last_row: str) -> HeadPass:
+              last_row: str, selected: str | None = None) -> HeadPass:
     """Head `head` over rows (ids [B, R], hidden [B, R, H]) at positions context_lens + r, on top
-    of its committed pool (contract names key_pool.mtp{j}, the page group's block table)."""
+    of its committed pool (contract names key_pool.mtp{j}, the page group's block table).
+    `selected` [B, R, K]: the positions a sparse-MLA head attends, its indexer skipped (index share)."""
     layer_name = c.mtp_layer_name(head)
     layer = desc.mtp.layers[head]
     p = f"mtp.layers.{head}."
@@ -250,10 +255,10 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
         x = _head_input(b, desc, w, head, ids, hidden)
 
         def mixer(xn):
-            out, rows, _ = attention_layer(b, desc, layer.mixer, w, xn, p, paging, layer_name)
-            return out, rows
+            out, rows, picked = attention_layer(b, desc, layer.mixer, w, xn, p, paging, layer_name, selected)
+            return out, (rows, picked)
 
-        x, rows = decoder_layer(b, desc, w, x, p, layer, mixer)
+        x, (rows, picked) = decoder_layer(b, desc, w, x, p, layer, mixer)
         nextn = desc.mtp.form == "nextn"
         g = rms_norm(b, x, norm_scale(b, desc, w, p + "shared_head.norm.weight" if nextn else "mtp.norm.weight"),
                      desc.rms_norm_eps, "norm")                                                     # [B, R, H]
@@ -264,7 +269,7 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
         top = b.op("ReduceMax", logits, b.const([-1], np.int64), keepdims=1)
         denom = b.op("ReduceSum", b.op("Exp", b.op("Sub", logits, top)), b.const([-1], np.int64), keepdims=0)
         prob = b.op("Reciprocal", denom)          # softmax probability of the argmax
-    return HeadPass(draft, prob, g_last, g, rows)
+    return HeadPass(draft, prob, g_last, g, rows, picked)
 
 
 def _head_input(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, ids: str, hidden: str) -> str:

@@ -73,8 +73,10 @@ def mla_attention(b: GraphBuilder, a: MLASpec, w: Weights, p: str, x: str, cos: 
                   selected: str | None = None) -> MLAOutputs:
     """Sparse MLA `a` of the attention module with canonical prefix `p` (e.g. "layers.3.self_attn.")
     on x [B, W, H]; cos, sin from rope_tables at the rows' positions. latent_pool [N, S, 1, r + rope],
-    index_pool [N, S, Di]. Selection: the layer's own indexer (needs `index_pool`), else `selected`
-    (a previous layer's: GLM-5 "shared" layers, which must be given one), else dense."""
+    index_pool [N, S, Di]. Selection [B, W, K]: `selected` when given (required on layers that reuse
+    the previous layer's, GLM-5 "shared"; on a layer with its own indexer it skips the indexer's
+    scoring, whose key rows are still made: index share across draft steps), else the layer's own
+    indexer (needs `index_pool`), else dense."""
     n, r, rd, nope = a.num_heads, a.kv_lora_rank, a.qk_rope_head_dim, a.qk_nope_head_dim
     own_indexer = a.indexer is not None and not a.indexer.reuse_previous
     if a.indexer is not None and a.indexer.reuse_previous and selected is None:
@@ -110,8 +112,9 @@ def mla_attention(b: GraphBuilder, a: MLASpec, w: Weights, p: str, x: str, cos: 
         if own_indexer:
             if index_pool is None:
                 raise ValueError(f"{p}: a layer with an indexer needs its index key pool")
-            selected, index_rows = _indexer(b, a.indexer, rd, w, p + "indexer.", x, q_resid, cos, sin, context_lens,
-                                            block_tables, index_pool)
+            scored, index_rows = _indexer(b, a.indexer, rd, w, p + "indexer.", x, q_resid, cos, sin, context_lens,
+                                          block_tables, index_pool, score=selected is None)
+            selected = scored if selected is None else selected
         sel = selected if selected is not None else b.const(np.zeros((1, 1, 0), np.int64))
         attn = b.op(paged_sparse_attention.OP_TYPE, query, rows, rows, latent_pool, latent_pool, block_tables,
                     context_lens, sel, domain=TANDEM_DOMAIN, scale=a.scale, sliding_window=0,
@@ -126,17 +129,21 @@ def mla_attention(b: GraphBuilder, a: MLASpec, w: Weights, p: str, x: str, cos: 
 
 
 def _indexer(b: GraphBuilder, d: IndexerSpec, rope_dim: int, w: Weights, p: str, x: str, q_resid: str, cos: str,
-             sin: str, context_lens: str, block_tables: str, index_pool: str) -> tuple[str, str]:
-    """Lightning indexer of prefix `p` ("...self_attn.indexer.") -> (selected, new index key rows)."""
+             sin: str, context_lens: str, block_tables: str, index_pool: str, score: bool = True
+             ) -> tuple[str | None, str]:
+    """Lightning indexer of prefix `p` ("...self_attn.indexer.") -> (selected, or None when not
+    `score`; the new index key rows, always: the runtime commits them)."""
     with b.scope("indexer"):
-        q = b.reshape(linear(b, w, q_resid, p + "wq_b.weight", "wq_b"), [0, 0, d.num_heads, d.head_dim])
-        q = b.concat([rotate(b, b.slice(q, [0], [rope_dim], [3]), cos, sin, rope_dim, d.rope_interleave),
-                      b.slice(q, [rope_dim], [d.head_dim], [3])], -1)
         k = b.op("LayerNormalization", linear(b, w, x, p + "wk.weight", "wk"), w.plain(b, p + "k_norm.weight"),
                  w.plain(b, p + "k_norm.bias"), axis=-1, epsilon=d.norm_eps, name="k_norm")   # [B, W, Di]
         k = b.unsqueeze(k, [2])
         k = b.squeeze(b.concat([rotate(b, b.slice(k, [0], [rope_dim], [3]), cos, sin, rope_dim, d.rope_interleave),
                                 b.slice(k, [rope_dim], [d.head_dim], [3])], -1), [2])
+        if not score:
+            return None, k
+        q = b.reshape(linear(b, w, q_resid, p + "wq_b.weight", "wq_b"), [0, 0, d.num_heads, d.head_dim])
+        q = b.concat([rotate(b, b.slice(q, [0], [rope_dim], [3]), cos, sin, rope_dim, d.rope_interleave),
+                      b.slice(q, [rope_dim], [d.head_dim], [3])], -1)
         weights = b.op("Mul", cast(b, linear(b, w, x, p + "weights_proj.weight", "weights_proj"), w.dtype, "float32"),
                        b.const(np.float32(d.weights_scale)))
         selected = b.op(lightning_indexer.OP_TYPE, q, weights, k, index_pool, block_tables, context_lens,

@@ -52,7 +52,9 @@ def unified_refusal(desc: ModelDescription) -> str | None:
     return None
 
 
-def round_step(desc: ModelDescription, w: Weights, kind: GraphKind) -> onnx.ModelProto:
+def round_step(desc: ModelDescription, w: Weights, kind: GraphKind, index_share: bool = True) -> onnx.ModelProto:
+    """index_share: draft steps s >= 1 of head 0 attend the top-k its re-anchor pass selected
+    (_shared_selection) instead of running its lightning indexer again (sparse-MLA heads only)."""
     reason = unified_refusal(desc)
     if reason:
         raise ValueError(f"{desc.architecture}: no unified round graph: {reason}")
@@ -71,12 +73,14 @@ def round_step(desc: ModelDescription, w: Weights, kind: GraphKind) -> onnx.Mode
     with b.scope("reanchor/head0"):
         run = head_pass(b, desc, w, 0, ids, hidden, accepted)
     committed[0] = run.rows
+    first = run.selected if index_share else None      # head 0's top-k of the re-anchor rows [B, W, K]
     drafts.append(run.draft), probs.append(run.prob), chain.append(run.hidden_last)
     for s in range(1, kind.drafts):
         head = 0 if kind.reused else s % desc.mtp.num_layers
         with b.scope(f"draft{s}"):
             step_ids, step_hidden, last = _compacted(b, ids, hidden, accepted, drafts, chain, width)
-            run = head_pass(b, desc, w, head, step_ids, step_hidden, last)
+            shared = _shared_selection(b, first, accepted, s, width) if first is not None and head == 0 else None
+            run = head_pass(b, desc, w, head, step_ids, step_hidden, last, shared)
             if head not in committed:
                 committed[head] = {n: b.slice(t, [0], [width], [1]) for n, t in run.rows.items()}
         drafts.append(run.draft), probs.append(run.prob), chain.append(run.hidden_last)
@@ -92,6 +96,21 @@ def round_step(desc: ModelDescription, w: Weights, kind: GraphKind) -> onnx.Mode
     for head, rows in committed.items():
         produced.update(head_rows_outputs(desc, head, rows))
     return _finish(b, kind.name, ins, outs, produced, _functions(desc, row_states=True))
+
+
+def _shared_selection(b: GraphBuilder, first: str, accepted: str, s: int, width: int) -> str:
+    """Index share at draft step s: row t of W + s attends re-anchor row min(t, a)'s top-k (rows
+    t <= a ARE the re-anchor rows: theirs is exact) plus the draft positions c+a+1 .. c+a+s (the
+    op ignores those after the row). first [B, W, K] -> [B, W + s, K + s]."""
+    with b.scope("index_share"):
+        a = b.unsqueeze(accepted, [1])                                                      # [B, 1]
+        src = b.op("Min", b.const(np.arange(width + s)[None, :], np.int64), a)               # [B, W+s]
+        shape = b.concat([b.shape_of(src), b.shape_of(first, 2, 3)], 0)
+        picked = b.op("GatherElements", first, b.op("Expand", b.unsqueeze(src, [2]), shape), axis=1)
+        drafts = b.op("Add", b.op("Add", b.unsqueeze(c.CONTEXT_LENS, [1]), a),
+                      b.const(np.arange(1, s + 1)[None, :], np.int64))                     # [B, s]
+        extra = b.op("Expand", b.unsqueeze(drafts, [1]), b.concat([b.shape_of(src), b.const([s], np.int64)], 0))
+        return b.concat([picked, extra], -1)
 
 
 def _compacted(b: GraphBuilder, ids: str, hidden: str, accepted: str, drafts: list[str], chain: list[str],

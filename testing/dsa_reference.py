@@ -59,8 +59,10 @@ class NextNReference:
         d = argmax(shared_head.head(g[last]))                     (vLLM's DeepSeek MTP: the layer's own head)
 
     Draft step s > 0 appends the row (d_s, g_{s-1}) and runs again (k drafts from the one layer:
-    transformers' MtpLayer chaining, post-norm hidden). transformers 5.24 builds no MTP model for
-    these configs (no `num_mtp_layers`), so its generate(use_mtp=True) path does not apply."""
+    transformers' MtpLayer chaining, post-norm hidden). With index share, the draft rows of steps
+    s > 0 attend the top-k step 0 chose for the last prompt row plus the draft positions, in place
+    of the indexer's own choice. transformers 5.24 builds no MTP model for these configs (no
+    `num_mtp_layers`), so its generate(use_mtp=True) path does not apply."""
 
     def __init__(self, target, model_dir):
         import copy
@@ -102,8 +104,33 @@ class NextNReference:
 
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.own[name]
 
-    def rows(self, tokens, hidden):
-        """tokens [T] (t_{i+1}), hidden [T, H] (h_i or g) -> (g [T, H], logits [T, V]) over positions 0..T-1."""
+    def rows(self, tokens, hidden, share=None):
+        """tokens [T] (t_{i+1}), hidden [T, H] (h_i or g) -> (g [T, H], logits [T, V], the indexer's
+        top-k [T, K]) over positions 0..T-1. share = (rows P, top-k [K]): rows >= P attend those
+        positions and the rows P .. themselves instead of the indexer's choice."""
+        import torch
+
+        seen = []
+
+        def pick(_module, _inputs, out):
+            seen.append(out[0])
+            if share is None:
+                return None
+            p, first = share
+            t = out.shape[1]
+            rows = [out[0, i] for i in range(p)]                                                # own choice
+            rows += [torch.cat([first.to(out.dtype), torch.arange(p, t, dtype=out.dtype)]) for _ in range(p, t)]
+            width = max(len(r) for r in rows)          # a repeated position counts once in the mask
+            return torch.stack([torch.cat([r, r[:1].expand(width - len(r))]) for r in rows])[None]
+
+        hook = self.layer.self_attn.indexer.register_forward_hook(pick)
+        try:
+            g, logits = self._rows(tokens, hidden)
+        finally:
+            hook.remove()
+        return g, logits, seen[0]
+
+    def _rows(self, tokens, hidden):
         import torch
 
         with torch.no_grad():
@@ -118,16 +145,18 @@ class NextNReference:
             g = self._norm(y, "shared_head.norm.weight")[0]
             return g, g @ self.own["shared_head.head.weight"].T
 
-    def drafts(self, tokens: list[int], k: int) -> tuple[int, list[int]]:
+    def drafts(self, tokens: list[int], k: int, index_share: bool = False) -> tuple[int, list[int]]:
         """(the target's next token t_P, drafts d_1..d_k) after `tokens`."""
         import torch
 
         with torch.no_grad():
             h = self.target.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
             nxt = int(self.target.lm_head(h[-1]).argmax())
-        ids, hidden, out = list(tokens[1:]) + [nxt], h, []
+        ids, hidden, out, share = list(tokens[1:]) + [nxt], h, [], None
         for _ in range(k):
-            g, logits = self.rows(ids, hidden)
+            g, logits, picked = self.rows(ids, hidden, share)
+            if index_share and share is None:
+                share = len(ids), picked[-1]
             out.append(int(logits[-1].argmax()))
             ids, hidden = ids + [out[-1]], torch.cat([hidden, g[-1:]])
         return nxt, out

@@ -8,12 +8,15 @@ rows as n + 1 plain decode steps."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
 from tandem.checkpoint.mla_specs import INDEX_KEYS, LATENT
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
+from tandem.pipeline.engine import Engine
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.dsa_reference import NextNReference, load_target
@@ -34,13 +37,16 @@ GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def dsa(tmp_path_factory):
-    """kind -> (checkpoint folder, engine dir)."""
+    """kind -> (checkpoint folder, engine dir); "no_share": deepseek_v32 built with index share off."""
     root = tmp_path_factory.mktemp("dsa_engines")
     out = {}
     for kind in ("deepseek_v32", "glm_moe_dsa"):
         write_tiny_checkpoint(root / kind, kind)
         build_engines(root / kind, root / f"{kind}.engines", OPTIONS, show_progress=False)
         out[kind] = (root / kind, root / f"{kind}.engines")
+    build_engines(root / "deepseek_v32", root / "no_share.engines", replace(OPTIONS, index_share=False),
+                  show_progress=False)
+    out["no_share"] = (root / "deepseek_v32", root / "no_share.engines")
     return out
 
 
@@ -64,27 +70,37 @@ def test_plain_greedy_tokens_and_logits_equal_transformers(dsa, kind, monkeypatc
     np.testing.assert_allclose(np.stack(logits), torch.cat(want.logits).numpy(), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("kind,round_kind", [("deepseek_v32", "unified"), ("glm_moe_dsa", "multi")])
-def test_drafts_of_every_round_equal_the_nextn_reference(dsa, monkeypatch, kind, round_kind):
+@pytest.mark.parametrize("kind,round_kind,share", [("deepseek_v32", "unified", True), ("no_share", "unified", False),
+                                                   ("glm_moe_dsa", "multi", False)])
+def test_drafts_of_every_round_equal_the_nextn_reference(dsa, monkeypatch, kind, round_kind, share):
     """k = 2 drafts per round from the one NextN layer (its own latent and indexer caches, own head),
-    on every round of generations that pass top-k: == the torch reference's full recomputation."""
+    on every round of generations that pass top-k: == the torch reference's full recomputation.
+    Index share (the unified round's default: drafts a round graph made; the first round after a
+    prefill drafts with head calls, which score every step) and the multi-call rounds."""
     folder, engines = dsa[kind]
     torch.set_num_threads(1)
     nextn = NextNReference(load_target(folder), folder)
+    from_round = []     # per recorded round: were its drafts past d_1 made by a unified round graph?
+    real = Engine._draft
+    monkeypatch.setattr(Engine, "_draft", lambda self, seqs: from_round.extend(bool(x.ahead) for x in seqs)
+                        or real(self, seqs))
     rounds = record_drafts(monkeypatch)
     LLM(engines, EngineConfig(round=round_kind, adaptive_width=False)).generate(
         [PROMPTS[0], PROMPTS[3]], SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(rounds) >= 6 and {len(d) for _, d in rounds} == {2}
-    for tokens, drafts in rounds:
-        assert nextn.drafts(tokens[:-1], len(drafts)) == (tokens[-1], drafts), len(tokens)
+    assert any(from_round) == (round_kind == "unified")
+    for (tokens, drafts), shared in zip(rounds, from_round, strict=True):
+        want = nextn.drafts(tokens[:-1], len(drafts), index_share=share and shared)
+        assert want == (tokens[-1], drafts), len(tokens)
 
 
-@pytest.mark.parametrize("drafter,round_kind", [("wrong", "unified"), ("oracle", "unified"), ("prefix:1", "multi"),
-                                                ("heads", "unified"), ("heads", "multi")])
-def test_speculative_equals_plain_greedy(dsa, plain, monkeypatch, drafter, round_kind):
+@pytest.mark.parametrize("drafter,round_kind,engines", [
+    ("wrong", "unified", "deepseek_v32"), ("oracle", "unified", "deepseek_v32"), ("prefix:1", "multi", "deepseek_v32"),
+    ("heads", "unified", "deepseek_v32"), ("heads", "multi", "deepseek_v32"), ("heads", "unified", "no_share")])
+def test_speculative_equals_plain_greedy(dsa, plain, monkeypatch, drafter, round_kind, engines):
     if drafter != "heads":
         install_drafter(monkeypatch, drafter, {f"r{i}": out for i, out in plain.items()})
-    outputs, llm = run(dsa["deepseek_v32"][1], PROMPTS, GREEDY, EngineConfig(round=round_kind), stagger=2)
+    outputs, llm = run(dsa[engines][1], PROMPTS, GREEDY, EngineConfig(round=round_kind), stagger=2)
     assert outputs == plain
     metrics = [s.metrics for s in llm.test_sequences]
     assert sum(m.rounds for m in metrics) > 0
