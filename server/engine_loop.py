@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import queue
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 
 from tandem.pipeline.llm import LLM
@@ -64,7 +64,6 @@ class EngineLoop:
         self._stop = threading.Event()
         self._live: dict[str, _Request] = {}
         self._last_token: dict[str, float] = {}
-        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
 
     # ---- called from the event loop ----------------------------------------------------
@@ -80,7 +79,8 @@ class EngineLoop:
 
     async def submit(self, prompt, params: SamplingParams) -> tuple[str, asyncio.Queue]:
         loop = asyncio.get_running_loop()
-        req = _Request(f"cmpl-{next(self._ids)}-{int(time.time() * 1000)}", prompt, params, asyncio.Queue(), loop,
+        # random: unique across processes too (replicas behind one endpoint, server/ray_app.py)
+        req = _Request(f"cmpl-{uuid.uuid4().hex}", prompt, params, asyncio.Queue(), loop,
                        concurrent.futures.Future(), time.perf_counter())
         self._commands.put(("add", req))
         self._wake.set()
