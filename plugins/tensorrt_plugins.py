@@ -77,7 +77,7 @@ def mark_for_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
     out = onnx.ModelProto()
     out.CopyFrom(model)
     for node in out.graph.node:
-        if node.domain == TANDEM_DOMAIN and node.op_type in PLUGIN_FIELDS:
+        if node.domain == TANDEM_DOMAIN and node.op_type in PLUGIN_FIELDS and not _body_only(node):
             plugin_fields(node)  # refuse early what the plugin could not take
             name = plugin_name(node)
             n_in, n_out = PLUGIN_ARITY[name]
@@ -88,6 +88,12 @@ def mark_for_plugins(model: onnx.ModelProto) -> onnx.ModelProto:
             node.attribute.extend([onnx.helper.make_attribute("plugin_namespace", PLUGIN_NAMESPACE),
                                    onnx.helper.make_attribute("plugin_version", PLUGIN_VERSION)])
     return out
+
+
+def _body_only(node: onnx.NodeProto) -> bool:
+    """Nodes whose attributes ask for what the plugin kernel does not implement keep their function
+    body: PagedSparseAttention with select_new_rows (sparse MLA: the selection filters new rows)."""
+    return any(a.name == "select_new_rows" and a.i for a in node.attribute)
 
 
 def output_shapes(plugin: str, shapes: list[tuple]) -> list[tuple]:

@@ -40,7 +40,7 @@ def with_selections(model: onnx.ModelProto) -> tuple[onnx.ModelProto, list[str]]
 
 @pytest.fixture(scope="module", params=KINDS)
 def dsa(request, tmp_path_factory):
-    """(kind, description, target session with selections, their names, transformers model)."""
+    """(kind, description, target session with selections, their names, transformers model, checkpoint)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     kind = request.param
@@ -48,7 +48,7 @@ def dsa(request, tmp_path_factory):
     ckpt = open_checkpoint(folder)
     model, selections = with_selections(target_step(ckpt.description, Weights(ckpt)))
     reference = getattr(transformers, DSA_KINDS[kind][0]).from_pretrained(folder, dtype=torch.float32).eval()
-    yield kind, ckpt.description, session(model), selections, reference
+    yield kind, ckpt.description, session(model), selections, reference, ckpt
     torch.set_num_threads(threads)
 
 
@@ -84,7 +84,7 @@ def run_chunks(desc, sess, selections, prompts, chunk):
 
 
 def test_the_tiny_models_exercise_every_feature(dsa):
-    kind, desc, _, selections, _ = dsa
+    kind, desc, _, selections, _, _ = dsa
     reuse = [x.mixer.indexer.reuse_previous for x in desc.layers]
     assert len(selections) == reuse.count(False) and (kind == "glm_moe_dsa") == any(reuse)
     assert (desc.moe.n_group > 1) == (kind == "deepseek_v32") and not desc.norm_zero_centred
@@ -96,7 +96,7 @@ def test_target_logits_and_selections_equal_transformers(dsa, chunk):
     """Logits within 1e-4 at every row; each indexer's selected set == transformers' (positions past
     the row are masked in transformers' scores, so its top-k lists them only when the row sees
     fewer than top_k positions)."""
-    _, desc, sess, selections, reference = dsa
+    _, desc, sess, selections, reference, _ = dsa
     logits, picked = run_chunks(desc, sess, selections, PROMPTS, chunk)
     for prompt, ours, sel in zip(PROMPTS, logits, picked, strict=True):
         want, theirs = transformers_run(reference, prompt)
@@ -111,7 +111,7 @@ def test_target_logits_and_selections_equal_transformers(dsa, chunk):
 
 def test_sparsity_changes_the_output(dsa):
     """The same model attending densely gives other logits: the match above depends on top-k."""
-    _, _, _, _, reference = dsa
+    reference = dsa[4]
     want, _ = transformers_run(reference, PROMPTS[0])
     for layer in reference.model.layers:
         if getattr(layer.self_attn, "indexer", None) is not None:
@@ -124,6 +124,18 @@ def test_sparsity_changes_the_output(dsa):
                 layer.self_attn.indexer.index_topk = TOP_K
     assert np.abs(dense[:TOP_K] - want[:TOP_K]).max() < 1e-5       # rows that see <= top_k positions
     assert np.abs(dense[TOP_K:] - want[TOP_K:]).max() > 1e-2
+
+
+def test_tensorrt_keeps_the_sparse_mla_attention_as_its_function_body(dsa):
+    """The TensorRT plugin kernel ignores select_new_rows: MLA's attention nodes must not be tagged
+    for it (the parser then inlines their function body); the indexer has no plugin either."""
+    from tandem.plugins.tensorrt_plugins import mark_for_plugins
+
+    desc, ckpt = dsa[1], dsa[5]
+    marked = mark_for_plugins(target_step(desc, Weights(ckpt)))
+    attention = [n for n in marked.graph.node if n.op_type == "PagedSparseAttention"]
+    assert len(attention) == desc.num_layers
+    assert not any(a.name == "plugin_namespace" for n in marked.graph.node for a in n.attribute)
 
 
 def dequantized_copy(src, dst):
