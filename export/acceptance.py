@@ -37,7 +37,8 @@ Grammar masks (structured outputs, contract.TOKEN_BITMASK [B, W, ceil(V/32)] int
 the grammar's state after the pending token and d_1..d_i; a token whose bit is clear gets logit -1e30
 before anything above reads the logits, so t_i is the argmax / a sample of the masked distribution:
 a forbidden draft never equals t_i (rejected), and the correction or bonus token obeys the grammar.
-All-ones rows (requests without a grammar) leave the logits as they are.
+All-ones rows (requests without a grammar) leave the logits as they are, and a batch of them only
+reads the masks (an If picks the plain branch: docs/structured_outputs.md has the costs).
 
 Sampling order (pipeline/sampler.py does the same on the host): temperature, top-k, top-p on what
 top-k kept (the top token always stays); inverse-CDF over the vocabulary in id order, never past
@@ -49,12 +50,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from onnx import TensorProto
+from onnx import TensorProto, helper
 
 from tandem.contract import MIN_TEMPERATURE
 from tandem.export.builder import GraphBuilder
 
 _NEG = -1e30
+_ROW_TYPES = (TensorProto.INT64, TensorProto.BOOL)   # what acceptance reads from the logits: t_i, relaxed ok
 
 
 @dataclass(frozen=True)
@@ -115,20 +117,43 @@ def _relaxed_ok(b: GraphBuilder, logits: str, ids: str, r: Relaxed) -> str:
 
 def masked(b: GraphBuilder, logits: str, bitmask: str) -> str:
     """logits [B, W, V] with -1e30 where bit t % 32 of bitmask[b, w, t // 32] is clear."""
-    with b.scope("grammar_mask"):
-        bits = b.const((np.int64(1) << np.arange(32)).astype(np.uint32).view(np.int32))          # [32]: 1 << j
-        hit = b.op("BitwiseAnd", b.unsqueeze(bitmask, [3]), bits)                            # [B, W, M, 32]
-        allowed = b.reshape(b.op("Not", b.op("Equal", hit, b.const(0, np.int32))), [0, 0, -1])  # [B, W, 32 M]
-        allowed = b.slice(allowed, [0], b.shape_of(logits, 2, 3), [2])                        # [B, W, V]
-        return b.op("Where", allowed, logits, b.const(_NEG, np.float32))
+    bits = b.const((np.int64(1) << np.arange(32)).astype(np.uint32).view(np.int32))               # [32]: 1 << j
+    hit = b.op("BitwiseAnd", b.unsqueeze(bitmask, [3]), bits)                                   # [B, W, M, 32]
+    allowed = b.reshape(b.op("Not", b.op("Equal", hit, b.const(0, np.int32))), [0, 0, -1])      # [B, W, 32 M]
+    allowed = b.slice(allowed, [0], b.shape_of(logits, 2, 3), [2])                              # [B, W, V]
+    return b.op("Where", allowed, logits, b.const(_NEG, np.float32))
+
+
+def _under_grammar(b: GraphBuilder, logits: str, bitmask: str | None, rows, types: tuple[int, ...]) -> list[str]:
+    """rows(builder, logits) -> the per-row results acceptance reads ([B, W] tokens, relaxed flags), from
+    the logits masked by `bitmask`. A batch whose masks are all ones (no request has a grammar) runs the
+    If's plain branch, which never touches the masks: only small results leave either branch.
+
+        If(every word of bitmask == -1) -> rows(logits)      else -> rows(masked(logits, bitmask))
+    """
+    if bitmask is None:
+        return rows(b, logits)
+    flat = b.reshape(bitmask, [-1])
+    all_on = b.op("And", *(b.op("Equal", b.op(r, flat, keepdims=1), b.const([-1], np.int32))
+                           for r in ("ReduceMin", "ReduceMax")))
+    branches = []
+    for name, mask in (("plain", False), ("masked", True)):
+        sub = GraphBuilder(function=True, root=f"grammar_{name}")   # verify_body builds acceptance once per graph
+        outs = rows(sub, masked(sub, logits, bitmask) if mask else logits)
+        branches.append(helper.make_graph(sub.nodes, f"grammar_{name}", [], [
+            helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, types)]))
+    out = b.op("If", all_on, outputs=len(types), then_branch=branches[0], else_branch=branches[1])
+    return [out] if isinstance(out, str) else list(out)
 
 
 def greedy(b: GraphBuilder, logits: str, ids: str, relaxed: Relaxed | None = None,
            bitmask: str | None = None) -> tuple[str, str]:
+    def rows(g: GraphBuilder, lg: str) -> list[str]:
+        return [g.op("ArgMax", lg, axis=-1, keepdims=0), *([_relaxed_ok(g, lg, ids, relaxed)] if relaxed else [])]
+
     with b.scope("accept_greedy"):
-        logits = masked(b, logits, bitmask) if bitmask else logits
-        also = _relaxed_ok(b, logits, ids, relaxed) if relaxed else None
-        return _compare(b, b.op("ArgMax", logits, axis=-1, keepdims=0), ids, also)   # t_i: [B, W]
+        tokens, *also = _under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)])
+        return _compare(b, tokens, ids, also[0] if also else None)   # t_i: [B, W]
 
 
 def _filtered_probs(b: GraphBuilder, scaled: str, top_k: str, top_p: str) -> str:
@@ -163,16 +188,18 @@ def _inverse_cdf(b: GraphBuilder, probs: str, uniforms: str) -> str:
 
 def sampled(b: GraphBuilder, logits: str, ids: str, temperature: str, top_k: str, top_p: str,
             uniforms: str, relaxed: Relaxed | None = None, bitmask: str | None = None) -> tuple[str, str]:
-    with b.scope("accept_sampled"):
-        logits = masked(b, logits, bitmask) if bitmask else logits
-        f32 = lambda v: b.const(v, np.float32)  # noqa: E731
-        is_sampled = b.op("GreaterOrEqual", temperature, f32(MIN_TEMPERATURE))    # [B]
-        t = b.unsqueeze(b.op("Where", is_sampled, temperature, f32(1.0)), [1, 2])
-        probs = _filtered_probs(b, b.op("Div", logits, t), top_k, top_p)          # [B, W, V]
-        drawn = _inverse_cdf(b, probs, uniforms)                                  # [B, W]
-        best = b.op("ArgMax", logits, axis=-1, keepdims=0)
-        tokens = b.op("Where", b.unsqueeze(is_sampled, [1]), drawn, best)          # t_i: [B, W]
-        also = None
-        if relaxed:  # greedy rows only
-            also = b.op("And", _relaxed_ok(b, logits, ids, relaxed), b.unsqueeze(b.op("Not", is_sampled), [1]))
-        return _compare(b, tokens, ids, also)
+    def rows(g: GraphBuilder, lg: str) -> list[str]:
+        f32 = lambda v: g.const(v, np.float32)  # noqa: E731
+        is_sampled = g.op("GreaterOrEqual", temperature, f32(MIN_TEMPERATURE))    # [B]
+        t = g.unsqueeze(g.op("Where", is_sampled, temperature, f32(1.0)), [1, 2])
+        probs = _filtered_probs(g, g.op("Div", lg, t), top_k, top_p)              # [B, W, V]
+        drawn = _inverse_cdf(g, probs, uniforms)                                  # [B, W]
+        best = g.op("ArgMax", lg, axis=-1, keepdims=0)
+        tokens = g.op("Where", g.unsqueeze(is_sampled, [1]), drawn, best)          # t_i: [B, W]
+        if not relaxed:
+            return [tokens]
+        return [tokens, g.op("And", _relaxed_ok(g, lg, ids, relaxed), g.unsqueeze(g.op("Not", is_sampled), [1]))]
+
+    with b.scope("accept_sampled"):   # relaxed: greedy rows only
+        tokens, *also = _under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)])
+        return _compare(b, tokens, ids, also[0] if also else None)
