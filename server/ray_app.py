@@ -231,7 +231,7 @@ class Gateway:
                 return await _error(send, 429, "too many requests queued for the replicas; retry shortly",
                                     "rate_limit_error", {"retry-after": "1"})
             finally:
-                stream.cancel()   # a no-op when finished; else (the client left) the replica aborts the request
+                stream.cancel()   # a no-op when finished; Serve cancels it too when the client leaves
         await _error(send, 503, f"no replica could serve the request: {RETRIES + 1} replicas stopped while it "
                                 f"waited ({type(died).__name__}); retry shortly", "server_error", {"retry-after": "1"})
 

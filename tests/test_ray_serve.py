@@ -155,6 +155,28 @@ def test_new_requests_go_to_the_replica_not_busy_with_a_long_one(ray_url):
     assert served == {long.replica: 1, shorts[0]: len(shorts)}, served   # from the replicas' own counters
 
 
+def test_a_client_that_hangs_up_mid_stream_frees_its_sequence_on_the_replica(ray_url):
+    def aggregate() -> dict:
+        text = httpx.get(f"{ray_url}/metrics").text
+        return {s.name + json.dumps(s.labels, sort_keys=True): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    aborted = 'tandem_requests_total{"status": "aborted"}'
+    before = aggregate().get(aborted, 0)
+    with httpx.stream("POST", f"{ray_url}/v1/completions", json=body("hang up", LONG, stream=True), timeout=30) as r:
+        lines = r.iter_lines()
+        while not next(lines).startswith("data: {"):
+            pass
+    # the proxy cancels the gateway, the gateway its call to the replica, the replica's app sees a disconnect
+    for _ in range(100):
+        now = aggregate()
+        if now.get(aborted, 0) == before + 1 and now["tandem_kv_pages_in_use{}"] == 0:
+            break
+        time.sleep(0.1)
+    assert now.get(aborted, 0) == before + 1 and now["tandem_kv_pages_in_use{}"] == 0, now
+    assert now["tandem_running_requests{}"] == 0
+
+
 def test_errors_and_limits_are_those_of_the_single_process_server(ray_url):
     url = f"{ray_url}/v1/completions"
     r = httpx.post(url, json={**body("x", 2), "model": "other"})
