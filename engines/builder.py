@@ -35,6 +35,7 @@ from tandem.engines.manifest import (
     FORMAT_VERSION,
     MANIFEST,
     ManifestError,
+    family_chat_formats,
     file_sha256,
     read_manifest,
     write_manifest,
@@ -206,6 +207,7 @@ def _manifest(ckpt, options: BuildOptions, backend, fp: dict, records: list[dict
         "versions": backend.versions(),
         "model": summarize(ckpt, None if options.no_mtp else options.spec_k),
         "description": description_to_dict(desc),
+        "chat_formats": family_chat_formats(desc.architecture),   # the server's tool-call / reasoning parsing
         "options": options.to_json(),
         "fingerprint": fp,
         "runtime": {"page_size": options.page_size, "max_seq_len": options.max_seq_len,

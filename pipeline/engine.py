@@ -68,7 +68,7 @@ class EngineStats:
     accepted: int = 0
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
-    phase_seconds: dict[str, float] = field(default_factory=dict)   # prefill/draft/verify/commit/reanchor/decode
+    phase_seconds: dict[str, float] = field(default_factory=dict)  # prefill/draft/grammar/verify/commit/reanchor/decode
 
     @property
     def host_share(self) -> float:
