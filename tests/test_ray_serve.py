@@ -300,3 +300,12 @@ def test_bad_ray_options_are_refused_with_the_fix():
         build({"replicas": "2"})
     with pytest.raises(ValueError, match="unknown argument.*replica_count"):
         build({"engine_dir": "x", "replica_count": "2"})
+
+
+def test_cli_refuses_ray_flags_without_ray_and_mixed_scaling(capsys):
+    from tandem.cli import main
+
+    assert main(["serve", "engines", "--replicas", "2"]) == 1
+    assert "--replicas only apply with --ray" in capsys.readouterr().err
+    assert main(["serve", "engines", "--ray", "--replicas", "2", "--min-replicas", "1", "--max-replicas", "2"]) == 1
+    assert "not both" in capsys.readouterr().err
