@@ -47,8 +47,8 @@ REPLICA_HEADER = "x-tandem-replica"   # which replica served a response
 RETRIED_HEADER = "x-tandem-retried"   # how many times a request was sent again after its replica died
 METRICS_PUSH_S = 0.5                  # how often a replica sends its metrics to the board
 METRICS_STALE_S = 5.0                 # a replica silent this long (dead, replaced) leaves /metrics
-_QUIET = {"enable_access_log": False}   # no log line per metrics push, routing-stats poll or relayed call
 RETRIES = 2                           # other replicas tried for a request whose replica died before it sent anything
+_QUIET = {"enable_access_log": False}  # no log line per metrics push or routing-stats poll
 
 
 @dataclass(frozen=True)
