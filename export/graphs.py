@@ -13,6 +13,9 @@
 
 Attention layers read the block table of their page group (sliding window) and the RoPE tables of
 their own (rotary_dim, theta); a graph builds one table pair per distinct RoPE among its layers.
+Sparse-MLA layers (MLASpec: DeepSeek-V3.2, GLM-5) run export/mla.py's piece instead; every
+attention layer's new rows are named by its cache specs (K/V, or latent and index keys), and a
+layer that reuses the previous layer's top-k (GLM-5 "shared") attends the last indexer's selection.
 
 Dtypes follow the contract for the export dtype: the trunk and heads run in it (float32 or
 float16); logits leave the lm_head as float32, so acceptance and drafting compare float32.
