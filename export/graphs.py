@@ -86,7 +86,8 @@ def attention_layer(b: GraphBuilder, desc: ModelDescription, spec: AttentionSpec
                     ) -> tuple[str, dict[str, str], str | None]:
     """Attention of layer `layer` (trunk index, or mtp_layer_name(j)) on its pools -> (output, the new
     rows by pool name (its cache specs'), the top-k it attended for the next layer to reuse or None).
-    `selected`: the previous layer's top-k (sparse MLA layers that reuse it: GLM-5 "shared")."""
+    `selected` [B, W, K]: the top-k a sparse-MLA layer attends in place of its own indexer's: the
+    previous layer's (GLM-5 "shared" layers) or the first draft step's (index share)."""
     pools = {s.name: c.pool_input(s, layer) for s in spec.cache_specs()}
     if isinstance(spec, MLASpec):
         cos, sin = paging.rope(spec)
@@ -100,7 +101,7 @@ def attention_layer(b: GraphBuilder, desc: ModelDescription, spec: AttentionSpec
     return out, {KEY: k, VALUE: v}, None
 
 
-def new_rows_outputs(spec, layer: int | str, rows: dict[str, str]) -> dict[str, str]:
+def new_rows_outputs(spec: AttentionSpec | MLASpec, layer: int | str, rows: dict[str, str]) -> dict[str, str]:
     """The contract's output name of each new-rows tensor of attention layer `layer`."""
     return {c.pool_output(s, layer): rows[s.name] for s in spec.cache_specs()}
 
