@@ -6,8 +6,8 @@
 
 - EngineReplica owns one pipeline: LLM + EngineLoop inside `create_app`, the app of `tandem serve`,
   run in-process. Handlers, errors, auth, limits and metric names are that app's; nothing here
-  re-implements them. It reports its load to the router (`record_routing_stats`) and fails Serve's
-  health check once its engine thread has stopped, so that Serve replaces it.
+  re-implements them. It reports its load to the router (`record_routing_stats`); if its engine
+  thread stops, the process exits (as `tandem serve` exits 1) and Serve replaces it.
 - Gateway is the HTTP ingress. It hands each request to a replica and relays the ASGI messages the
   replica's app sends back. When a replica dies, a request that has sent nothing yet is retried on
   another replica; a stream already under way ends with an OpenAI-shaped 503 error event and
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -101,7 +102,7 @@ class EngineReplica:
     async def __init__(self, engine_dir: str, settings: ServerSettings, config: EngineConfig, board: DeploymentHandle):
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
-        self.app = create_app(LLM(engine_dir, config), settings)
+        self.app = create_app(LLM(engine_dir, config), settings, on_fatal=self._engine_stopped)
         self.loop = self.app.state.engine_loop
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()       # starts the engine thread and its watchdog
@@ -134,6 +135,13 @@ class EngineReplica:
             app.result()
         finally:
             left.set()   # the gateway stopped reading (its client left): the app sees a disconnect, aborts
+
+    def _engine_stopped(self, error: BaseException | None) -> None:
+        """The engine thread ended (where `tandem serve` exits 1): end the process now. Ray replaces
+        the replica sooner than after failed health checks (5 s against 10 s here), and the gateway
+        sends the requests that had received nothing to another replica instead of their 503."""
+        log.critical("replica %s: the engine thread stopped (%r); exiting for Ray to replace it", self.name, error)
+        os._exit(1)
 
     def record_routing_stats(self) -> dict[str, int]:
         return self.loop.load_stats()
