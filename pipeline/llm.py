@@ -26,7 +26,7 @@ from tandem.checkpoint.description import description_from_dict
 from tandem.engines.backends import get_backend
 from tandem.engines.integrity import verify_engine_dir
 from tandem.engines.manifest import MANIFEST, ManifestError, read_manifest
-from tandem.graph_kinds import GraphKind
+from tandem.graph_kinds import TARGET_STEP, GraphKind
 from tandem.pipeline.allocator import FreeList, PageGroups
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.engine import Engine, StepOutput
@@ -143,6 +143,24 @@ class LLM:
         self.grammars = Grammars(self.engine_dir / "tokenizer.json", self.desc.vocab_size, self.desc.eos_token_ids)
         self._grammar_widths: dict[int, bool] = {}   # verify width -> its engines take grammar masks
         self._ids = itertools.count()
+        self.runner.prefetch(self._first_graphs())
+
+    def _first_graphs(self) -> list[tuple[GraphKind, int]]:
+        """The engines a first greedy request calls, opened in the background from here on: the
+        target step and, with drafting, the heads that draft after its prefill and the round (or
+        verify) engine of the first width. Others (other widths, sampling) open on first use."""
+        first = [(TARGET_STEP, 1)]
+        if not (self.config.speculative and self.spec_k and self.mtp_layers):
+            return first
+        chained = self.mtp_mode == "chained"
+        drafts = min(self.spec_k, self.mtp_layers) if chained else self.spec_k
+        width = self.width_per_batch.get(1, drafts + 1)
+        first += [(GraphKind.mtp_head(j), 1) for j in (range(drafts) if chained else [0])]
+        if width > 1:
+            unified = self.engine.unified is not None and self.engine.unified.serves(width, False)
+            kind = GraphKind.round(False, not chained, width - 1) if unified else GraphKind.verify(False)
+            first.append((kind, width))
+        return first
 
     def _unified_round(self, kinds: list[GraphKind]) -> UnifiedRound | None:
         """One-call rounds where the engine dir has round graphs of the head mode drafting uses."""

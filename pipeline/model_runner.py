@@ -105,6 +105,11 @@ class ModelRunner:
         return all(name in self._binding(GraphKind.verify(s), self.batch_sizes[0], width, 1, self.fixed).inputs
                    for s in (False, True) if GraphKind.verify(s).engine_key(width) in self.files)
 
+    def prefetch(self, kinds: list[tuple[GraphKind, int]]) -> None:
+        """Have the backend open the engines of these (graph kind, rows) ahead of their first call."""
+        keys = [kind.engine_key(rows) for kind, rows in kinds]
+        self.runner.prefetch([self.files[k] for k in keys if k in self.files])
+
     def head(self, j: int, rows: list[Rows]) -> Outputs:
         return self._call(GraphKind.mtp_head(j), rows, self.head_fixed[j])
 

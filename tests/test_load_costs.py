@@ -171,3 +171,16 @@ def test_a_checker_without_run_group_is_run_bucket_by_bucket(tiny_root, tmp_path
     build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "out", SMALL, show_progress=False)
     engines = read_manifest(tmp_path / "out")["engines"]
     assert sorted(seen) == sorted(e["name"] for e in engines) and all(e["verification"]["passed"] for e in engines)
+
+
+@pytest.mark.parametrize("kind", ["qwen3_5_mtp3", "qwen3_next"])
+def test_llm_opens_in_the_background_exactly_the_engines_a_first_request_calls(engine_dirs, kind):
+    """LLM() starts opening sessions (several at once) for the target step, the drafting heads and
+    the first width's round engine; a first greedy request then opens nothing else."""
+    llm = LLM(engine_dirs[kind], EngineConfig(adaptive_width=False))
+    sessions = llm.runner.runner.sessions
+    started = set(sessions._pending) | set(sessions)
+    assert len(started) > 1
+    out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert out[0].metrics.rounds > 0                      # it drafted and verified
+    assert set(sessions) == started

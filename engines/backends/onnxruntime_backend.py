@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -207,6 +208,11 @@ class HostRunner:
     def transfers(self) -> Transfers:
         return self.memory.transfers
 
+    def prefetch(self, files: list[str]) -> None:
+        """Open these engine files' sessions in the background (the ones a first request calls),
+        so that its first calls do not open them one after the other."""
+        self.sessions.prefetch(files)
+
     def end_profiling(self) -> dict[str, Path]:
         """Engine file -> the profile json ONNX Runtime wrote for its session (profiling sessions only)."""
         return {f: Path(s.end_profiling()) for f, s in self.sessions.items()}
@@ -240,16 +246,32 @@ def _serving_files(engine_dir: Path, files: list[str]) -> dict[str, str]:
 
 
 class _Sessions(dict):
-    """Engine file -> its session, opened when first asked for; only the files given exist."""
+    """Engine file -> its session, opened when first asked for, or ahead of it in the background
+    (`prefetch`); only the files given exist."""
 
     def __init__(self, files: list[str], open_session):
         super().__init__()
         self.files, self._open = frozenset(files), open_session
+        self._pending: dict[str, Future] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def prefetch(self, files: list[str]) -> None:
+        """Start opening `files` in background threads, as many at once as there are cores: each
+        open is mostly single-threaded (reading the graph, packing its weights), and several open
+        together in less time than one after the other (docs/performance.md)."""
+        todo = [f for f in dict.fromkeys(files) if f in self.files and f not in self and f not in self._pending]
+        if not todo:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="tandem-open")
+        for f in todo:
+            self._pending[f] = self._pool.submit(self._open, f)
 
     def __missing__(self, file: str):
         if file not in self.files:
             raise KeyError(file)
-        self[file] = self._open(file)
+        pending = self._pending.pop(file, None)
+        self[file] = pending.result() if pending is not None else self._open(file)
         return self[file]
 
 

@@ -146,6 +146,9 @@ class DeviceRunner:
                                                              graph_id)
         return b
 
+    def prefetch(self, files: list[str]) -> None:
+        """The backend protocol's early open: this runner opened every engine when it was made."""
+
     def capture(self, binding: _DeviceBinding):
         return binding.run
 

@@ -75,6 +75,9 @@ class Runner:
                                                        output_shapes, fixed, backend_outputs)
         return b
 
+    def prefetch(self, files: list[str]) -> None:
+        """The backend protocol's early open: this runner opened every engine when it was made."""
+
     def capture(self, binding: _Binding):
         return binding.run
 
