@@ -198,6 +198,7 @@ class HostRunner:
         # sessions open on first use: an engine dir holds graphs a run may never call (other widths, the
         # multi-call round's next to the unified one), and each costs ~0.3 s to open
         prefix = (lambda f: f"{profile_prefix}{Path(f).stem}") if profile_prefix else (lambda f: None)
+        _ensure_global_pool(threads)   # here, before prefetch may open sessions in several threads at once
         opened = _serving_files(Path(engine_dir), files)
         self.sessions = _Sessions(files, lambda f: session(Path(engine_dir) / opened[f], threads, prefix(f),
                                                            optimized=opened[f] != f))
