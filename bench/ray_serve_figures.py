@@ -110,7 +110,7 @@ def main() -> int:
 
     print(f"load average before: {os.getloadavg()}")
     single_tps, single_ttft = single_process(args.engine_dir, args.streams, args.tokens)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="warning")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve.start(http_options={"host": "127.0.0.1", "port": port})

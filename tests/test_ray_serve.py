@@ -1,6 +1,7 @@
 """tandem on Ray Serve (server/ray_app.py): two replicas of the tiny engines on a local Ray instance
 started here, driven over HTTP through the gateway. One Ray instance for the module (~20 s to start
-Ray and load both replicas); the failover test kills a replica and runs last."""
+Ray and load both replicas, never a cluster already running here); the failover test kills a replica
+and is the last to use Ray."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def ray_url(engine_dirs):
     term = signal.getsignal(signal.SIGTERM)    # ray.init installs its own
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="warning")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="warning")
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
