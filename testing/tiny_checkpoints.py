@@ -28,7 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from tandem.checkpoint.families import FAMILIES
-from tandem.testing.tiny_dsa import DSA_KINDS, dsa_config, finish_tensors
+from tandem.testing.tiny_dsa import DSA_BENCH_KINDS, DSA_KINDS, dsa_config, finish_tensors
 from tandem.testing.tokenizer_files import SPECIAL_TOKENS, save_tokenizer, train_byte_level_bpe
 
 _TEXT = dict(
@@ -248,7 +248,7 @@ def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype
     if kind in STEP3P5_KINDS or BENCH_KINDS.get(kind, ("",))[0] in STEP3P5_KINDS:
         config, per_expert, shards = step3p5_config(dtype, kind), False, 1
         shapes = stored_shapes(config)
-    elif kind in DSA_KINDS:  # the Hub's per-expert tensors
+    elif kind in DSA_KINDS or kind in DSA_BENCH_KINDS:  # the Hub's per-expert tensors
         config, shards = dsa_config(kind, dtype), 1
         shapes = stored_shapes(config, per_expert=True)
     else:
@@ -259,7 +259,7 @@ def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype
     rng = np.random.default_rng(seed)
     tensors = {name: _init(name, shape, rng).astype(np.float32).astype(np_dtype)
                for name, shape in sorted(shapes.items())}
-    if kind in DSA_KINDS:
+    if kind in DSA_KINDS or kind in DSA_BENCH_KINDS:
         tensors = finish_tensors(kind, tensors, rng)
     if STEP3P5_KINDS.get(kind):  # each NextN head's own lm head := the target's
         for canonical, src in _family_sources(config).items():
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write a tiny random checkpoint (no download).")
     parser.add_argument("out", help="folder to write")
     parser.add_argument("--kind", choices=sorted(TINY_KINDS) + sorted(STEP3P5_KINDS) + sorted(DSA_KINDS)
-                        + sorted(BENCH_KINDS),
+                        + sorted(BENCH_KINDS) + sorted(DSA_BENCH_KINDS),
                         default="qwen3_5_mtp3")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)

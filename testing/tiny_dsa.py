@@ -39,12 +39,22 @@ DSA_KINDS = {
     "glm_moe_dsa": ("GlmMoeDsaForCausalLM", "glm_moe_dsa", _GLM, False),
     "deepseek_v32_fp8": ("DeepseekV32ForCausalLM", "deepseek_v32", _DEEPSEEK, True),
 }
+# Benchmark kinds (bench/pipeline.py --kinds deepseek_v32_150m; never written by tests). deepseek_v32_150m:
+# 125M trunk + 36M NextN, hidden 768, 8 layers (dense 0, MoE 1-7 with 8 experts in 4 groups), MLA 8 heads
+# with q LoRA 384, kv LoRA 256, nope 64 + rope 32, v 64, indexer 16 x 64 keeping the top 16, vocab 32000
+DSA_BENCH_KINDS = {
+    "deepseek_v32_150m": ("DeepseekV32ForCausalLM", "deepseek_v32", dict(
+        _DEEPSEEK, vocab_size=32000, hidden_size=768, intermediate_size=2048, moe_intermediate_size=384,
+        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=8, n_group=4, topk_group=2, q_lora_rank=384,
+        kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, index_topk=16, index_head_dim=64),
+        False),
+}
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 def dsa_config(kind: str, dtype: str = "float32") -> dict:
     """config.json of a tiny DSA checkpoint, in the Hub's key names (rope_scaling, first_k_dense_replace)."""
-    arch, model_type, overrides, fp8 = DSA_KINDS[kind]
+    arch, model_type, overrides, fp8 = {**DSA_KINDS, **DSA_BENCH_KINDS}[kind]
     config = dict(_DSA, **overrides, architectures=[arch], model_type=model_type, dtype=dtype)
     if fp8:
         config["quantization_config"] = dict(FP8_QUANTIZATION)
@@ -84,7 +94,7 @@ def finish_tensors(kind: str, tensors: dict[str, np.ndarray], rng: np.random.Gen
     n = config["num_hidden_layers"]
     for j in range(config["num_nextn_predict_layers"]):
         out[f"model.layers.{n + j}.embed_tokens.weight"] = out["model.embed_tokens.weight"].copy()
-    if DSA_KINDS[kind][3]:
+    if {**DSA_KINDS, **DSA_BENCH_KINDS}[kind][3]:
         for name in [x for x in out if quantized_in_fp8(x, out[x].shape)]:
             out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(out[name].astype(np.float32))
     return out
