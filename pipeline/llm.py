@@ -225,8 +225,6 @@ class LLM:
             if self.config.synthetic_acceptance is not None:
                 raise RequestError(params.grammar.field, "structured outputs cannot run with synthetic_acceptance "
                                    "(it accepts drafts whatever the grammar says): serve without it")
-            # engines built before grammar masks verify without them: such requests decode without drafting
-            speculative = speculative and all(self._masks_at(w) for w in self.verify_widths if w <= k + 1)
         limit = self.max_seq_len - (k + 1 if speculative else 1)
         if len(ids) + params.max_tokens > limit:
             raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -239,19 +237,25 @@ class LLM:
                                f"memory holds {capacity}; raise memory_budget_bytes")
         return CheckedRequest(ids, speculative, k if speculative else 0, k_fixed)
 
-    def _masks_at(self, width: int) -> bool:
-        if width not in self._grammar_widths:
-            self._grammar_widths[width] = self.runner.verify_has(contract.TOKEN_BITMASK, width)
-        return self._grammar_widths[width]
+    def _masks_up_to(self, width: int) -> bool:
+        """Whether the verify engines up to `width` take grammar masks (engines built before them do not).
+        Asks the engines' bindings: call from the engine's thread (add_request), not a request handler's."""
+        for w in sorted(x for x in self.verify_widths if x <= width):
+            if w not in self._grammar_widths:
+                self._grammar_widths[w] = self.runner.verify_has(contract.TOKEN_BITMASK, w)
+        return all(self._grammar_widths[w] for w in self.verify_widths if w <= width)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
         """Queue a request (ValueError, naming the field, if check_request refuses it)."""
         params = params or SamplingParams()
         req = self.check_request(prompt, params)
+        speculative, k = req.speculative, req.k
+        if params.grammar is not None and speculative and not self._masks_up_to(k + 1):
+            speculative, k = False, 0   # verify engines without grammar masks: decode without drafting
         seq = Sequence(request_id or f"req-{next(self._ids)}", req.ids, params,
-                       IncrementalDetokenizer(self.tokenizer, params.stop), self.page_size, req.speculative,
-                       req.k, req.k_fixed)
+                       IncrementalDetokenizer(self.tokenizer, params.stop), self.page_size, speculative,
+                       k, req.k_fixed)
         if params.grammar is not None:
             seq.grammar = self.grammars.matcher(params.grammar)
         self.scheduler.add(seq)
