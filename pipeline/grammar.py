@@ -54,6 +54,10 @@ class GrammarSpec:
     def json_schema(cls, schema: dict | bool, field: str = "response_format") -> GrammarSpec:
         if not isinstance(schema, (dict, bool)):
             raise RequestError(field, f"{field}: a JSON schema must be an object, got {type(schema).__name__}")
+        if schema is False:
+            raise RequestError(field, f"{field}: the schema false allows no output at all; send a schema some "
+                                      "JSON value satisfies")
+        schema = {} if schema is True else schema   # true: any JSON value
         return cls("json_schema", json.dumps(schema), field)   # key order kept: properties come out in it
 
     def llguidance_grammar(self) -> str:

@@ -174,6 +174,9 @@ def test_bad_grammars_are_refused_naming_the_field(grammars):
         grammars.compile(GrammarSpec.json_schema({"type": "objectx"}))
     with pytest.raises(RequestError, match="guided_regex.*does not compile"):
         grammars.compile(GrammarSpec("regex", "a(b", field="guided_regex"))
+    with pytest.raises(RequestError, match="allows no output"):
+        GrammarSpec.json_schema(False)
+    assert grammars.compile(GrammarSpec.json_schema(True))        # any JSON value
     with pytest.raises(RequestError, match="grammar kind"):
         GrammarSpec("yaml", "x")
     with pytest.raises(RequestError, match="empty"):
