@@ -17,9 +17,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tandem.pipeline.llm import LLM
-from tandem.pipeline.sampling_params import SamplingParams
 from tandem.server.app import ServerSettings
+
+from .test_server import Live
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install 'tandem[ray]' (the test extra has it)")
 serve = pytest.importorskip("ray.serve")
@@ -50,9 +50,15 @@ def ray_url(engine_dirs):
 
 
 @pytest.fixture(scope="module")
-def offline(engine_dirs):
-    llm = LLM(engine_dirs["qwen3_5_mtp3"])
-    return lambda prompts, n: llm.generate(prompts, SamplingParams(max_tokens=n, ignore_eos=True))
+def single(engine_dirs):
+    """The single-process server on the same engine dir (tandem serve without --ray): prompts, n ->
+    the texts it answers, one request after the other."""
+    with Live(engine_dirs["qwen3_5_mtp3"]) as server:
+        def texts(prompts: list[str], n: int) -> list[str]:
+            out = [httpx.post(f"{server.url}/v1/completions", json=body(p, n), timeout=60) for p in prompts]
+            assert all(r.status_code == 200 for r in out), [r.text for r in out]
+            return [r.json()["choices"][0]["text"] for r in out]
+        yield texts
 
 
 def body(prompt: str, n: int, stream: bool = False) -> dict:
@@ -115,9 +121,9 @@ class Stream(threading.Thread):
         return self
 
 
-def test_two_replicas_match_offline_greedy_and_share_the_load(ray_url, offline):
+def test_two_replicas_match_the_single_process_server_and_share_the_load(ray_url, single):
     prompts = [f"def f{i}(x):" if i % 2 else f"The number {i} is" for i in range(16)]
-    refs = offline(prompts, 16)
+    refs = single(prompts, 16)
     before = requests_by_replica(ray_url)
 
     async def one(client: httpx.AsyncClient, i: int):
@@ -135,7 +141,7 @@ def test_two_replicas_match_offline_greedy_and_share_the_load(ray_url, offline):
             return await asyncio.gather(*(one(client, i) for i in range(16)))
 
     results = asyncio.run(all16())
-    assert [text for _, text in results] == [ref.text for ref in refs]   # token for token, every request
+    assert [text for _, text in results] == refs                   # token for token, every request
     served = wait_for_counts(ray_url, before, 16)
     assert len(served) == 2 and sum(served.values()) == 16, served   # both replicas served requests
     assert {replica for replica, _ in results} == set(served)
@@ -196,7 +202,7 @@ def test_errors_and_limits_are_those_of_the_single_process_server(ray_url):
     assert httpx.get(f"{ray_url}/v1/models").json()["data"][0]["id"] == "tiny"
 
 
-def test_a_killed_replica_fails_its_streams_clearly_and_is_replaced(ray_url, offline):
+def test_a_killed_replica_fails_its_streams_clearly_and_is_replaced(ray_url, single):
     first = Stream(ray_url, "stream 0", LONG).begin()
     second = Stream(ray_url, "stream 1", LONG).begin()
     assert first.replica != second.replica           # the least loaded replica takes the next request
@@ -219,13 +225,13 @@ def test_a_killed_replica_fails_its_streams_clearly_and_is_replaced(ray_url, off
     text, error = sse_text(doomed.lines)
     assert error is not None and error["code"] == 503 and "replica" in error["message"], doomed.lines[-3:]
     assert doomed.lines[-1] == "data: [DONE]"
-    refs = offline(["stream 0", "stream 1", "stream 2", "not streamed"], LONG)
+    refs = single(["stream 0", "stream 1", "stream 2", "not streamed"], LONG)
     for stream, ref in zip((first, second, third), refs):
         if stream is not doomed:                      # the other replica's streams are untouched
-            assert sse_text(stream.lines) == (ref.text, None)
+            assert sse_text(stream.lines) == (ref, None)
     r = waiting["r"]                                  # died on the victim before sending anything: retried
     assert r.status_code == 200 and r.headers.get(RETRIED_HEADER) == "1", (r.status_code, r.headers)
-    assert r.json()["choices"][0]["text"] == refs[3].text
+    assert r.json()["choices"][0]["text"] == refs[3]
 
     while True:                                       # Ray replaces the replica
         engine = serve.status().applications[APP_NAME].deployments["TandemEngine"]
@@ -235,14 +241,14 @@ def test_a_killed_replica_fails_its_streams_clearly_and_is_replaced(ray_url, off
         assert time.monotonic() - killed < 60, (engine, replicas)
         time.sleep(0.2)
 
-    ref = offline(["after"], 8)[0]
+    ref = single(["after"], 8)[0]
 
     async def four():                                 # in flight together: two on each replica
         async with httpx.AsyncClient(base_url=ray_url, timeout=30) as client:
             return await asyncio.gather(*(client.post("/v1/completions", json=body("after", 8)) for _ in range(4)))
 
     after = asyncio.run(four())
-    assert all(r.status_code == 200 and r.json()["choices"][0]["text"] == ref.text for r in after)
+    assert all(r.status_code == 200 and r.json()["choices"][0]["text"] == ref for r in after)
     assert {r.headers[REPLICA_HEADER] for r in after} == replicas   # the replacement serves too
 
 
