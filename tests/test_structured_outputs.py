@@ -218,6 +218,18 @@ def test_every_output_validates_and_speculative_greedy_equals_plain(shipped, mod
         assert sum(r.metrics.accepted for r in runs[True, 0.0]) > 0
 
 
+def test_a_grammar_request_in_the_batch_leaves_the_others_unchanged(shipped):
+    """Rows without a grammar get all-ones masks inside the masked branch: their tokens are plain greedy
+    decoding's (speculative, one round call with the grammar request)."""
+    llm = LLM(shipped, EngineConfig(adaptive_width=False))
+    free = SamplingParams(max_tokens=40, ignore_eos=True)
+    alone = llm.generate(CODE_PROMPTS[:2], SamplingParams(max_tokens=40, ignore_eos=True, speculative=False))
+    grammar = SamplingParams(max_tokens=40, grammar=GrammarSpec.json_schema(SCHEMAS["nested"]))
+    mixed = llm.generate(CODE_PROMPTS[:3], [free, free, grammar])
+    assert [r.token_ids for r in mixed[:2]] == [r.token_ids for r in alone]
+    assert mixed[2].metrics.rounds > 0
+
+
 def test_engines_without_the_mask_input_run_grammar_requests_without_drafting(tiny_root, tmp_path, monkeypatch):
     """An engine dir built before grammar masks: a grammar request decodes plainly (valid output,
     no verify rounds) instead of verifying drafts the grammar never saw."""
