@@ -78,7 +78,7 @@ def _is_graph_kind(name) -> bool:
 
 def family_chat_formats(architecture: str) -> dict:
     """What the model's family declares (CHAT_FORMATS): {"tool_calls": format or None, "reasoning": ...}."""
-    from tandem.checkpoint.families import FAMILIES   # here: the manifest reader stays light to import
+    from tandem.checkpoint.families import FAMILIES  # here: the manifest reader stays light to import
 
     module = FAMILIES.get(architecture)
     return dict(getattr(module, "CHAT_FORMATS", {}).get(architecture, {"tool_calls": None, "reasoning": None}))
