@@ -1,7 +1,8 @@
 """The model-family registry: one dict from config.json `architectures[0]` to the family
 module. Each family module exports the same names: FAMILY, ARCHITECTURES (architecture ->
 (model_type, text-weight prefix, text-config key)), IGNORED_PREFIXES, text_config(),
-mtp_layout(text_cfg), describe(), sources(desc, per_expert). Optional: BLOCK_FP8 (the family reads
+mtp_layout(text_cfg), describe(), sources(desc, per_expert), CHAT_FORMATS (architecture -> the tool-call
+and reasoning formats the server parses, docs/structured_outputs.md). Optional: BLOCK_FP8 (the family reads
 DeepSeek's fp8 block-quantized releases) and unused_tensors(desc) (stored names that may be present
 and are never read)."""
 
