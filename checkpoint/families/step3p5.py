@@ -57,9 +57,10 @@ ARCHITECTURES = {
     "Step3p7ForConditionalGeneration": ("step3p7", "model.", "text_config"),
 }
 IGNORED_PREFIXES = ("vision_model.", "vit_large_projector.")
-# chat formats the server parses: <think> reasoning; the tool-call syntax is not known here (transformers
-# 5.24 ships no template or parser for it), so tool calls are refused rather than guessed
-CHAT_FORMATS = {arch: {"tool_calls": None, "reasoning": "think"} for arch in ARCHITECTURES}
+# chat formats the server parses: <think> reasoning (Step-3.5's template opens the span, the model writes
+# only </think>); tool calls in the XML form of Qwen3-Coder / Qwen3.5 (<tool_call><function=name>
+# <parameter=key>value</parameter></function></tool_call>), which Step-3.5-Flash's own parsers read
+CHAT_FORMATS = {arch: {"tool_calls": "qwen3_xml", "reasoning": "think"} for arch in ARCHITECTURES}
 LAYER_TYPES = ("full_attention", "sliding_attention")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # canonical -> stored name pieces, applied in order after the layer index is mapped
