@@ -77,6 +77,32 @@ class PagedState:
         return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
 
 
+def prefilled(desc: ModelDescription, target: ort.InferenceSession, prompts: list[list[int]]
+              ) -> tuple[PagedState, np.ndarray]:
+    """Pools after one padded prefill call over `prompts` (committed), and each prompt's greedy next token."""
+    state = PagedState(desc, len(prompts))
+    ids = np.zeros((len(prompts), max(map(len, prompts))), np.int64)
+    rows = np.array([len(p) for p in prompts], np.int64)
+    for b, p in enumerate(prompts):
+        ids[b, : len(p)] = p
+    out = state.run(target, {c.INPUT_IDS: ids, c.STATE_ROWS: rows})
+    state.commit(out, rows)
+    return state, np.array([out[c.LOGITS][b, rows[b] - 1].argmax() for b in range(len(prompts))])
+
+
+def function_body_graphs(folder) -> tuple[ModelDescription, ort.InferenceSession, ort.InferenceSession,
+                                          ort.InferenceSession]:
+    """(description, target step, greedy verify, sampled verify) of a checkpoint, exported and run
+    as their function bodies (no lowering)."""
+    from tandem.checkpoint import open_checkpoint
+    from tandem.export.graphs import target_step, verify_step
+    from tandem.export.layers import Weights
+
+    ckpt = open_checkpoint(folder)
+    w, d = Weights(ckpt), ckpt.description
+    return d, session(target_step(d, w)), session(verify_step(d, w, False)), session(verify_step(d, w, True))
+
+
 def grammar_off(shape: tuple[int, int], vocab_size: int) -> dict[str, np.ndarray]:
     """The verify graphs' grammar mask for ids of `shape`, every token allowed."""
     return {c.TOKEN_BITMASK: np.full((*shape, c.mask_words(vocab_size)), -1, np.int32)}

@@ -10,16 +10,13 @@ import onnx
 import pytest
 
 from tandem import contract as c
-from tandem.checkpoint import open_checkpoint
-from tandem.export.graphs import target_step, verify_step
-from tandem.export.layers import Weights
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.relaxed import RelaxedRows
 from tandem.pipeline.request_checks import RequestError
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
 from tandem.testing.acceptance_reference import accept
 
-from .paged_driver import PagedState, relaxed_off, session
+from .paged_driver import function_body_graphs, prefilled, relaxed_off
 from .pipeline_fixtures import GREEDY, install_drafter, run
 
 K = 3
@@ -28,22 +25,11 @@ PROMPTS = [[5, 17, 33, 200, 7, 64, 91], [9, 120, 77, 301, 15], [44, 3, 250, 8, 1
 
 @pytest.fixture(scope="module")
 def graphs(tiny_root):
-    ckpt = open_checkpoint(tiny_root / "qwen3_5_mtp1")
-    w = Weights(ckpt)
-    d = ckpt.description
-    return d, session(target_step(d, w)), session(verify_step(d, w, False)), session(verify_step(d, w, True))
+    return function_body_graphs(tiny_root / "qwen3_5_mtp1")
 
 
 def _prefilled(desc, target):
-    state = PagedState(desc, len(PROMPTS))
-    n = max(map(len, PROMPTS))
-    ids = np.zeros((len(PROMPTS), n), np.int64)
-    rows = np.array([len(p) for p in PROMPTS], np.int64)
-    for b, p in enumerate(PROMPTS):
-        ids[b, : len(p)] = p
-    out = state.run(target, {c.INPUT_IDS: ids, c.STATE_ROWS: rows})
-    state.commit(out, rows)
-    return state, np.array([out[c.LOGITS][b, rows[b] - 1].argmax() for b in range(len(PROMPTS))])
+    return prefilled(desc, target, PROMPTS)
 
 
 def _logits(desc, target, ids):

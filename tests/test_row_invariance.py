@@ -18,7 +18,7 @@ from tandem import contract as c
 from tandem.checkpoint import open_checkpoint
 from tandem.engines.backends.onnxruntime_backend import session
 
-from .paged_driver import PagedState
+from .paged_driver import PagedState, prefilled
 
 PROMPTS = [[5, 17, 33, 200, 7, 64, 91], [9, 120, 77, 301, 15]]
 ROWS = 4
@@ -34,15 +34,7 @@ def _opened(engine_dir: Path, name: str):
 
 
 def _prefilled(desc, target) -> tuple[PagedState, np.ndarray]:
-    state = PagedState(desc, len(PROMPTS))
-    n = max(map(len, PROMPTS))
-    ids = np.zeros((len(PROMPTS), n), np.int64)
-    rows = np.array([len(p) for p in PROMPTS], np.int64)
-    for b, p in enumerate(PROMPTS):
-        ids[b, : len(p)] = p
-    out = state.run(target, {c.INPUT_IDS: ids, c.STATE_ROWS: rows})
-    state.commit(out, rows)
-    return state, np.array([out[c.LOGITS][b, rows[b] - 1].argmax() for b in range(len(PROMPTS))])
+    return prefilled(desc, target, PROMPTS)
 
 
 def test_each_row_of_a_call_equals_the_decode_step_bit_for_bit(engine_dir, tiny_root):

@@ -18,15 +18,13 @@ from tandem import contract as c
 from tandem.checkpoint import open_checkpoint
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
-from tandem.export.graphs import target_step, verify_step
-from tandem.export.layers import Weights
 from tandem.pipeline.grammar import Grammars, GrammarSpec, allowed, allowed_tokens
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.request_checks import RequestError
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.acceptance_reference import accept
 
-from .paged_driver import PagedState, session
+from .paged_driver import function_body_graphs, prefilled
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-code"
 K = 3
@@ -60,21 +58,11 @@ def _bits(vocab: int, allowed_ids) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def graphs(tiny_root):
-    ckpt = open_checkpoint(tiny_root / "qwen3_5_mtp1")
-    w = Weights(ckpt)
-    d = ckpt.description
-    return d, session(target_step(d, w)), session(verify_step(d, w, False)), session(verify_step(d, w, True))
+    return function_body_graphs(tiny_root / "qwen3_5_mtp1")
 
 
 def _prefilled(desc, target):
-    state = PagedState(desc, len(PROMPTS))
-    ids = np.zeros((len(PROMPTS), max(map(len, PROMPTS))), np.int64)
-    rows = np.array([len(p) for p in PROMPTS], np.int64)
-    for b, p in enumerate(PROMPTS):
-        ids[b, : len(p)] = p
-    out = state.run(target, {c.INPUT_IDS: ids, c.STATE_ROWS: rows})
-    state.commit(out, rows)
-    return state, np.array([out[c.LOGITS][b, rows[b] - 1].argmax() for b in range(len(PROMPTS))])
+    return prefilled(desc, target, PROMPTS)
 
 
 def _greedy_chain(desc, target):

@@ -7,12 +7,9 @@ import numpy as np
 import pytest
 
 from tandem import contract as c
-from tandem.checkpoint import open_checkpoint
-from tandem.export.graphs import target_step, verify_step
-from tandem.export.layers import Weights
 from tandem.testing.acceptance_reference import accept
 
-from .paged_driver import PagedState, session
+from .paged_driver import function_body_graphs, prefilled
 
 K = 3
 PROMPTS = [[5, 17, 33, 200, 7, 64, 91], [9, 120, 77, 301, 15], [44, 3, 250, 8, 160, 21]]
@@ -20,23 +17,7 @@ PROMPTS = [[5, 17, 33, 200, 7, 64, 91], [9, 120, 77, 301, 15], [44, 3, 250, 8, 1
 
 @pytest.fixture(scope="module", params=["qwen3_5_mtp1", "qwen3_next"])
 def graphs(request, tiny_root):
-    ckpt = open_checkpoint(tiny_root / request.param)
-    w = Weights(ckpt)
-    d = ckpt.description
-    return d, session(target_step(d, w)), session(verify_step(d, w, False)), session(verify_step(d, w, True))
-
-
-def prefilled(desc, target, prompts):
-    state = PagedState(desc, len(prompts))
-    n = max(map(len, prompts))
-    ids = np.zeros((len(prompts), n), np.int64)
-    rows = np.array([len(p) for p in prompts], np.int64)
-    for b, p in enumerate(prompts):
-        ids[b, : len(p)] = p
-    out = state.run(target, {c.INPUT_IDS: ids, c.STATE_ROWS: rows})
-    state.commit(out, rows)
-    last = np.array([out[c.LOGITS][b, rows[b] - 1].argmax() for b in range(len(prompts))])
-    return state, last
+    return function_body_graphs(tiny_root / request.param)
 
 
 def greedy_continuation(desc, target, prompts, steps):
