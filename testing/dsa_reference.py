@@ -58,11 +58,12 @@ class NextNReference:
         g = shared_head.norm(layer(x))                            causal over the rows, top-k by its indexer
         d = argmax(shared_head.head(g[last]))                     (vLLM's DeepSeek MTP: the layer's own head)
 
-    Draft step s > 0 appends the row (d_s, g_{s-1}) and runs again (k drafts from the one layer:
-    transformers' MtpLayer chaining, post-norm hidden). With index share, the draft rows of steps
-    s > 0 attend the top-k step 0 chose for the last prompt row plus the draft positions, in place
-    of the indexer's own choice. transformers 5.24 builds no MTP model for these configs (no
-    `num_mtp_layers`), so its generate(use_mtp=True) path does not apply."""
+    Draft step s > 0 appends the row (d_s, g_{s-1}) and runs again (k drafts from the one layer;
+    the post-norm hidden is chained, as transformers' MtpLayer passes it on). With index share, the
+    draft rows of steps s > 0 attend the top-k step 0 chose for the last prompt row plus the draft
+    positions, in place of the indexer's own choice. transformers 5.24 builds no MTP model for these
+    configs (no `num_mtp_layers`); tests/test_dsa_mtp_transformers.py holds step 0 to DeepSeek-V3's
+    `MtpModel` on the same weights with top-k past the context (there V3.2 is V3's dense MLA)."""
 
     def __init__(self, target, model_dir):
         import copy
@@ -147,16 +148,22 @@ class NextNReference:
 
     def drafts(self, tokens: list[int], k: int, index_share: bool = False) -> tuple[int, list[int]]:
         """(the target's next token t_P, drafts d_1..d_k) after `tokens`."""
+        nxt, out, _ = self.draft_logits(tokens, k, index_share)
+        return nxt, out
+
+    def draft_logits(self, tokens: list[int], k: int, index_share: bool = False):
+        """(t_P, drafts d_1..d_k, the logits [k, V] each draft is the argmax of) after `tokens`."""
         import torch
 
         with torch.no_grad():
             h = self.target.model(input_ids=torch.tensor([tokens])).last_hidden_state[0]
             nxt = int(self.target.lm_head(h[-1]).argmax())
-        ids, hidden, out, share = list(tokens[1:]) + [nxt], h, [], None
+        ids, hidden, out, rows, share = list(tokens[1:]) + [nxt], h, [], [], None
         for _ in range(k):
             g, logits, picked = self.rows(ids, hidden, share)
             if index_share and share is None:
                 share = len(ids), picked[-1]
             out.append(int(logits[-1].argmax()))
+            rows.append(logits[-1])
             ids, hidden = ids + [out[-1]], torch.cat([hidden, g[-1:]])
-        return nxt, out
+        return nxt, out, torch.stack(rows)
