@@ -15,7 +15,7 @@ Shared, per (block tables, context lens, window, graph pass), built before the f
 Per layer (D / Dv / Hkv / G from the layer's own tensors, static after ORT's constant folding):
 
     K, V pages --Gather(block_tables)--> [B, T, Hkv, D] --Cast fp32, Concat(new), ScatterND(new at ctx+w)
-    q [B,Hkv,G,W,D] --Pad one row--> x K^T x scale --Where(mask)--> Softmax --> x V --> drop the pad row
+    q [B,Hkv,G,W,D] --Pad one row (target layers)--> x K^T x scale --Where(mask)--> Softmax --> x V --> drop the pad row
     --> [B, W, Hq, Dv] --CastLike(query)
 
 Why by position, and why the pad row: each row's result must not depend on how many rows the
@@ -24,7 +24,9 @@ call has, so that a verify row gives bit for bit what the decode step at that po
 cross a rounding step and move a logit by 1e-2). By position, a verify row and the decode step
 see the same key at the same slot (softmax and x V sum over slots; masked slots add exact zeros).
 ONNX Runtime's MatMul with a non-constant B takes another path for a 1-row A than for 2 or more
-rows (other rounding), so every call has at least 2 query rows.
+rows (other rounding), so every call of a target layer has at least 2 query rows. The MTP heads'
+layers get no pad row: their rows only draft, and the contract does not depend on them (the pad
+cost the unified round 12% at batch 8 there).
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ _NEG = -1e30  # as the body: finite, every row sees at least itself
 @dataclass(frozen=True)
 class Shared:
     """Built once per pass and window: the visibility mask and where the new rows go."""
-    mask: str    # [B, 1, 1, W+1, T+W] bool
+    mask: str    # [B, 1, 1, W+pad, T+W] bool
     where: str   # [B, W, 2] int64: (b, ctx_b + w), ScatterND indices of the new rows
+    pad: int     # 1: one pad query row (target layers), 0: none (MTP heads' layers)
 
 
 def dense_attention_nodes(model: onnx.ModelProto) -> set[str]:
@@ -81,34 +84,35 @@ def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str]) -> tuple
         window = next((a.i for a in node.attribute if a.name == "sliding_window"), 0)
         scale = next(a.f for a in node.attribute if a.name == "scale")
         start = len(b.nodes)
-        key = (tables, ctx, window, pass_of(node))
+        pad = 0 if "/mtp/" in node.name else 1   # the heads' rows only draft: exactness needs no pad there
+        key = (tables, ctx, window, pass_of(node), pad)
         if key not in masks:
-            masks[key] = _mask(b, q, kc, tables, ctx, window)
+            masks[key] = _mask(b, q, kc, tables, ctx, window, pad)
         _attention(b, node, masks[key], scale)
         out.extend(b.nodes[start:])
         lowered += 1
     return out, lowered
 
 
-def _mask(b: GraphBuilder, q: str, kc: str, tables: str, ctx: str, window: int) -> Shared:
+def _mask(b: GraphBuilder, q: str, kc: str, tables: str, ctx: str, window: int, pad: int) -> Shared:
     """The pass's key positions and mask. Keys are laid out by position (see _attention), so
     key slot j holds position j: row w (position ctx + w) sees j <= ctx + w (and ctx + w - j <
-    window). Row W is the pad row (sees everything up to ctx + W; its output is dropped)."""
+    window). With `pad`, row W is the pad row (sees everything up to ctx + W; its output is dropped)."""
     i64 = lambda x: b.const(x, np.int64)  # noqa: E731
     w_len = b.shape_of(q, 1, 2)                                                    # [1] = W
     t_len = b.op("Add", b.op("Mul", b.shape_of(tables, 1, 2), b.shape_of(kc, 1, 2)), w_len)  # [1] = P*S + W
     t = b.op("Range", i64(0), b.squeeze(t_len, [0]), i64(1))                       # [T+W]
-    w = b.op("Range", i64(0), b.op("Add", b.squeeze(w_len, [0]), i64(1)), i64(1))  # [W+1]
-    pos_q = b.op("Add", b.unsqueeze(ctx, [1]), b.unsqueeze(w, [0]))                # [B, W+1]
-    ahead = b.op("Sub", b.unsqueeze(pos_q, [2]), b.unsqueeze(t, [0, 1]))           # [B, W+1, T+W] = pos - j
+    w = b.op("Range", i64(0), b.op("Add", b.squeeze(w_len, [0]), i64(pad)), i64(1))  # [W+pad]
+    pos_q = b.op("Add", b.unsqueeze(ctx, [1]), b.unsqueeze(w, [0]))                # [B, W+pad]
+    ahead = b.op("Sub", b.unsqueeze(pos_q, [2]), b.unsqueeze(t, [0, 1]))           # [B, W+pad, T+W] = pos - j
     mask = b.op("GreaterOrEqual", ahead, i64(0))
     if window > 0:
         mask = b.op("And", mask, b.op("Less", ahead, i64(window)))
-    new_pos = b.slice(pos_q, [0], [-1], [1])                                       # [B, W]: the new rows' positions
+    new_pos = b.slice(pos_q, [0], [-1], [1]) if pad else pos_q                     # [B, W]: the new rows' positions
     batch = b.op("Expand", b.unsqueeze(b.op("Range", i64(0), b.squeeze(b.shape_of(ctx, 0, 1), [0]), i64(1)), [1]),
                  b.shape_of(new_pos))                                              # [B, W]
     where = b.concat([b.unsqueeze(batch, [2]), b.unsqueeze(new_pos, [2])], 2)      # [B, W, 2] = (b, ctx_b + w)
-    return Shared(b.unsqueeze(mask, [1, 2]), where)                                # mask [B, 1, 1, W+1, T+W]
+    return Shared(b.unsqueeze(mask, [1, 2]), where, pad)                           # mask [B, 1, 1, W+pad, T+W]
 
 
 def _attention(b: GraphBuilder, node: onnx.NodeProto, shared: Shared, scale: float) -> None:
@@ -127,12 +131,14 @@ def _attention(b: GraphBuilder, node: onnx.NodeProto, shared: Shared, scale: flo
     g = b.op("Div", b.shape_of(q, 2, 3), hkv)
     q5 = b.op("Transpose", b.reshape(f32(q), b.concat([i64([0, 0]), hkv, g, b.shape_of(q, 3, 4)], 0)),
               perm=[0, 2, 3, 1, 4])                                                # [B, Hkv, G, W, D]
-    q5 = b.op("Pad", q5, i64([0, 0, 0, 0, 0, 0, 0, 0, 1, 0]))                     # [B, Hkv, G, W+1, D]
+    if shared.pad:
+        q5 = b.op("Pad", q5, i64([0, 0, 0, 0, 0, 0, 0, 0, 1, 0]))                 # [B, Hkv, G, W+1, D]
     k5 = b.unsqueeze(b.op("Transpose", rows(kc, k), perm=[0, 2, 3, 1]), [2])       # [B, Hkv, 1, D, T+W]
     v5 = b.unsqueeze(b.op("Transpose", rows(vc, v), perm=[0, 2, 1, 3]), [2])       # [B, Hkv, 1, T+W, Dv]
     scores = b.op("Mul", b.op("MatMul", q5, k5), b.const(np.float32(scale)))
     probs = b.op("Softmax", b.op("Where", shared.mask, scores, b.const(np.float32(_NEG))), axis=-1)
-    out = b.slice(b.op("MatMul", probs, v5), [0], [-1], [3])                       # drop the pad row
+    out = b.op("MatMul", probs, v5)
+    out = b.slice(out, [0], [-1], [3]) if shared.pad else out                      # drop the pad row
     out = b.op("Transpose", out, perm=[0, 3, 1, 2, 4])                             # [B, W, Hkv, G, Dv]
     out = b.reshape(out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
     b.op("CastLike", out, q, outputs=[node.output[0]], name=node.name + "/output")
