@@ -37,6 +37,7 @@ from transformers.generation import candidate_generator  # noqa: E402
 from tandem.testing.dsa_reference import NextNReference, load_target  # noqa: E402
 
 PROMPT = [5, 17, 33, 200, 7, 90, 12, 14, 150, 61, 8, 9, 30, 41]
+ACCEPTING = [89, 172, 220, 33, 53, 76, 359, 114, 25]    # the target accepts one of its drafts
 NEW_TOKENS = 16
 TOP_K = 64          # > len(PROMPT) + NEW_TOKENS: every visible position is selected
 
@@ -99,10 +100,11 @@ def test_v3_and_its_mtp_model_load_every_tensor_but_the_indexer(models, mtp_load
     assert mtp.shared_head is main.lm_head and mtp.embed_tokens is main.model.embed_tokens
 
 
-def test_nextn_reference_equals_generate_use_mtp_every_round(models, mtp_loads, monkeypatch):
-    """Each round of transformers' generate(use_mtp=True) (its MTP cache over the rounds): the target's
-    token and the draft == NextNReference recomputed on the V3.2 model from that round's sequence,
-    logits within 1e-4; the output == the V3.2 model's plain greedy."""
+@pytest.mark.parametrize("prompt,accepted", [(PROMPT, 0), (ACCEPTING, 1)])
+def test_nextn_reference_equals_generate_use_mtp_every_round(models, mtp_loads, monkeypatch, prompt, accepted):
+    """Each round of transformers' generate(use_mtp=True) (its MTP cache over the rounds, two new rows
+    after an accepted draft): the target's token and the draft == NextNReference recomputed on the V3.2
+    model from that round's sequence, logits within 1e-4; the output == the V3.2 model's plain greedy."""
     main, _, nextn, _, _ = models
     rounds = []
     real = candidate_generator.MTPCandidateGenerator.get_candidates
@@ -115,11 +117,13 @@ def test_nextn_reference_equals_generate_use_mtp_every_round(models, mtp_loads, 
 
     monkeypatch.setattr(candidate_generator.MTPCandidateGenerator, "get_candidates", record)
     with torch.no_grad():
-        out = main.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True)
-        plain = nextn.target.generate(torch.tensor([PROMPT]), max_new_tokens=NEW_TOKENS, do_sample=False)
+        out = main.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, use_mtp=True)
+        plain = nextn.target.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False)
     assert len(mtp_loads) == 1 and not mtp_loads[0].unexpected_keys     # generate loaded the MtpModel itself
-    assert out[0].tolist() == plain[0].tolist() and out.shape[1] == len(PROMPT) + NEW_TOKENS
+    assert out[0].tolist() == plain[0].tolist() and out.shape[1] == len(prompt) + NEW_TOKENS
     assert len(rounds) >= NEW_TOKENS // 2 and max(len(c) for c, _, _ in rounds) <= TOP_K
+    lengths = [len(c) for c, _, _ in rounds]
+    assert sum(b - a - 1 for a, b in zip(lengths, lengths[1:])) == accepted, "tiny checkpoint changed? re-pick"
     for committed, drafts, logits in rounds:
         nxt, ours, our_logits = nextn.draft_logits(committed[:-1], 1)
         assert (nxt, ours) == (committed[-1], drafts), len(committed)
