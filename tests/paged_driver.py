@@ -90,6 +90,24 @@ def prefilled(desc: ModelDescription, target: ort.InferenceSession, prompts: lis
     return state, np.array([out[c.LOGITS][b, rows[b] - 1].argmax() for b in range(len(prompts))])
 
 
+def run_in_chunks(state: PagedState, sess: ort.InferenceSession, prompts: list[list[int]], chunk: int,
+                  outputs: tuple[str, ...] = (c.LOGITS,)) -> dict[str, list[np.ndarray]]:
+    """Feed the prompts `chunk` rows per call (a padded batch), committing each call's rows: output
+    name -> per prompt, that output's rows over the whole prompt ([len(prompt), ...])."""
+    got = {name: [[] for _ in prompts] for name in outputs}
+    for lo in range(0, max(map(len, prompts)), chunk):
+        rows = np.array([max(0, min(chunk, len(p) - lo)) for p in prompts], np.int64)
+        ids = np.zeros((len(prompts), chunk), np.int64)
+        for b, p in enumerate(prompts):
+            ids[b, : rows[b]] = p[lo: lo + rows[b]]
+        out = state.run(sess, {c.INPUT_IDS: ids, c.STATE_ROWS: np.maximum(rows, 1)})
+        state.commit(out, rows)
+        for name in outputs:
+            for b in range(len(prompts)):
+                got[name][b].append(out[name][b, : rows[b]])
+    return {name: [np.concatenate(x) for x in per_prompt] for name, per_prompt in got.items()}
+
+
 def function_body_graphs(folder) -> tuple[ModelDescription, ort.InferenceSession, ort.InferenceSession,
                                           ort.InferenceSession]:
     """(description, target step, greedy verify, sampled verify) of a checkpoint, exported and run

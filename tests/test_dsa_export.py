@@ -19,7 +19,7 @@ from tandem.export.primitives import Weights
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 from tandem.testing.tiny_dsa import DSA_KINDS
 
-from .paged_driver import PagedState, session
+from .paged_driver import PagedState, run_in_chunks, session
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -67,20 +67,9 @@ def transformers_run(reference, prompt: list[int]) -> tuple[np.ndarray, list[np.
 def run_chunks(desc, sess, selections, prompts, chunk):
     """Feed the prompts `chunk` rows per step (padded batch) -> each prompt's logits [P, V] and
     selections per indexer [P, top_k]."""
-    state = PagedState(desc, len(prompts), pages_per_seq=8)
-    logits, picked = [[] for _ in prompts], [[[] for _ in selections] for _ in prompts]
-    for lo in range(0, max(map(len, prompts)), chunk):
-        rows = np.array([max(0, min(chunk, len(p) - lo)) for p in prompts], np.int64)
-        ids = np.zeros((len(prompts), chunk), np.int64)
-        for b, p in enumerate(prompts):
-            ids[b, : rows[b]] = p[lo: lo + rows[b]]
-        out = state.run(sess, {c.INPUT_IDS: ids, c.STATE_ROWS: np.maximum(rows, 1)})
-        state.commit(out, rows)
-        for b in range(len(prompts)):
-            logits[b].append(out[c.LOGITS][b, : rows[b]])
-            for j, name in enumerate(selections):
-                picked[b][j].append(out[name][b, : rows[b]])
-    return [np.concatenate(x) for x in logits], [[np.concatenate(s) for s in p] for p in picked]
+    got = run_in_chunks(PagedState(desc, len(prompts), pages_per_seq=8), sess, prompts, chunk,
+                        (c.LOGITS, *selections))
+    return got[c.LOGITS], [[got[name][b] for name in selections] for b in range(len(prompts))]
 
 
 def test_the_tiny_models_exercise_every_feature(dsa):

@@ -21,7 +21,7 @@ from tandem.export.layers import Weights
 from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, GraphKind
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
-from .paged_driver import PagedState, session
+from .paged_driver import PagedState, run_in_chunks, session
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.models.step3p7")
@@ -102,18 +102,7 @@ def _transformers_logits(target, prompt):
 
 def _run(desc, sess, prompts, chunk):
     """Feed the prompts `chunk` rows per step (padded batch) and return each prompt's logits."""
-    state = WindowedState(desc, len(prompts), pages_per_seq=8)
-    logits = [[] for _ in prompts]
-    for lo in range(0, max(map(len, prompts)), chunk):
-        rows = np.array([max(0, min(chunk, len(p) - lo)) for p in prompts], np.int64)
-        ids = np.zeros((len(prompts), chunk), np.int64)
-        for b, p in enumerate(prompts):
-            ids[b, : rows[b]] = p[lo: lo + rows[b]]
-        out = state.run(sess, {c.INPUT_IDS: ids, c.STATE_ROWS: np.maximum(rows, 1)})
-        state.commit(out, rows)
-        for b in range(len(prompts)):
-            logits[b].append(out[c.LOGITS][b, : rows[b]])
-    return [np.concatenate(x) for x in logits]
+    return run_in_chunks(WindowedState(desc, len(prompts), pages_per_seq=8), sess, prompts, chunk)[c.LOGITS]
 
 
 @pytest.mark.parametrize("chunk", [max(map(len, PROMPTS)), 1], ids=["prefill", "decode"])
