@@ -72,6 +72,23 @@ def run(engine_dir, prompts, params=GREEDY, config=None, stagger: int = 0):
     return {i: s.output_ids() for i, s in seqs.items()}, llm
 
 
+def after_one_round(monkeypatch, engine_dir, prompt, plain_tokens, n_right: int, max_tokens: int = 12):
+    """A speculative LLM after its first verify round, whose test-double drafter had the first
+    `n_right` drafts right (of `plain_tokens`, the plain greedy output), and a plain LLM decoded to
+    the same committed length: (spec LLM, its sequence, plain LLM, its sequence)."""
+    install_drafter(monkeypatch, f"prefix:{n_right}", {"x": plain_tokens})
+    spec = LLM(engine_dir)
+    seq = spec.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id="x")
+    while seq.metrics.rounds == 0:
+        spec.step()
+    assert seq.metrics.accepted == n_right and seq.committed == len(prompt) + n_right + 1
+    base = LLM(engine_dir)
+    other = base.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative=False))
+    while other.committed < seq.committed:
+        base.step()
+    return spec, seq, base, other
+
+
 def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
     """Wrap Engine._draft (the real drafter still runs): every round's (tokens when it drafted,
     ending with the pending token; its drafts), per sequence."""

@@ -22,7 +22,7 @@ from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.dsa_reference import NextNReference, load_target
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
-from .pipeline_fixtures import install_drafter, record_drafts, record_logits, run
+from .pipeline_fixtures import after_one_round, install_drafter, record_drafts, record_logits, run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -133,17 +133,7 @@ def test_commit_of_n_accepted_equals_n_plus_one_decode_steps(dsa, plain, monkeyp
     equal those a fresh prefill of the same tokens writes (incremental re-anchoring == recomputation)."""
     engines = dsa["deepseek_v32"][1]
     prompt = PROMPTS[3]
-    install_drafter(monkeypatch, f"prefix:{n_right}", {"x": plain[3]})
-    spec = LLM(engines)
-    seq = spec.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True), request_id="x")
-    while seq.metrics.rounds == 0:
-        spec.step()
-    assert seq.metrics.accepted == n_right and seq.committed == len(prompt) + n_right + 1
-
-    base = LLM(engines)
-    other = base.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True, speculative=False))
-    while other.committed < seq.committed:
-        base.step()
+    spec, seq, base, other = after_one_round(monkeypatch, engines, prompt, plain[3], n_right)
     page = spec.page_size
     for layer in base.runner.trunk_kv:
         assert set(base.pools.paged[layer]) == {LATENT, INDEX_KEYS}

@@ -12,7 +12,7 @@ from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
-from .pipeline_fixtures import install_drafter, record_drafts
+from .pipeline_fixtures import after_one_round, record_drafts
 
 PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3], [44, 3]]
 
@@ -41,17 +41,7 @@ def test_commit_of_n_accepted_rows_equals_n_decode_steps(engine_dirs, monkeypatc
     path = engine_dirs["qwen3_5_mtp3"]
     plain = LLM(path)
     ref = plain.generate([PROMPTS[1]], SamplingParams(max_tokens=8, ignore_eos=True, speculative=False))[0].token_ids
-    install_drafter(monkeypatch, f"prefix:{n_right}", {"x": ref})
-    spec = LLM(path)
-    seq = spec.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True), request_id="x")
-    while seq.committed < len(PROMPTS[1]) or seq.metrics.rounds == 0:
-        spec.step()
-    assert seq.metrics.accepted == n_right and seq.committed == len(PROMPTS[1]) + n_right + 1
-
-    base = LLM(path)
-    other = base.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True, speculative=False))
-    while other.committed < seq.committed:
-        base.step()
+    spec, seq, base, other = after_one_round(monkeypatch, path, PROMPTS[1], ref, n_right, max_tokens=8)
     for i, states in spec.pools.states.items():
         np.testing.assert_allclose(states["recurrent"][seq.slot], base.pools.states[i]["recurrent"][other.slot],
                                    atol=1e-5)

@@ -16,7 +16,7 @@ from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
-from .pipeline_fixtures import OPTIONS, install_drafter, record_drafts, record_logits, run
+from .pipeline_fixtures import OPTIONS, after_one_round, install_drafter, record_drafts, record_logits, run
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -139,17 +139,7 @@ def test_commit_of_n_accepted_equals_n_plus_one_decode_steps_and_a_fresh_prefill
     writes: incremental previous-head anchoring == full recomputation."""
     engines = step["step3p5"][1]
     prompt = PROMPTS[3]
-    install_drafter(monkeypatch, f"prefix:{n_right}", {"x": plain[3]})
-    spec = LLM(engines)
-    seq = spec.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True), request_id="x")
-    while seq.metrics.rounds == 0:
-        spec.step()
-    assert seq.metrics.accepted == n_right and seq.committed == len(prompt) + n_right + 1
-
-    base = LLM(engines)
-    other = base.add_request(prompt, SamplingParams(max_tokens=12, ignore_eos=True, speculative=False))
-    while other.committed < seq.committed:
-        base.step()
+    spec, seq, base, other = after_one_round(monkeypatch, engines, prompt, plain[3], n_right)
     page = spec.page_size
     for layer in base.runner.trunk_kv:
         window = base.desc.layers[layer].mixer.window
