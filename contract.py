@@ -48,8 +48,9 @@ MIN_TEMPERATURE = 1e-5  # below it a row is greedy (as vLLM): logits / T would o
 # relaxed acceptance (export/acceptance.py): verify inputs that engines built before them lack; the
 # runtime binds them only where an engine has them (without: exact acceptance), so no version bump
 RELAXED_TOPK, RELAXED_DELTA, RELAXED_ROWS = "relaxed_topk", "relaxed_delta", "relaxed_rows"
-# grammar masks (structured outputs): a verify input of the same kind, engines built before it lack it; the runtime
-# binds it only where an engine has it and runs grammar requests without speculation elsewhere
+# grammar masks (structured outputs): a verify and MTP head input of the same kind, engines built before it lack it;
+# the runtime binds it only where an engine has it and runs grammar requests without speculation where the verify
+# engines lack it (heads without it draft unmasked)
 TOKEN_BITMASK = "token_bitmask"
 
 HIDDEN = "hidden"
@@ -228,6 +229,8 @@ def mtp_head_io(desc: ModelDescription, head: int, dtype: str = "float32") -> tu
            TensorSpec(HIDDEN_IN, dtype, ("batch", "rows", desc.hidden_size), "hidden h_i paired with each row"),
            *_paging_inputs((desc.head_cache(head),)),
            TensorSpec(LAST_ROW, "int64", ("batch",), "the row whose draft and hidden to return"),
+           TensorSpec(TOKEN_BITMASK, "int32", ("batch", "rows", mask_words(desc.vocab_size)),
+                      "grammar mask of each row; the draft is the best token last_row's allows (all ones: off)"),
            *kv_in]
     outs = [TensorSpec(DRAFT_TOKEN, "int64", ("batch",), "greedy draft at last_row"),
             TensorSpec(DRAFT_PROB, "float32", ("batch",), "the head's probability of that draft"),

@@ -124,7 +124,7 @@ def masked(b: GraphBuilder, logits: str, bitmask: str) -> str:
     return b.op("Where", allowed, logits, b.const(_NEG, np.float32))
 
 
-def _under_grammar(b: GraphBuilder, logits: str, bitmask: str | None, rows, types: tuple[int, ...]) -> list[str]:
+def under_grammar(b: GraphBuilder, logits: str, bitmask: str | None, rows, types: tuple[int, ...]) -> list[str]:
     """rows(builder, logits) -> the per-row results acceptance reads ([B, W] tokens, relaxed flags), from
     the logits masked by `bitmask`. A batch whose masks are all ones (no request has a grammar) runs the
     If's plain branch, which never touches the masks: only small results leave either branch.
@@ -152,7 +152,7 @@ def greedy(b: GraphBuilder, logits: str, ids: str, relaxed: Relaxed | None = Non
         return [g.op("ArgMax", lg, axis=-1, keepdims=0), *([_relaxed_ok(g, lg, ids, relaxed)] if relaxed else [])]
 
     with b.scope("accept_greedy"):
-        tokens, *also = _under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)])
+        tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)])
         return _compare(b, tokens, ids, also[0] if also else None)   # t_i: [B, W]
 
 
@@ -201,5 +201,5 @@ def sampled(b: GraphBuilder, logits: str, ids: str, temperature: str, top_k: str
         return [tokens, g.op("And", _relaxed_ok(g, lg, ids, relaxed), g.unsqueeze(g.op("Not", is_sampled), [1]))]
 
     with b.scope("accept_sampled"):   # relaxed: greedy rows only
-        tokens, *also = _under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)])
+        tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)])
         return _compare(b, tokens, ids, also[0] if also else None)

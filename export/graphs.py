@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import TensorProto, helper
 
 from tandem import contract as c
 from tandem.checkpoint.cache_specs import KEY, VALUE
@@ -219,7 +219,7 @@ def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: b
 def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
     ins, outs = c.mtp_head_io(desc, head, w.dtype)
     b = GraphBuilder()
-    run = head_pass(b, desc, w, head, c.INPUT_IDS, c.HIDDEN_IN, c.LAST_ROW)
+    run = head_pass(b, desc, w, head, c.INPUT_IDS, c.HIDDEN_IN, c.LAST_ROW, bitmask=c.TOKEN_BITMASK)
     produced = {c.DRAFT_TOKEN: run.draft, c.DRAFT_PROB: run.prob, c.HIDDEN_OUT: run.hidden_last,
                 c.HIDDEN_ROWS: run.hidden_rows, **head_rows_outputs(desc, head, run.rows)}
     return _finish(b, GraphKind.mtp_head(head).name, ins, outs, produced,
@@ -247,10 +247,12 @@ class HeadPass:
 
 
 def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, ids: str, hidden: str,
-              last_row: str, selected: str | None = None) -> HeadPass:
+              last_row: str, selected: str | None = None, bitmask: str | None = None) -> HeadPass:
     """Head `head` over rows (ids [B, R], hidden [B, R, H]) at positions context_lens + r, on top
     of its committed pool (contract names key_pool.mtp{j}, the page group's block table).
-    `selected` [B, R, K]: the positions a sparse-MLA head attends, its indexer skipped (index share)."""
+    `selected` [B, R, K]: the positions a sparse-MLA head attends, its indexer skipped (index share).
+    `bitmask` [B, R, words]: grammar masks; the draft is the best token last_row's mask allows, its
+    probability the masked softmax's (a batch of all-ones masks runs the plain branch)."""
     layer_name = c.mtp_layer_name(head)
     layer = desc.mtp.layers[head]
     p = f"mtp.layers.{head}."
@@ -269,11 +271,22 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
         g_last = b.op("GatherND", g, b.unsqueeze(last_row, [1]), batch_dims=1, name="last_row")    # [B, H]
     logits = _lm_head(b, w, g_last, p + "shared_head.head.weight" if desc.mtp.own_lm_head else "lm_head.weight")
     with b.scope("draft"):
-        draft = b.op("ArgMax", logits, axis=-1, keepdims=0)
-        top = b.op("ReduceMax", logits, b.const([-1], np.int64), keepdims=1)
-        denom = b.op("ReduceSum", b.op("Exp", b.op("Sub", logits, top)), b.const([-1], np.int64), keepdims=0)
-        prob = b.op("Reciprocal", denom)          # softmax probability of the argmax
+        if bitmask is None:
+            draft, prob = _greedy_draft(b, logits)
+        else:
+            mask_last = b.op("GatherND", bitmask, b.unsqueeze(last_row, [1]), batch_dims=1)     # [B, words]
+            draft, prob = acceptance.under_grammar(
+                b, b.unsqueeze(logits, [1]), b.unsqueeze(mask_last, [1]),
+                lambda g, lg: _greedy_draft(g, g.squeeze(lg, [1])), (TensorProto.INT64, TensorProto.FLOAT))
     return HeadPass(draft, prob, g_last, g, rows, picked)
+
+
+def _greedy_draft(b: GraphBuilder, logits: str) -> list[str]:
+    """logits [B, V] -> [the argmax [B], its softmax probability [B]]."""
+    draft = b.op("ArgMax", logits, axis=-1, keepdims=0)
+    top = b.op("ReduceMax", logits, b.const([-1], np.int64), keepdims=1)
+    denom = b.op("ReduceSum", b.op("Exp", b.op("Sub", logits, top)), b.const([-1], np.int64), keepdims=0)
+    return [draft, b.op("Reciprocal", denom)]
 
 
 def _head_input(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, ids: str, hidden: str) -> str:

@@ -123,6 +123,16 @@ def _next_tokens(seqs: list[Sequence], logits: np.ndarray) -> list[int]:
             for s, t, row in zip(seqs, greedy, logits)]
 
 
+def _last_row_mask(mask: np.ndarray | None, rows: int) -> np.ndarray | None:
+    """A head call's grammar masks [rows, words]: all ones but its last row, whose draft is taken
+    under `mask` (None: no grammar, nothing bound)."""
+    if mask is None:
+        return None
+    masks = np.full((rows, len(mask)), -1, np.int32)
+    masks[-1] = mask
+    return masks
+
+
 def _masked(logits: np.ndarray, bitmask: np.ndarray | None) -> np.ndarray:
     """One row of logits under the first row of a grammar's verify masks (None: as it is)."""
     if bitmask is None:
@@ -245,7 +255,11 @@ class Engine:
         for width in sorted({len(d) + 1 for d in drafts.values()}):
             group = [s for s in seqs if len(drafts[s.request_id]) + 1 == width]
             sampling = any(not s.params.greedy for s in group)
-            if self.unified and self.synthetic_acceptance is None and self.unified.serves(width, sampling):
+            # a grammar request's drafts come from the heads under its masks: the multi-call round
+            # (a unified round drafts the next round's tokens inside the graph, before the host knows them)
+            grammar = any(s.grammar is not None for s in group)
+            if self.unified and self.synthetic_acceptance is None and self.unified.serves(width, sampling) \
+                    and not grammar:
                 with self._phase("round"):
                     self.unified.run(group, self._verify_rows(group, drafts, width, masks), drafts, width, sampling)
             else:
@@ -347,6 +361,10 @@ class Engine:
             active = [s for s in seqs if len(drafts[s.request_id]) == step < limit[s.request_id]
                       and s.request_id not in stopped]
             head = step % self.mtp_layers if self.chained else 0
+            grammar = {s.request_id: s.grammar.next_mask(s.output_ids(), drafts[s.request_id])
+                       for s in active if s.grammar is not None}
+            stopped.update(rid for rid, mask in grammar.items() if mask is None)   # a draft the grammar refuses
+            active = [s for s in active if s.request_id not in stopped]
             if not active:      # (stored drafts: a sequence may start past this step)
                 continue
             rows = []
@@ -355,7 +373,8 @@ class Engine:
                 n = min(step, s.head_committed) if self.by_previous_head else step
                 context = s.head_committed - (step if self.by_previous_head else 0)
                 rows.append(Rows(ids=drafts[s.request_id][step - n :], context=context + step - n,
-                                 pages=s.table.pages, hidden=np.stack(chains[s.request_id][-n:])))
+                                 pages=s.table.pages, hidden=np.stack(chains[s.request_id][-n:]),
+                                 bitmask=_last_row_mask(grammar.get(s.request_id), n)))
             for seq, out, r in zip(active, self.runner.head(head, rows).rows(), rows):
                 if out[c.DRAFT_PROB] >= seq.params.p_min:
                     drafts[seq.request_id].append(int(out[c.DRAFT_TOKEN]))
@@ -441,7 +460,9 @@ class Engine:
                     batch.append((s, ids, h, s.head_committed))
             if not batch:
                 continue
-            rows = [Rows(ids=ids, context=first, pages=s.table.pages, hidden=h) for s, ids, h, first in batch]
+            rows = [Rows(ids=ids, context=first, pages=s.table.pages, hidden=h,
+                         bitmask=_last_row_mask(s.grammar.next_mask(s.output_ids(), []), len(ids))
+                         if j == 0 and s.grammar is not None else None) for s, ids, h, first in batch]
             outs = self.runner.head(j, rows)
             layer = c.mtp_layer_name(j)
             self.pools.write_rows([layer], outs.arrays, np.arange(len(batch)), np.array([len(r.ids) for r in rows]),

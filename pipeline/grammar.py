@@ -151,6 +151,25 @@ class Matcher:
         keep = allowed_tokens(self.fill(self._row), self.vocab_size)
         return np.where(keep[: len(logits)], logits, -np.inf).astype(logits.dtype)
 
+    def next_mask(self, output: list[int], drafts: list[int]) -> np.ndarray | None:
+        """The mask [words] of the token after output + drafts (what the next draft may be), or None
+        where a draft is not allowed or the grammar is complete before it (nothing drafted after it
+        can be kept). The drafts are consumed as draft_masks consumes them, then rolled back."""
+        self.sync(output)
+        row = np.empty(self.words, np.int32)
+        consumed = 0
+        try:
+            for d in drafts:
+                if self.ll.is_stopped() or not allowed(self.fill(row), d):
+                    return None
+                if not self.ll.consume_token(d):   # allowed, so never: a refusal would leave the matcher broken
+                    raise RuntimeError(f"the grammar refused draft {d} its own mask allows: {self.ll.get_error()}")
+                consumed += 1
+            return self.fill(row)
+        finally:
+            if consumed:
+                self.ll.rollback(consumed)
+
     def draft_masks(self, output: list[int], drafts: list[int]) -> tuple[list[int], np.ndarray]:
         """Masks of the verify rows [pending, d_1..d_k] -> (drafts, masks [k + 1, words]).
         Where the grammar allows one token only (or, once complete, only EOS) a wrong draft becomes that

@@ -42,7 +42,7 @@ class Rows:
     relaxed_topk: int = 0                  # verify: relaxed acceptance (pipeline/relaxed.py), 0 = off
     relaxed_delta: float = 0.0
     relaxed_rows: list[int] | None = None  # 1 where row i may relax
-    bitmask: np.ndarray | None = None      # verify: grammar masks [n, words] (pipeline/grammar.py), None: all allowed
+    bitmask: np.ndarray | None = None      # verify, heads: grammar masks [n, words] (pipeline/grammar.py); None: all
 
 
 @dataclass
@@ -159,8 +159,8 @@ class ModelRunner:
             width = max(len(r.ids) for r in part)
             pages = min(self.max_pages, _pow2(max(1, max(len(r.pages) for r in part))))
             binding = self._binding(graph, batch, width, pages, fixed)
-            if graph != TARGET_STEP and c.TOKEN_BITMASK not in binding.inputs and any(r.bitmask is not None
-                                                                                     for r in part):
+            if (graph != TARGET_STEP and not graph.is_head and c.TOKEN_BITMASK not in binding.inputs
+                    and any(r.bitmask is not None for r in part)):   # (a head without it drafts unmasked)
                 raise ValueError(f"{graph.name}: a grammar mask for an engine built before grammar masks; rebuild the "
                                  "engine dir (`tandem build-engines`), or run grammar requests without speculation")
             self._decode_fills.pop((graph, batch, width, pages), None)   # decode() must refill it

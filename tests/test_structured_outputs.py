@@ -24,7 +24,7 @@ from tandem.pipeline.request_checks import RequestError
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.acceptance_reference import accept
 
-from .paged_driver import function_body_graphs, prefilled
+from .paged_driver import PagedState, function_body_graphs, prefilled, session
 
 SHIPPED = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-code"
 K = 3
@@ -311,3 +311,56 @@ def test_bad_grammars_are_400_and_the_server_keeps_serving(live):
         assert r.json()["error"]["param"] == param, (extra, r.json())
     ok = _client(live).chat.completions.create(model="tiny", messages=body["messages"], max_tokens=4)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+# ---- drafts under the grammar -------------------------------------------------------------------
+
+def test_a_head_drafts_the_best_token_its_last_rows_mask_allows(tiny_root):
+    """The MTP head graph takes the draft at last_row under that row's mask: the masked argmax, with
+    the masked softmax's probability; the other rows' masks do not matter."""
+    from tandem.export.graphs import mtp_head
+    from tandem.export.layers import Weights
+
+    ckpt = open_checkpoint(tiny_root / "qwen3_5_mtp1")
+    desc = ckpt.description
+    head = session(mtp_head(desc, Weights(ckpt), 0))
+    rng = np.random.default_rng(3)
+    feeds = {c.INPUT_IDS: rng.integers(0, desc.vocab_size, (2, 3)), c.LAST_ROW: np.array([2, 1]),
+             c.HIDDEN_IN: rng.standard_normal((2, 3, desc.hidden_size)).astype(np.float32)}
+
+    def draft(masks):
+        out = PagedState(desc, 2, kv_layers=[c.mtp_layer_name(0)]).run(head, {**feeds, c.TOKEN_BITMASK: masks})
+        return out[c.DRAFT_TOKEN], out[c.DRAFT_PROB]
+
+    words = c.mask_words(desc.vocab_size)
+    free, _ = draft(np.full((2, 3, words), -1, np.int32))
+    masks = np.zeros((2, 3, words), np.int32)                 # every row but last_row forbids everything
+    for b, last in enumerate((2, 1)):
+        masks[b, last] = _bits(desc.vocab_size, set(range(desc.vocab_size)) - {int(free[b])})
+    second, _ = draft(masks)
+    assert (second != free).all() and all(allowed(masks[b, last], int(second[b])) for b, last in enumerate((2, 1)))
+    for b, last in enumerate((2, 1)):                         # one token allowed: it, with probability 1
+        masks[b, last] = _bits(desc.vocab_size, {7 + b})
+    only, p_only = draft(masks)
+    assert only.tolist() == [7, 8] and np.allclose(p_only, 1.0)
+
+
+def test_every_draft_of_a_grammar_request_is_one_its_grammar_allows(shipped, monkeypatch):
+    """Under a schema the heads draft under the request's masks, so every draft reaching the verify
+    step is allowed where it stands (the grammar's forced-token replacement is not needed)."""
+    from tandem.pipeline import grammar as grammar_module
+
+    seen, refused = [], []
+    real = grammar_module.Matcher.draft_masks
+
+    def check(self, output, drafts):
+        new, masks = real(self, output, drafts)
+        seen.append(len(drafts))
+        refused.extend((i, d) for i, d in enumerate(drafts) if not allowed(masks[i], d))
+        return new, masks
+
+    monkeypatch.setattr(grammar_module.Matcher, "draft_masks", check)
+    llm = LLM(shipped, EngineConfig(adaptive_width=False))
+    for schema in SCHEMAS.values():
+        llm.generate(CODE_PROMPTS[:2], SamplingParams(max_tokens=40, k=K, grammar=GrammarSpec.json_schema(schema)))
+    assert max(seen) == K and sum(seen) > 50 and not refused, (seen, refused[:5])
