@@ -154,9 +154,9 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, g: LinearAtten
         neg_a = w.derived(b, q + "A_log.neg_exp", lambda: (-np.exp(w.raw(q + "A_log"))).astype(np.float32))
         decay = b.op("Mul", neg_a, b.op("Softplus", b.op("Add", a_proj, w.plain(b, q + "dt_bias", np.float32))))
         with b.scope("conv"):
-            padded = b.concat([conv_state, b.op("Transpose", qkv, perm=[0, 2, 1])], 2)   # [B, C, K-1+W]
-            conv = causal_conv(b, padded, w.plain(b, q + "conv1d.weight"), g.conv_kernel, qkv)
-            mixed = f32(b.op("Transpose", silu(b, conv), perm=[0, 2, 1]))                # [B, W, C]
+            padded = b.concat([conv_state, b.op("Transpose", qkv, perm=[0, 2, 1])], 2)   # [B, C, K-1+W]: the state's
+            conv = causal_conv(b, conv_state, qkv, w.plain(b, q + "conv1d.weight"), g.conv_kernel)
+            mixed = f32(silu(b, conv))                                                     # [B, W, C]
         kd = g.key_dim
         shape_k = [0, 0, g.num_key_heads, g.key_head_dim]
         qh = b.reshape(b.slice(mixed, [0], [kd], [2]), shape_k)
@@ -175,16 +175,19 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, g: LinearAtten
     return GDNOutputs(out, outs[2] if row_states else outs[1], padded)
 
 
-def causal_conv(b: GraphBuilder, padded: str, weight: str, kernel: int, rows_of: str) -> str:
-    """Depthwise causal conv1d: padded [B, C, K-1+W], weight [C, 1, K] -> [B, C, W], each output the
-    sum over its window of K inputs. Gather + Mul + ReduceSum rather than Conv: ONNX Runtime's Conv
-    rounds a 1-position output (decode) differently from the same position among W (verify), and
-    the exactness contract needs each row's result independent of how many rows a call has."""
-    w_len = b.squeeze(b.shape_of(rows_of, 1, 2), [0])                                      # W
+def causal_conv(b: GraphBuilder, conv_state: str, x: str, weight: str, kernel: int) -> str:
+    """Depthwise causal conv1d over the state's K-1 inputs [B, C, K-1] and this call's x [B, W, C]
+    with weight [C, 1, K] -> [B, W, C]: windows gathered as [B, W, K, C] (whole C-rows), times the
+    kernel [K, C], summed over K. Not Conv: ONNX Runtime's Conv rounds a 1-position output (decode)
+    differently from the same position among W (verify), and the exactness contract needs each
+    row's result independent of how many rows a call has."""
+    rows = b.concat([b.op("Transpose", conv_state, perm=[0, 2, 1]), x], 1)                 # [B, K-1+W, C]
+    w_len = b.squeeze(b.shape_of(x, 1, 2), [0])                                            # W
     t = b.op("Range", b.const(np.array(0, np.int64)), w_len, b.const(np.array(1, np.int64)))
     idx = b.op("Add", b.unsqueeze(t, [1]), b.const(np.arange(kernel)[None, :], np.int64))  # [W, K]
-    windows = b.op("Gather", padded, idx, axis=2)                                           # [B, C, W, K]
-    return b.op("ReduceSum", b.op("Mul", windows, weight), b.const(np.array([-1], np.int64)), keepdims=0)
+    windows = b.op("Gather", rows, idx, axis=1)                                            # [B, W, K, C]
+    taps = b.op("Transpose", b.reshape(weight, [0, kernel]), perm=[1, 0])                  # [K, C]
+    return b.op("ReduceSum", b.op("Mul", windows, taps), b.const(np.array([2], np.int64)), keepdims=0)
 
 
 def l2_norm(b: GraphBuilder, x: str, dim: int) -> str:
