@@ -155,7 +155,9 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, g: LinearAtten
         decay = b.op("Mul", neg_a, b.op("Softplus", b.op("Add", a_proj, w.plain(b, q + "dt_bias", np.float32))))
         with b.scope("conv"):
             padded = b.concat([conv_state, b.op("Transpose", qkv, perm=[0, 2, 1])], 2)   # [B, C, K-1+W]: the state's
-            conv = causal_conv(b, conv_state, qkv, w.plain(b, q + "conv1d.weight"), g.conv_kernel)
+            taps = w.derived(b, q + "conv1d.weight.taps",    # [C, 1, K] -> [K, C], made here: no runtime fold
+                             lambda: w.raw(q + "conv1d.weight").reshape(g.conv_dim, g.conv_kernel).T.astype(w.np_dtype))
+            conv = causal_conv(b, conv_state, qkv, taps, g.conv_kernel)
             mixed = f32(silu(b, conv))                                                     # [B, W, C]
         kd = g.key_dim
         shape_k = [0, 0, g.num_key_heads, g.key_head_dim]
@@ -175,18 +177,17 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, g: LinearAtten
     return GDNOutputs(out, outs[2] if row_states else outs[1], padded)
 
 
-def causal_conv(b: GraphBuilder, conv_state: str, x: str, weight: str, kernel: int) -> str:
+def causal_conv(b: GraphBuilder, conv_state: str, x: str, taps: str, kernel: int) -> str:
     """Depthwise causal conv1d over the state's K-1 inputs [B, C, K-1] and this call's x [B, W, C]
-    with weight [C, 1, K] -> [B, W, C]: windows gathered as [B, W, K, C] (whole C-rows), times the
-    kernel [K, C], summed over K. Not Conv: ONNX Runtime's Conv rounds a 1-position output (decode)
-    differently from the same position among W (verify), and the exactness contract needs each
-    row's result independent of how many rows a call has."""
+    with taps [K, C] (conv1d.weight [C, 1, K] transposed) -> [B, W, C]: windows gathered as
+    [B, W, K, C] (whole C-rows), times the taps, summed over K. Not Conv: ONNX Runtime's Conv rounds
+    a 1-position output (decode) differently from the same position among W (verify), and the
+    exactness contract needs each row's result independent of how many rows a call has."""
     rows = b.concat([b.op("Transpose", conv_state, perm=[0, 2, 1]), x], 1)                 # [B, K-1+W, C]
     w_len = b.squeeze(b.shape_of(x, 1, 2), [0])                                            # W
     t = b.op("Range", b.const(np.array(0, np.int64)), w_len, b.const(np.array(1, np.int64)))
     idx = b.op("Add", b.unsqueeze(t, [1]), b.const(np.arange(kernel)[None, :], np.int64))  # [W, K]
     windows = b.op("Gather", rows, idx, axis=1)                                            # [B, W, K, C]
-    taps = b.op("Transpose", b.reshape(weight, [0, kernel]), perm=[1, 0])                  # [K, C]
     return b.op("ReduceSum", b.op("Mul", windows, taps), b.const(np.array([2], np.int64)), keepdims=0)
 
 
