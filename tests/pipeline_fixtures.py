@@ -12,6 +12,7 @@ from tandem.engines.options import BuildOptions
 from tandem.pipeline.engine import Engine
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
+from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
 GREEDY = SamplingParams(max_tokens=24, ignore_eos=True)
 OPTIONS = BuildOptions(batch_sizes=(1, 2, 4, 8), spec_k=3, prefill_chunk=8, max_seq_len=512, page_size=4)
@@ -23,6 +24,16 @@ def build_test_engines(tiny_root, tmp_path_factory) -> dict:
         path = tmp_path_factory.mktemp("engines") / kind
         build_engines(tiny_root / kind, path, OPTIONS, show_progress=False)
         out[kind] = path
+    return out
+
+
+def tiny_engines(root, kinds, options: BuildOptions) -> dict:
+    """kind -> (tiny checkpoint folder, engine dir built with `options`), written under `root`."""
+    out = {}
+    for kind in kinds:
+        write_tiny_checkpoint(root / kind, kind)
+        build_engines(root / kind, root / f"{kind}.engines", options, show_progress=False)
+        out[kind] = (root / kind, root / f"{kind}.engines")
     return out
 
 

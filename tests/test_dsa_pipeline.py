@@ -20,9 +20,8 @@ from tandem.pipeline.engine import Engine
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.dsa_reference import NextNReference, load_target
-from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
-from .pipeline_fixtures import after_one_round, install_drafter, record_drafts, record_logits, run
+from .pipeline_fixtures import after_one_round, install_drafter, record_drafts, record_logits, run, tiny_engines
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -39,11 +38,7 @@ GREEDY = SamplingParams(max_tokens=20, ignore_eos=True)
 def dsa(tmp_path_factory):
     """kind -> (checkpoint folder, engine dir); "no_share": deepseek_v32 built with index share off."""
     root = tmp_path_factory.mktemp("dsa_engines")
-    out = {}
-    for kind in ("deepseek_v32", "glm_moe_dsa"):
-        write_tiny_checkpoint(root / kind, kind)
-        build_engines(root / kind, root / f"{kind}.engines", OPTIONS, show_progress=False)
-        out[kind] = (root / kind, root / f"{kind}.engines")
+    out = tiny_engines(root, ("deepseek_v32", "glm_moe_dsa"), OPTIONS)
     build_engines(root / "deepseek_v32", root / "no_share.engines", replace(OPTIONS, index_share=False),
                   show_progress=False)
     out["no_share"] = (root / "deepseek_v32", root / "no_share.engines")

@@ -11,12 +11,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.engines.builder import build_engines
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
-from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
-from .pipeline_fixtures import OPTIONS, after_one_round, install_drafter, record_drafts, record_logits, run
+from .pipeline_fixtures import (
+    OPTIONS,
+    after_one_round,
+    install_drafter,
+    record_drafts,
+    record_logits,
+    run,
+    tiny_engines,
+)
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -32,13 +38,7 @@ PLAIN = SamplingParams(max_tokens=24, ignore_eos=True, speculative=False)
 @pytest.fixture(scope="module")
 def step(tmp_path_factory):
     """kind -> (checkpoint folder, engine dir) for the own-heads and tied-heads tiny checkpoints."""
-    root = tmp_path_factory.mktemp("step3p5")
-    out = {}
-    for kind in ("step3p5", "step3p5_tied_heads"):
-        write_tiny_checkpoint(root / kind, kind)
-        build_engines(root / kind, root / f"{kind}.engines", OPTIONS, show_progress=False)
-        out[kind] = (root / kind, root / f"{kind}.engines")
-    return out
+    return tiny_engines(tmp_path_factory.mktemp("step3p5"), ("step3p5", "step3p5_tied_heads"), OPTIONS)
 
 
 @pytest.fixture(scope="module")
