@@ -93,6 +93,11 @@ class Checkpoint:
         parts = [index.read(n) for n in src.names]
         return src.combine(parts) if src.combine else parts[0]
 
+    def release(self) -> None:
+        """Unmap the weight files read so far (build-engines: after the export, which read them all)."""
+        for index in {id(i): i for i in (self._index, self._mtp_index) if i is not None}.values():
+            index.release()
+
     def parameter_count(self, mtp: bool = False) -> int:
         """Stored parameters of the trunk (or of the MTP head), from the headers."""
         index = self._mtp_index if mtp else self._index
@@ -142,6 +147,8 @@ def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: 
     except (ConfigError, ValueError) as e:
         raise CheckpointError(problems + [f"{path / 'config.json'}: {e}. Fix config.json."]) from e
     desc = _with_generation_config(desc, path)
+    if mtp_index is not None and hasattr(family, "fit_mtp_to_tensors"):  # what only the stored names tell
+        desc = family.fit_mtp_to_tensors(desc, frozenset(mtp_index.names()))
     sources = family.sources(desc, per_expert=uses_per_expert(index.names() + (mtp_index.names() if mtp_index else [])))
     if speculative and desc.mtp is not None:
         problems += v.check_spec_k_heads(spec_k, desc.mtp)

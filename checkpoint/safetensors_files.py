@@ -210,6 +210,11 @@ class TensorIndex:
                 raise CheckpointError(f"{self.entries[name].file}: tensor {name}: {e}. {_FIX}") from e
         return self._view(name, self.entries[name])
 
+    def release(self) -> None:
+        """Drop the file mappings (a later read maps again): pages read through them count in the
+        process's RSS for as long as they stay mapped."""
+        self._maps.clear()
+
     def _view(self, name: str, e: TensorEntry) -> np.ndarray:
         dtype = _DTYPES.get(e.dtype)
         if dtype is None:

@@ -135,16 +135,26 @@ class NextNReference:
         import torch
 
         with torch.no_grad():
-            e = self.target.model.embed_tokens(torch.as_tensor(tokens)[None])
-            x = torch.cat([self._norm(e, "enorm.weight"), self._norm(hidden[None], "hnorm.weight")], -1)
-            x = x @ self.own["eh_proj.weight"].T
-            t = x.shape[1]
-            pos = torch.arange(t)[None]
-            mask = torch.full((t, t), torch.finfo(torch.float32).min).triu(1)[None, None]
-            y = self.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(x, pos))
-            y = y[0] if isinstance(y, tuple) else y          # GLM-5's layer also returns its top-k
-            g = self._norm(y, "shared_head.norm.weight")[0]
-            return g, g @ self.own["shared_head.head.weight"].T
+            g, logits = self.forward(torch.as_tensor(tokens)[None], hidden[None])
+        return g[0], logits[0]
+
+    def forward(self, tokens, hidden, positions=None, visible=None):
+        """tokens [B, T], hidden [B, T, H] -> (g [B, T, H], logits [B, T, V]), differentiable (the NextN
+        loss of tools/train_dsa_model.py). positions [T] (default 0..T-1) and visible [T, T] bool
+        (default causal) let one call hold the rows of several draft steps."""
+        import torch
+
+        e = self.target.model.embed_tokens(tokens)
+        x = torch.cat([self._norm(e, "enorm.weight"), self._norm(hidden, "hnorm.weight")], -1)
+        x = x @ self.own["eh_proj.weight"].T
+        b, t = x.shape[:2]
+        pos = (torch.arange(t) if positions is None else positions)[None]
+        visible = torch.ones(t, t, dtype=torch.bool).tril() if visible is None else visible
+        mask = torch.zeros(t, t).masked_fill(~visible, torch.finfo(torch.float32).min).expand(b, 1, t, t)
+        y = self.layer(x, attention_mask=mask, position_ids=pos, position_embeddings=self.rotary(x, pos))
+        y = y[0] if isinstance(y, tuple) else y          # GLM-5's layer also returns its top-k
+        g = self._norm(y, "shared_head.norm.weight")
+        return g, g @ self.own["shared_head.head.weight"].T
 
     def drafts(self, tokens: list[int], k: int, index_share: bool = False) -> tuple[int, list[int]]:
         """(the target's next token t_P, drafts d_1..d_k) after `tokens`."""

@@ -130,6 +130,18 @@ def test_sources_use_every_stored_tensor_exactly_once(dsa_root, kind):
     assert experts[:2] == tuple(f"model.layers.3.mlp.experts.0.{w}_proj.weight" for w in ("gate", "up"))
 
 
+def test_nextn_heads_follow_the_stored_shared_head():
+    """No NextN layer stores shared_head.head: all project with lm_head (and none is expected);
+    one does: each keeps its own, so the other's is expected (and reported missing)."""
+    d = describe(mtp_layers=2)
+    heads = ("model.layers.3.shared_head.head.weight", "model.layers.4.shared_head.head.weight")
+    shared = deepseek_dsa.fit_mtp_to_tensors(d, frozenset({"model.layers.3.shared_head.norm.weight"}))
+    assert d.mtp.own_lm_head and not shared.mtp.own_lm_head and shared.layers == d.layers
+    assert not any(".shared_head.head." in n for n in deepseek_dsa.canonical_shapes(shared))
+    assert deepseek_dsa.fit_mtp_to_tensors(d, frozenset(heads[1:])) == d
+    assert {n for s in deepseek_dsa.sources(d).values() for n in s.names} >= set(heads)
+
+
 def test_glm_shared_layer_has_no_indexer_tensors(dsa_root):
     names = set(TensorIndex.open(dsa_root / "glm_moe_dsa").names())
     assert {f"model.layers.{i}.self_attn.indexer.wk.weight" for i in (0, 2, 3)} <= names

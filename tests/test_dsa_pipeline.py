@@ -26,7 +26,7 @@ from .pipeline_fixtures import after_one_round, install_drafter, record_drafts, 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-OPTIONS = BuildOptions(batch_sizes=(1, 8), spec_k=2, prefill_chunk=8, max_seq_len=128, page_size=4)
+OPTIONS = BuildOptions(batch_sizes=(1, 8), spec_k=2, prefill_chunk=8, max_seq_len=128, page_size=4, index_share=True)
 PROMPTS = [[5, 17, 33, 200, 7, 90, 12, 14, 150, 61, 8, 9, 30, 41], [9, 120, 77], [44],
            [3, 250, 8, 160, 21, 6, 7, 99, 100, 101, 102], [300, 12, 12, 12], list(range(1, 19)), [77, 78],
            [101, 5, 9, 11, 13]]

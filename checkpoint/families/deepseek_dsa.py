@@ -12,9 +12,10 @@ Stored (Hub) -> canonical (transformers' Qwen3.5 text layout without `model.`):
         mlp.experts.{gate_up_proj,down_proj} (transformers' save)                -> stacked [E, 2I, H], [E, H, I]
     model.layers.{i}.mlp.shared_experts.*                                        -> layers.{i}.mlp.shared_expert.*
     model.layers.{N+j}.*                                                         -> mtp.layers.{j}.* (NextN head
-        j: enorm, hnorm, eh_proj, a full sparse-MLA MoE decoder layer, shared_head.{norm,head}); the
-        Hub's copy of the embedding there (`model.layers.{N+j}.embed_tokens.weight`) may be present
-        and is never read: the head embeds with the target's embed_tokens.
+        j: enorm, hnorm, eh_proj, a full sparse-MLA MoE decoder layer, shared_head.{norm,head}, the
+        head optional: without it the target's lm_head projects, see fit_mtp_to_tensors); the Hub's
+        copy of the embedding there (`model.layers.{N+j}.embed_tokens.weight`) may be present and is
+        never read: the head embeds with the target's embed_tokens.
 
 Config: transformers 5.24's form (`rope_parameters`, `mlp_layer_types`) and the Hub's
 (`rope_scaling` + `rope_theta`, `first_k_dense_replace`). What transformers computes otherwise is
@@ -24,6 +25,8 @@ RoPE is plain or YaRN. NextN layers run their own indexer (GLM-5's pattern cover
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from tandem.checkpoint.description import LayerSpec, MLPKind, ModelDescription, MoESpec, MTPSpec
 from tandem.checkpoint.families import qwen_hybrid, step3p5
@@ -213,7 +216,9 @@ def canonical_shapes(d: ModelDescription) -> dict[str, Shape]:
     for j, layer in enumerate(d.mtp.layers if d.mtp else ()):
         p = f"mtp.layers.{j}."
         out.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
-                    p + "shared_head.norm.weight": (h,), p + "shared_head.head.weight": (v, h)})
+                    p + "shared_head.norm.weight": (h,)})
+        if d.mtp.own_lm_head:  # else the head projects with the target's lm_head (fit_mtp_to_tensors)
+            out[p + "shared_head.head.weight"] = (v, h)
         out.update(layer_shapes(d, p, layer))
     return out
 
@@ -244,3 +249,17 @@ def unused_tensors(desc: ModelDescription) -> frozenset[str]:
     """Stored tensors a checkpoint may hold that are never read: each NextN layer's copy of the embedding."""
     n, heads = desc.num_layers, desc.mtp.num_layers if desc.mtp else 0
     return frozenset(f"model.layers.{n + j}.embed_tokens.weight" for j in range(heads))
+
+
+def fit_mtp_to_tensors(desc: ModelDescription, stored: frozenset[str]) -> ModelDescription:
+    """The description as the stored NextN tensors have it (config.json cannot say): when no NextN
+    layer stores `shared_head.head` (published as a copy of lm_head, so some conversions drop it),
+    every layer projects with the target's lm_head; when any does, each uses its own (and a layer
+    without one is reported missing). `stored`: the names in the folder the NextN tensors come from."""
+    if desc.mtp is None:
+        return desc
+    prefix, n = ARCHITECTURES[desc.architecture][1], desc.num_layers
+    heads = [prefix + _stored(f"mtp.layers.{j}.shared_head.head.weight", n) for j in range(desc.mtp.num_layers)]
+    if any(name in stored for name in heads):
+        return desc
+    return replace(desc, mtp=replace(desc.mtp, own_lm_head=False))
