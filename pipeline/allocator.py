@@ -25,6 +25,7 @@ apart (pipeline/pools.py plan_pools).
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Sequence
 
@@ -41,13 +42,19 @@ class OutOfMemory(Exception):
 class FreeList:
     """Items 1..size-1; freed items are handed out again first (last freed, first out), and an
     item never handed out only when none is free: the items ever used stay as few as the peak
-    number in use at once."""
+    number in use at once.
 
-    def __init__(self, size: int, what: str):
+    `lowest_first` hands out the lowest free item instead (state slots): sequences admitted
+    together then hold consecutive slots in admission order, and a decode batch whose slots are
+    consecutive has its states written by the engine straight into the pool rows
+    (ModelRunner._place_states), with no copy left for the commit."""
+
+    def __init__(self, size: int, what: str, lowest_first: bool = False):
         if size < 2:
             raise ValueError(f"need at least 2 {what}s (one is scratch), got {size}")
         self.size, self.what = size, what
-        self._freed: list[int] = []     # a stack: the end is handed out next
+        self.lowest_first = lowest_first
+        self._freed: list[int] = []     # a stack: the end is handed out next (lowest_first: a min-heap)
         self._fresh = 1                 # items >= this were never handed out
 
     @property
@@ -64,16 +71,23 @@ class FreeList:
         reused = min(n, len(freed))
         if n - reused > self.size - self._fresh:
             raise OutOfMemory(f"need {n} {self.what}(s), {self.num_free} free")
-        out = freed[len(freed) - reused :]
-        del freed[len(freed) - reused :]
-        out.reverse()                   # the top of the stack first
+        if self.lowest_first:
+            out = [heapq.heappop(freed) for _ in range(reused)]
+        else:
+            out = freed[len(freed) - reused :]
+            del freed[len(freed) - reused :]
+            out.reverse()               # the top of the stack first
         if n > reused:
             out += range(self._fresh, self._fresh + n - reused)
             self._fresh += n - reused
         return out
 
     def free(self, items: list[int]) -> None:
-        self._freed.extend(reversed(items))   # items[0] on top: a table comes back in its order
+        if self.lowest_first:
+            for item in items:
+                heapq.heappush(self._freed, item)
+        else:
+            self._freed.extend(reversed(items))   # items[0] on top: a table comes back in its order
 
 
 class BlockTable:

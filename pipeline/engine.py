@@ -25,10 +25,12 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import numpy as np
 
 from tandem import contract as c
+from tandem.graph_kinds import TARGET_STEP, GraphKind
 from tandem.pipeline.grammar import allowed_tokens
 from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
 from tandem.pipeline.pools import Pools
@@ -167,6 +169,8 @@ class Engine:
         self.lag_rows = 1 if scheduler.windowed else max(1, scheduler.prefill_chunk)
         self._lagging: dict[Sequence, tuple[int, list[int], list[np.ndarray]]] = {}  # seq -> head_committed, rows
         self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
+        self.waits_for: set[tuple[GraphKind, int]] = set()   # round engines opening from the start (_open_width)
+        self._open: set[tuple[GraphKind, int]] = set()       # round engines known to be open (_open_width)
         self.stats = EngineStats()
         self.relaxed = RelaxedRows()   # relaxed acceptance: LLM sets the engine's default and <think> markers
         self.trace: list[tuple[str, float, float]] | None = None  # (phase, start, end) when profiling
@@ -192,7 +196,9 @@ class Engine:
         if prefill:
             with self._phase("prefill"):
                 touched += self._prefill(prefill)
-        decoding = self.scheduler.decode_batch()
+        # in slot order: with slots handed out lowest first, a full batch's slots are then
+        # consecutive and the engine writes its states into their pool rows (ModelRunner._place_states)
+        decoding = sorted(self.scheduler.decode_batch(), key=attrgetter("slot"))
         spec = [s for s in decoding if s.speculative]
         plain = [s for s in decoding if not s.speculative]
         if spec:
@@ -211,7 +217,7 @@ class Engine:
     # ---- prefill -----------------------------------------------------------------------
     def _prefill(self, work: list[tuple[Sequence, int, int]]) -> list[Sequence]:
         rows = [Rows(ids=s.tokens[a:b], context=a, pages=s.table.pages, slot=s.slot) for s, a, b in work]
-        outs = self.runner.target_step(rows)
+        outs = self.runner.target_step(rows, commits=True)
         self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(len(work)),
                               np.array([b - a for _, a, b in work]), np.array([a for _, a, _ in work]),
                               [s.table.pages for s, _, _ in work])
@@ -296,7 +302,7 @@ class Engine:
         for s in [s for s in self._lagging if s.status == Status.FINISHED]:
             del self._lagging[s]
         batch = len(seqs)
-        self._width = self.width_control.width(batch)
+        self._width = self._open_width(seqs, self.width_control.width(batch))
         try:
             off = [s for s in seqs if self.round_k(s, batch) == 0]
             on = [s for s in seqs if self.round_k(s, batch) > 0]
@@ -314,6 +320,41 @@ class Engine:
                                        [s.metrics.accepted - before[s][1] for s in on])
         finally:
             self._width = None
+
+    def _open_width(self, seqs: list[Sequence], wanted: int) -> int:
+        """`wanted` when the engine its round calls is open (or is one LLM() began opening, `waits_for`:
+        the starting widths); else the widest width below it whose engine is, while `wanted`'s opens in
+        the background. So the adaptive width's probes never wait on a session open (0.1-0.6 s each, in
+        the middle of a generation); the controller is told the width the round took. Only a round
+        with no open width of its kind below (a first sampling round) waits."""
+        if wanted <= 1:
+            return wanted
+        sampling = any(not s.params.greedy for s in seqs)
+        engine = self.round_engine(wanted, sampling)
+        if engine in self._open or engine in self.waits_for or self._ready(engine, start=True):
+            return wanted
+        for width in range(wanted - 1, 1, -1):
+            if self._ready(self.round_engine(width, sampling), start=False):
+                return width
+        return wanted       # no width of this kind is open yet (a first sampling round): it waits, as it must
+
+    def _ready(self, engine: tuple[GraphKind, int], start: bool) -> bool:
+        """Asks the runner once per engine: an open one stays open (_open keeps the hot loop's check a lookup)."""
+        if engine in self._open:
+            return True
+        if self.runner.ready([engine], start=start):
+            self._open.add(engine)
+            return True
+        return False
+
+    def round_engine(self, width: int, sampling: bool) -> tuple[GraphKind, int]:
+        """The engine a round of this width calls: the unified round where the dir has it, else verify
+        (the synthetic-acceptance aid: the target step)."""
+        if self.synthetic_acceptance is not None:
+            return TARGET_STEP, width
+        if self.unified and self.unified.serves(width, sampling):
+            return self.unified.kinds[(sampling, width)], width
+        return GraphKind.verify(sampling), width
 
     def _off_round(self, seqs: list[Sequence]) -> None:
         """A plain decode step; the (new token, hidden) row the heads would re-anchor over is kept
@@ -391,10 +432,11 @@ class Engine:
         rows = self._verify_rows(seqs, drafts, width, masks)
         with self._phase("verify"):
             if self.synthetic_acceptance is None:
-                outs = self.runner.verify(rows, sampling) if width > 1 else self.runner.target_step(rows)
+                outs = (self.runner.verify(rows, sampling, commits=True) if width > 1
+                        else self.runner.target_step(rows, commits=True))
                 accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs.rows()]
                 nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else sample(_masked(o[c.LOGITS][0], r.bitmask), s.params,
-                                                                          r.uniforms[0])
+                                                                          0.0 if r.uniforms is None else r.uniforms[0])
                        for o, s, r in zip(outs.rows(), seqs, rows)]
             else:
                 accepted, nxt, outs = self._synthetic_verify(seqs, rows, width)
@@ -416,10 +458,14 @@ class Engine:
     def _verify_rows(self, seqs: list[Sequence], drafts: dict[str, list[int]], width: int,
                      masks: dict[str, np.ndarray]) -> list[Rows]:
         """[pending, d_1..d_k] per sequence with its sampling inputs and grammar masks (verify and unified rounds)."""
-        # row i decides the token at position len(tokens) + i: its uniform is that position's
-        u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
+        # row i decides the token at position len(tokens) + i: its uniform is that position's (greedy
+        # rows read none, so a greedy batch draws none)
+        u = None
+        if self.synthetic_acceptance is not None or any(not s.params.greedy for s in seqs):
+            u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
         rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
-                     slot=s.slot, uniforms=u[i], bitmask=masks.get(s.request_id), **_sampling_inputs(s.params))
+                     slot=s.slot, uniforms=None if u is None else u[i], bitmask=masks.get(s.request_id),
+                     **_sampling_inputs(s.params))
                 for i, s in enumerate(seqs)]
         self.relaxed.fill(seqs, drafts, rows)
         return rows
@@ -433,7 +479,7 @@ class Engine:
             while keep < width - 1 and r.uniforms[keep] < self.synthetic_acceptance:
                 keep += 1
             r.state_rows = keep + 1
-        outs = self.runner.target_step(rows)
+        outs = self.runner.target_step(rows, commits=True)
         accepted = [r.state_rows - 1 for r in rows]
         nxt = [int(np.argmax(o[c.LOGITS][a])) for o, a in zip(outs.rows(), accepted)]
         return accepted, nxt, outs

@@ -130,7 +130,7 @@ class LLM:
                                   self.dtype)
         self.page_groups = PageGroups(sizes.pages())    # one free list per page group (window None: full)
         self.pages = next(iter(self.page_groups.lists.values()))   # full attention's, when the model has it
-        self.slots = FreeList(sizes.num_slots, "state slot")
+        self.slots = FreeList(sizes.num_slots, "state slot", lowest_first=True)
         # heads' contexts may trail the target's by up to one row per head (previous-head anchoring)
         self.scheduler = Scheduler(self.page_groups, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"],
                                    head_lag=self.mtp_layers)
@@ -143,23 +143,23 @@ class LLM:
         self.grammars = Grammars(self.engine_dir / "tokenizer.json", self.desc.vocab_size, self.desc.eos_token_ids)
         self._grammar_widths: dict[int, bool] = {}   # verify width -> its engines take grammar masks
         self._ids = itertools.count()
-        self.runner.prefetch(self._first_graphs())
+        first = self._first_graphs()
+        self.engine.waits_for = set(first)     # a round waits for these (already opening) rather than fall back
+        self.runner.prefetch(first)
 
     def _first_graphs(self) -> list[tuple[GraphKind, int]]:
-        """The engines a first greedy request calls, opened in the background from here on: the
-        target step and, with drafting, the heads that draft after its prefill and the round (or
-        verify) engine of the first width. Others (other widths, sampling) open on first use."""
+        """The engines greedy requests call first, opened in the background from here on: the target
+        step and, with drafting, the heads that draft after a prefill and the round (or verify) engine
+        of each batch size's starting width (batch 1's first). Others open when a round first wants
+        them, in the background under the adaptive width (Engine._open_width)."""
         first = [(TARGET_STEP, 1)]
         if not (self.config.speculative and self.spec_k and self.mtp_layers):
             return first
         chained = self.mtp_mode == "chained"
         drafts = min(self.spec_k, self.mtp_layers) if chained else self.spec_k
-        width = self.width_per_batch.get(1, drafts + 1)
         first += [(GraphKind.mtp_head(j), 1) for j in (range(drafts) if chained else [0])]
-        if width > 1:
-            unified = self.engine.unified is not None and self.engine.unified.serves(width, False)
-            kind = GraphKind.round(False, not chained, width - 1) if unified else GraphKind.verify(False)
-            first.append((kind, width))
+        widths = [self.width_per_batch.get(1, drafts + 1), *sorted(set(self.width_per_batch.values()))]
+        first += [self.engine.round_engine(w, sampling=False) for w in dict.fromkeys(widths) if w > 1]
         return first
 
     def _unified_round(self, kinds: list[GraphKind]) -> UnifiedRound | None:

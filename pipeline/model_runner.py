@@ -79,6 +79,7 @@ class ModelRunner:
         self.head_fixed = {j: pools.feeds([c.mtp_layer_name(j)]) for j in range(mtp_layers)}
         # outputs only the commits read: they stay with the backend, never copied to the host
         self.backend_outputs = frozenset(pools.output_names([*pools.paged, *pools.states]))
+        self._state_pools = pools.state_outputs()   # state output name -> its pool [slots, *state]
         self.calls: dict[str, int] = {}
         self.seconds: dict[str, float] = {}     # engine time per graph kind
         self.engine_seconds = 0.0
@@ -89,15 +90,19 @@ class ModelRunner:
         self._batch_for = [next((b for b in self.batch_sizes if b >= n), None) for n in range(self.batch_sizes[-1] + 1)]
 
     # ---- public calls ------------------------------------------------------------------
-    def target_step(self, rows: list[Rows]) -> Outputs:
-        return self._call(TARGET_STEP, rows, self.fixed)
+    # `commits`: the caller commits every sequence's output states to its slot after the call (the
+    # engine does, after each call with states): the engine may then write them there itself
+    # (_place_states). Without it a call leaves the pools as they were.
+    def target_step(self, rows: list[Rows], commits: bool = False) -> Outputs:
+        return self._call(TARGET_STEP, rows, self.fixed, commits)
 
-    def verify(self, rows: list[Rows], sampling: bool) -> Outputs:
-        return self._call(GraphKind.verify(sampling), rows, self.fixed)
+    def verify(self, rows: list[Rows], sampling: bool, commits: bool = False) -> Outputs:
+        return self._call(GraphKind.verify(sampling), rows, self.fixed, commits)
 
-    def round(self, kind: GraphKind, rows: list[Rows]) -> Outputs:
+    def round(self, kind: GraphKind, rows: list[Rows], commits: bool = False) -> Outputs:
         """A unified round (export/round_graph.py): it reads the trunk's pools and every head's."""
-        return self._call(kind, rows, {**self.fixed, **{k: v for f in self.head_fixed.values() for k, v in f.items()}})
+        return self._call(kind, rows, {**self.fixed, **{k: v for f in self.head_fixed.values() for k, v in f.items()}},
+                          commits)
 
     def verify_has(self, name: str, width: int) -> bool:
         """Whether the width-`width` verify engines take input `name` (an optional one such as
@@ -110,19 +115,30 @@ class ModelRunner:
         keys = [kind.engine_key(rows) for kind, rows in kinds]
         self.runner.prefetch([self.files[k] for k in keys if k in self.files])
 
+    def ready(self, kinds: list[tuple[GraphKind, int]], start: bool = True) -> bool:
+        """Whether the engines of these (graph kind, rows) are open (an engine the dir lacks counts as
+        ready: its call fails with its own message); `start`: begin opening the others in the
+        background."""
+        files = [self.files[k] for k in (kind.engine_key(rows) for kind, rows in kinds) if k in self.files]
+        ready = self.runner.ready(files)
+        if not ready and start:
+            self.runner.prefetch(files)
+        return ready
+
     def head(self, j: int, rows: list[Rows]) -> Outputs:
         return self._call(GraphKind.mtp_head(j), rows, self.head_fixed[j])
 
     def decode(self, seqs: list) -> tuple[Outputs, dict[str, np.ndarray]]:
         """The target step of plain decoding, one new token per sequence (its last), and the inputs
-        it ran with (block tables and context lengths, for the commit). The lean path of the hot
-        loop: while the same sequences decode in the same bucket, a step writes only each row's
-        token and context, and a block-table row only when that sequence's tables changed (a new
-        page, a window release, a preemption); no per-sequence objects are made."""
+        it ran with (block tables and context lengths, for the commit, which the caller makes: its
+        states may be in their pools already, _place_states). The lean path of the hot loop: while
+        the same sequences decode in the same bucket, a step writes only each row's token and
+        context, and a block-table row only when that sequence's tables changed (a new page, a
+        window release, a preemption); no per-sequence objects are made."""
         n = len(seqs)
         if n > self.batch_sizes[-1]:        # split over several calls: the general path
             out = self.target_step([Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot)
-                                    for s in seqs])
+                                    for s in seqs], commits=True)
             return out, None
         pages = min(self.max_pages, _pow2(max(1, max(len(s.table.pages) for s in seqs))))
         key = (TARGET_STEP, self._batch_for[n], 1, pages)
@@ -144,11 +160,11 @@ class ModelRunner:
                     if c.STATE_SLOTS in buf:
                         buf[c.STATE_SLOTS][b] = s.slot
                     written[b] = (s.table.version, s.slot)
-        outputs = self._run(TARGET_STEP, binding)
+        outputs = self._run(TARGET_STEP, binding, commits=True)
         return self._first_rows(key, outputs, n), buf
 
     # ---- machinery ---------------------------------------------------------------------
-    def _call(self, graph: GraphKind, rows: list[Rows], fixed: dict) -> Outputs:
+    def _call(self, graph: GraphKind, rows: list[Rows], fixed: dict, commits: bool = False) -> Outputs:
         """Outputs as views of the bound buffers (valid until the same bucket runs again)."""
         parts = []
         largest = self.batch_sizes[-1]
@@ -165,7 +181,7 @@ class ModelRunner:
                                  "engine dir (`tandem build-engines`), or run grammar requests without speculation")
             self._decode_fills.pop((graph, batch, width, pages), None)   # decode() must refill it
             self._fill(binding.inputs, part, batch, width, pages, self._table_names(graph))
-            outputs = self._run(graph, binding)
+            outputs = self._run(graph, binding, commits)
             if not split:
                 return self._first_rows((graph, batch, width, pages), outputs, len(part))
             if not all(isinstance(a, np.ndarray) for a in outputs.values()):
@@ -175,7 +191,8 @@ class ModelRunner:
         # more sequences than the largest batch: the parts are copies (a later part may rerun the same binding)
         return Outputs({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
 
-    def _run(self, graph: GraphKind, binding) -> dict:
+    def _run(self, graph: GraphKind, binding, commits: bool = False) -> dict:
+        self._place_states(binding, commits)
         t = time.perf_counter()
         outputs = self.runner.capture(binding)()
         elapsed = time.perf_counter() - t
@@ -183,6 +200,26 @@ class ModelRunner:
         self.seconds[graph.name] = self.seconds.get(graph.name, 0.0) + elapsed
         self.calls[graph.name] = self.calls.get(graph.name, 0) + 1
         return outputs
+
+    def _place_states(self, binding, commits: bool) -> None:
+        """State outputs written straight into their pools' rows when the call's slots are
+        consecutive (batch 1 always; a batch whose rows hold slots s..s+B-1) and the caller `commits`
+        them: the commit then has nothing to copy (150M model, batch 8: 36 MB of Gated DeltaNet
+        states a step). The engine commits every output state to its slot after each call
+        (pipeline/engine.py), so writing them there during the call is that commit, made earlier; a
+        call that does not commit (a probe) keeps the binding's own buffers. A padded batch holds
+        the scratch slot in its padding rows, is not consecutive, and keeps them too. The graph
+        reads a layer's pool (its Gather of the slots' rows) before it writes that layer's new
+        state. Backends whose bindings cannot place outputs skip this."""
+        place = getattr(binding, "place_outputs", None)
+        slots = binding.inputs.get(c.STATE_SLOTS) if place is not None and self._state_pools else None
+        if slots is None:
+            return
+        first, n = int(slots[0]), len(slots)
+        if not commits or (n > 1 and not (slots[1:] - slots[:-1] == 1).all()):
+            place(None, None)
+        else:
+            place((first, n), lambda: {name: pool[first : first + n] for name, pool in self._state_pools.items()})
 
     def _first_rows(self, key: tuple, outputs: dict, n: int) -> Outputs:
         """The outputs' first n rows, as views made once per bucket and n (the buffers are fixed)."""

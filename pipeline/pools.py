@@ -105,6 +105,8 @@ class Pools:
         self.states: dict[int | str, dict[str, np.ndarray]] = {}
         self._specs = {}  # layer -> its cache specs, for the contract names
         self._decode_plans: dict[tuple, _DecodeCommit] = {}   # (layers, n) -> the last bucket's plan
+        self._row_plans: dict[tuple, _RowsCommit] = {}        # layers -> the last call's plan
+        self._state_pairs: dict[int, tuple] = {}              # id(outputs) -> (outputs, state pool pairs)
         pages = sizes.pages()  # per page group
         for cache in desc.layer_caches(mtp_layers):
             layer = c.layer_id(cache)
@@ -138,33 +140,35 @@ class Pools:
         return ({c.pool_output(p, layer) for layer in layers for p in self._specs[layer].paged}
                 | {c.pool_output(s, layer) for layer in layers for s in self._specs[layer].states})
 
-    def write_rows(self, layers, outputs: dict, batch_rows: np.ndarray, counts: np.ndarray,
-                   starts: np.ndarray, tables: list) -> None:
+    def state_outputs(self) -> dict[str, np.ndarray]:
+        """Each state pool under the name of the engine output that holds its new rows."""
+        return {c.pool_output(s, layer): self.states[layer][s.name]
+                for layer in self.states for s in self._specs[layer].states}
+
+    def write_rows(self, layers, outputs: dict, batch_rows, counts, starts, tables: list) -> None:
         """For each batch row b (pool order), write new rows [0, counts[b]) at positions
         starts[b] + w, into the pages of each pool's group: `tables` holds each sequence's
         `seq.table.pages` (every group's table) or a plain list (one table for every group).
-        One backend scatter per pool: pool row page x S + offset <- output row b x W + w."""
-        b_idx, w_idx, logical, offsets = [], [], [], []
-        for b, n, start in zip(batch_rows, counts, starts):
-            pos = start + np.arange(n)
-            b_idx.append(np.full(n, b))
-            w_idx.append(np.arange(n))
-            logical.append(pos // self.page_size)
-            offsets.append(pos % self.page_size)
-        if not b_idx:
-            return
-        b_idx, w_idx = np.concatenate(b_idx), np.concatenate(w_idx)
-        offsets = np.concatenate(offsets)
-        dst = {}  # block-table name -> pool row (page x S + offset) of every new row
-        for layer in layers:
-            for p in self._specs[layer].paged:
-                name = c.block_tables(p.window)
-                if name not in dst:
-                    per_seq = [(group_tables(t) or {}).get(name, t) for t in tables]
-                    pages = np.concatenate([np.asarray(t, np.int64)[i] for t, i in zip(per_seq, logical)])
-                    dst[name] = pages * self.page_size + offsets
-                out = outputs[c.pool_output(p, layer)]        # [B, W, *row]
-                self.memory.scatter(self.paged[layer][p.name], 2, dst[name], out, 2, b_idx * out.shape[1] + w_idx)
+        A sequence's rows are contiguous in the output (row b x W + w) and, within a page, in the
+        pool (page x S + offset): one run per (sequence, page it touches), copied into every pool
+        of the page group by one memory.scatter_runs (the pools and outputs as [rows, row] views
+        made once per bucket, _RowsCommit)."""
+        plan = self._row_plans.get(tuple(layers))
+        if plan is None or plan.outputs is not outputs:
+            plan = self._row_plans[tuple(layers)] = _RowsCommit(self, layers, outputs)
+        size = self.page_size
+        for (name, width), pairs in plan.paged.items():
+            runs = []
+            for b, n, start, pages in zip(batch_rows, counts, starts, tables):
+                table = (group_tables(pages) or {}).get(name, pages)
+                n, pos, src = int(n), int(start), int(b) * width
+                while n > 0:            # split where the rows cross into the next page
+                    logical, offset = divmod(pos, size)
+                    m = min(n, size - offset)
+                    runs.append((table[logical] * size + offset, src, m))
+                    n, pos, src = n - m, pos + m, src + m
+            if runs:
+                self.memory.scatter_runs(pairs, runs)
 
     def commit_decode(self, layers, outputs: dict, inputs: dict, n: int) -> None:
         """Plain decoding's commit, from the call's own inputs: each of its n sequences wrote one
@@ -189,15 +193,38 @@ class Pools:
             self.memory.scatter_many(plan.states, inputs[c.STATE_SLOTS][:n], plan.rows)
 
     def commit_states(self, outputs: dict, batch_rows: np.ndarray, slots: np.ndarray) -> None:
-        slots, batch_rows = np.asarray(slots, np.int64), np.asarray(batch_rows, np.int64)
-        for layer, pools in self.states.items():
-            for s in self._specs[layer].states:
-                self.memory.scatter(pools[s.name], 1, slots, outputs[c.pool_output(s, layer)], 1, batch_rows)
+        """Every state pool's row slots[i] <- the output's row batch_rows[i]: one scatter_many for
+        all state pools, over [rows, row] views made once per bucket."""
+        if not self.states:
+            return
+        pairs = self._state_pairs.get(id(outputs))
+        if pairs is None or pairs[0] is not outputs:
+            if len(self._state_pairs) > 64:       # a backend handing back new outputs per call: keep few
+                self._state_pairs.clear()
+            pairs = self._state_pairs[id(outputs)] = (outputs, _unplaced([
+                (rows_view(pools[s.name], 1), rows_view(outputs[c.pool_output(s, layer)], 1))
+                for layer, pools in self.states.items() for s in self._specs[layer].states]))
+        self.memory.scatter_many(pairs[1], np.asarray(slots, np.int64), np.asarray(batch_rows, np.int64))
 
     def clear_slot(self, slot: int) -> None:
         for pools in self.states.values():
             for pool in pools.values():
                 self.memory.zero_row(pool, slot)
+
+
+class _RowsCommit:
+    """write_rows' pairs for one call's outputs: per (block-table name, output width W), (pool as
+    [pages x S, row], output as [B x W, row]) for each paged pool of the layers in that page group.
+    Kept while the same outputs come back (the runner's output views are made once per bucket)."""
+
+    def __init__(self, pools: Pools, layers, outputs: dict):
+        self.outputs = outputs
+        self.paged: dict[tuple[str, int], list] = {}
+        for layer in layers:
+            for p in pools._specs[layer].paged:
+                out = outputs[c.pool_output(p, layer)]                       # [B, W, *row]
+                self.paged.setdefault((c.block_tables(p.window), out.shape[1]), []).append(
+                    (rows_view(pools.paged[layer][p.name], 2), rows_view(out, 2)))
 
 
 class _DecodeCommit:
@@ -215,5 +242,11 @@ class _DecodeCommit:
             for p in specs[layer].paged:
                 self.paged.setdefault(c.block_tables(p.window), []).append(
                     (rows_view(pools.paged[layer][p.name], 2), rows_view(outputs[c.pool_output(p, layer)], 2)))
-        self.states = [(rows_view(pool[s.name], 1), rows_view(outputs[c.pool_output(s, layer)], 1))
-                       for layer, pool in pools.states.items() for s in specs[layer].states]
+        self.states = _unplaced([(rows_view(pool[s.name], 1), rows_view(outputs[c.pool_output(s, layer)], 1))
+                                 for layer, pool in pools.states.items() for s in specs[layer].states])
+
+
+def _unplaced(pairs: list) -> list:
+    """The (pool, output) pairs left to copy: an output the engine wrote into its pool's rows
+    (ModelRunner._place_states) is committed already."""
+    return [(pool, out) for pool, out in pairs if not np.may_share_memory(pool, out)]

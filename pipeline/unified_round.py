@@ -40,26 +40,28 @@ class UnifiedRound:
         self.runner, self.pools = runner, pools
         self.kinds = {(k.sampling, k.drafts + 1): k for k in kinds}
         self.heads = [c.mtp_layer_name(j) for j in c.round_heads(desc, kinds[0])]
+        self.layers = [*runner.trunk_kv, *self.heads]      # the paged layers a round commits
 
     def serves(self, width: int, sampling: bool) -> bool:
         return (sampling, width) in self.kinds
 
     def run(self, seqs: list[Sequence], rows: list[Rows], drafts: dict[str, list[int]], width: int,
             sampling: bool) -> None:
-        outs = self.runner.round(self.kinds[(sampling, width)], rows)
+        # target anchoring: the heads have committed as many rows as the target (head_committed ==
+        # committed, Engine._catch_up), so the trunk's and the heads' rows go to the same positions;
+        # checked before the call, which may write the states into the pools (commits=True)
+        if any(s.head_committed != s.committed for s in seqs):
+            raise RuntimeError("unified round over heads that lag the target: re-anchor them first")
+        outs = self.runner.round(self.kinds[(sampling, width)], rows, commits=True)
         n = len(seqs)
         accepted = np.array(outs.arrays[c.ACCEPTED][:n], dtype=np.int64)     # host copies: [n], [n], [n, k]
         nxt = np.array(outs.arrays[c.NEXT_TOKEN][:n], dtype=np.int64)
         ahead = np.array(outs.arrays[c.NEXT_DRAFTS][:n], dtype=np.int64)
         probs = np.array(outs.arrays[c.DRAFT_PROBS][:n], dtype=np.float32)
         chain = np.array(outs.arrays[c.DRAFT_HIDDEN][:n])
-        tables = [s.table.pages for s in seqs]
-        starts = np.array([s.committed for s in seqs])
-        self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(n), accepted + 1, starts, tables)
+        starts, tables = [s.committed for s in seqs], [s.table.pages for s in seqs]
+        self.pools.write_rows(self.layers, outs.arrays, range(n), accepted + 1, starts, tables)
         self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
-        # target anchoring: every head has committed as many rows as the target (head_committed == committed)
-        self.pools.write_rows(self.heads, outs.arrays, np.arange(n), accepted + 1,
-                              np.array([s.head_committed for s in seqs]), tables)
         for i, seq in enumerate(seqs):
             a = int(accepted[i])
             seq.metrics.record_round(width - 1, a)

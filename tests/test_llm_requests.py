@@ -58,10 +58,10 @@ def test_a_step_that_raises_leaves_nothing_behind_and_the_next_generate_works(ll
     reference = llm.generate(["def add(a, b):"], params)[0].token_ids
     real = llm.runner._call
 
-    def faulty(graph, rows, fixed):
+    def faulty(graph, rows, fixed, commits=False):
         if any(list(r.ids).count(MARK) >= 3 for r in rows):
             raise RuntimeError("injected fault")
-        return real(graph, rows, fixed)
+        return real(graph, rows, fixed, commits)
 
     monkeypatch.setattr(llm.runner, "_call", faulty)
     with pytest.raises(RuntimeError, match="injected fault"):
@@ -86,8 +86,8 @@ def _container_sizes(llm: LLM) -> dict[str, int]:
 
 
 # one entry per (graph, batch, width, pages) bucket that has run (and per batch row count, for the
-# outputs' views): bounded by the engine dir, not by requests
-_PER_BUCKET = {"runner._bindings", "runner._views", "runner._decode_fills"}
+# outputs' views), one per round engine seen open: bounded by the engine dir, not by requests
+_PER_BUCKET = {"runner._bindings", "runner._views", "runner._decode_fills", "engine._open"}
 
 
 def test_ended_requests_leave_no_per_request_state(llm):

@@ -16,7 +16,7 @@ try:
     from numpy._core.multiarray import _set_madvise_hugepage
 except ImportError:  # numpy 1.x
     from numpy.core.multiarray import _set_madvise_hugepage
-from tandem.pipeline.llm import LLM
+from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -56,7 +56,9 @@ def small_os_pages():
 
 
 def test_rss_flat_over_thousands_of_engine_calls(engine_dirs, small_os_pages):
-    llm = LLM(engine_dirs["qwen3_5_mtp3"])                       # default budget: a large pool
+    # default budget: a large pool; fixed widths: the adaptive width's probes open engines when first
+    # wanted (Engine._open_width), a one-time allocation whose timing the machine's load decides
+    llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(adaptive_width=False))
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     batch, prompt_len, half = 8, 32, 20

@@ -165,11 +165,11 @@ def test_a_request_that_makes_steps_raise_fails_alone(live, monkeypatch):
     alone = {p: _stream_text(live.url, p, 24) for p in prompts}
     real, raised = llm.runner._call, []
 
-    def faulty(graph, rows, fixed):
+    def faulty(graph, rows, fixed, commits=False):
         if any(list(r.ids).count(MARK) >= 3 for r in rows):
             raised.append(graph)
             raise RuntimeError("injected fault: marker tokens in the batch")
-        return real(graph, rows, fixed)
+        return real(graph, rows, fixed, commits)
 
     monkeypatch.setattr(llm.runner, "_call", faulty)
 

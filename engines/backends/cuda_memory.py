@@ -16,7 +16,7 @@ import ctypes
 import numpy as np
 
 from tandem.engines.backends.common import BackendUnavailable
-from tandem.engines.backends.memory import DEVICE_ALIGNMENT, Transfers
+from tandem.engines.backends.memory import DEVICE_ALIGNMENT, Transfers, runs_as_rows
 
 STAGING_ROWS = 1 << 16     # index pairs staged between two synchronisations (a round's commits)
 
@@ -123,6 +123,11 @@ class DeviceMemory:
             self.kernels(self.cuda, n, pool.row_bytes(1), src.ptr, idx, pool.ptr)
         self.transfers.to_backend += 16 * n
         self.transfers.commits += len(pairs)
+
+    def scatter_runs(self, pairs, runs) -> None:
+        """Contiguous runs (memory.HostMemory.scatter_runs) as one index pair."""
+        if runs:
+            self.scatter_many(pairs, *runs_as_rows(runs))
 
     def _stage(self, dst_rows: np.ndarray, src_rows: np.ndarray) -> int:
         """Copy one index pair into the staging ring and on to the device; returns its device address

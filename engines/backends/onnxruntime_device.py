@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 
 from tandem.engines.backends.common import BackendUnavailable
 from tandem.engines.backends.cuda_memory import DeviceArray
-from tandem.engines.backends.memory import Transfers, aligned_zeros
+from tandem.engines.backends.memory import Transfers, aligned_zeros, runs_as_rows
 from tandem.engines.backends.onnxruntime_backend import _ensure_global_pool
 
 _ONNX_TYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
@@ -114,6 +114,11 @@ class OrtMemory:
         for pool, src in pairs:
             self.scatter(pool, 1, dst_rows, src, 1, src_rows)
 
+    def scatter_runs(self, pairs, runs) -> None:
+        """Contiguous runs (memory.HostMemory.scatter_runs) as one index pair."""
+        if runs:
+            self.scatter_many(pairs, *runs_as_rows(runs))
+
     def zero_row(self, pool: DeviceArray, row: int) -> None:
         key = (pool.dtype, pool.shape[1:])
         if key not in self._zeros:
@@ -148,6 +153,10 @@ class DeviceRunner:
 
     def prefetch(self, files: list[str]) -> None:
         """The backend protocol's early open: this runner opened every engine when it was made."""
+
+    def ready(self, files: list[str]) -> bool:
+        """The backend protocol's open check: every engine was opened when this runner was made."""
+        return True
 
     def capture(self, binding: _DeviceBinding):
         return binding.run

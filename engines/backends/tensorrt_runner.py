@@ -78,6 +78,10 @@ class Runner:
     def prefetch(self, files: list[str]) -> None:
         """The backend protocol's early open: this runner opened every engine when it was made."""
 
+    def ready(self, files: list[str]) -> bool:
+        """The backend protocol's open check: every engine was opened when this runner was made."""
+        return True
+
     def capture(self, binding: _Binding):
         return binding.run
 

@@ -1,0 +1,105 @@
+"""State outputs written by the engine straight into their pools' rows (ModelRunner._place_states)
+when a call's slots are consecutive, and the slot allocation that makes them so (FreeList with
+lowest_first). The commit then skips those states; the tokens are the same as with every state
+copied by the commit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.pipeline.allocator import FreeList
+from tandem.pipeline.llm import LLM
+from tandem.pipeline.model_runner import ModelRunner
+from tandem.pipeline.sampling_params import SamplingParams
+from tandem.pipeline.sequence import Status
+
+PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3], [44, 3], [7, 7, 8, 9, 10, 11]]
+
+
+def test_lowest_first_hands_out_the_lowest_free_slot():
+    slots = FreeList(10, "state slot", lowest_first=True)
+    assert slots.allocate(4) == [1, 2, 3, 4]
+    slots.free([1])
+    slots.free([3])
+    assert slots.allocate(1) == [1]                 # last freed, first out would give 3
+    assert slots.allocate(3) == [3, 5, 6]           # the freed one, then fresh ones
+    assert slots.ever_used == 6 and slots.num_free == 3
+    stack = FreeList(10, "KV page")                 # pages keep last freed, first out
+    stack.allocate(4)
+    stack.free([1])
+    stack.free([3])
+    assert stack.allocate(2) == [3, 1]
+
+
+def _placements(llm: LLM, monkeypatch) -> list:
+    """Records each call's placement key (None: not placed) on the host runner's bindings."""
+    keys = []
+    real = ModelRunner._place_states
+
+    def record(self, binding, commits):
+        real(self, binding, commits)
+        keys.append(getattr(binding, "_placed", "no placement"))
+
+    monkeypatch.setattr(ModelRunner, "_place_states", record)
+    return keys
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_placed_states_give_the_tokens_of_copied_states(engine_dirs, monkeypatch, speculative):
+    params = SamplingParams(max_tokens=16, ignore_eos=True, speculative=speculative)
+    with monkeypatch.context() as m:      # every state copied by the commit
+        m.setattr(ModelRunner, "_place_states", lambda self, binding, commits: None)
+        copied = [o.token_ids for o in LLM(engine_dirs["qwen3_5_mtp3"]).generate(PROMPTS, params)]
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == copied
+    keys = _placements(llm, monkeypatch)    # again, on slots freed by the first four
+    placed = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert placed == copied
+    assert (1, 4) in keys                 # four sequences admitted together hold slots 1..4 again: placed
+    pools = llm.pools.state_outputs()
+    binding = next(b for b in llm.runner._bindings.values() if b._placed == (1, 4))
+    for name, pool in pools.items():
+        if name in binding.outputs:
+            assert np.shares_memory(binding.outputs[name], pool)
+
+
+def test_a_padded_batch_is_not_placed(engine_dirs, monkeypatch):
+    """Three sequences decode in the batch-4 bucket: its padding row holds the scratch slot."""
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    sizes = []
+    real = ModelRunner._place_states
+
+    def record(self, binding, commits):
+        real(self, binding, commits)
+        sizes.append((len(binding.inputs["state_slots"]), binding._placed))
+
+    monkeypatch.setattr(ModelRunner, "_place_states", record)
+    llm.generate(PROMPTS[:3], SamplingParams(max_tokens=6, ignore_eos=True, speculative=False))
+    padded = [key for n, key in sizes if n == 4]
+    assert padded and all(key is None for key in padded)
+
+
+def test_a_refilled_batch_in_slot_order_is_placed(engine_dirs, monkeypatch):
+    """Four sequences decode; the second ends early, a fifth takes its slot (the lowest free) and
+    joins at the end of the running list. Rows go in slot order, so the refilled batch of four
+    holds slots 1..4 again and is placed; the tokens equal copied states'."""
+    lengths = [24, 4, 24, 24, 16]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, speculative=False) for n in lengths]
+    prompts = PROMPTS + [[3, 1, 4, 1, 5]]
+
+    def run(llm: LLM) -> list[list[int]]:
+        requests = [llm.add_request(p, s) for p, s in zip(prompts[:4], params[:4])]
+        while llm.scheduler.has_work():
+            llm.step()
+            if requests[1].status == Status.FINISHED and len(requests) == 4:
+                requests.append(llm.add_request(prompts[4], params[4]))
+        return [r.tokens[len(p):] for r, p in zip(requests, prompts)]
+
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "_place_states", lambda self, binding, commits: None)
+        copied = run(LLM(engine_dirs["qwen3_5_mtp3"]))
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    keys = _placements(llm, monkeypatch)
+    assert run(llm) == copied
+    assert keys.count((1, 4)) > 16        # the first four, and the refilled four (slot 2 reused)
