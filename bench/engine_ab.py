@@ -1,7 +1,7 @@
 """Two engine dirs' graph, call by call, interleaved: which one is faster, robust to a noisy machine.
 
     .venv/bin/python bench/engine_ab.py DIR_A DIR_B [--graph target_step] [--batch 1 8] [--rows 1]
-                                        [--context 64] [--calls 300]
+                                        [--context 64] [--calls 300] [--threads N]
 
 Both dirs must come from the same checkpoint (same contract inputs). For each batch size, opens the
 graph's engine file of each dir on the process-wide thread pool, feeds both the same inputs (random
@@ -81,11 +81,13 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1)
     parser.add_argument("--context", type=int, default=64)
     parser.add_argument("--calls", type=int, default=300)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="ONNX Runtime threads (default: every core; 1 when another job holds a core)")
     args = parser.parse_args()
     manifest = read_manifest(args.dir_a)
     desc = description_from_dict(manifest["description"])
     page_size = manifest["options"]["page_size"]
-    a, b = (session(engine_file(d, args.graph, args.rows)) for d in (args.dir_a, args.dir_b))
+    a, b = (session(engine_file(d, args.graph, args.rows), threads=args.threads) for d in (args.dir_a, args.dir_b))
     print(f"{machine()}; {args.graph}, {args.rows} row(s), context {args.context}, {args.calls} calls each, "
           f"interleaved\n  A = {args.dir_a}\n  B = {args.dir_b}")
     for batch in args.batch:

@@ -1,7 +1,7 @@
 """Decode speed with speculative decoding off and on (ONNX Runtime CPU).
 
     .venv/bin/python bench/pipeline.py [--kinds qwen3_5_mtp3,qwen3_5_150m] [--acceptance 0.7] [--workdir DIR]
-                                       [--dtype float32|float16]
+                                       [--dtype float32|float16] [--fixed-width]
     .venv/bin/python bench/pipeline.py --kinds models/tandem-tiny-code --acceptance model --dtype float16
 
 Random weights accept nothing, so speculative runs use the documented synthetic-acceptance aid
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine  # noqa: E402
+from bench.common import machine, wait_for_engines  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
 from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
@@ -32,17 +32,19 @@ from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 
 def measure(engine_dir: Path, batch: int, spec: bool, acceptance: float | None, max_tokens: int, prompt_len: int,
-            threads: int | None) -> dict:
-    """acceptance None: the heads' own drafts."""
+            threads: int | None, adaptive: bool = True) -> dict:
+    """acceptance None: the heads' own drafts. adaptive False: every round at the widest width."""
     config = EngineConfig(speculative=spec, synthetic_acceptance=acceptance if spec else None, threads=threads,
-                          memory_budget_bytes=1 << 30)
+                          memory_budget_bytes=1 << 30, adaptive_width=adaptive)
     llm = LLM(engine_dir, config)
     rng = np.random.default_rng(0)
     vocab = llm.desc.vocab_size
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    # warm-up: one short request through every graph this mode uses
-    llm.generate([[int(t) for t in rng.integers(0, vocab, prompt_len)]] * batch, SamplingParams(max_tokens=8,
-                                                                                                ignore_eos=True))
+    # warm-up: a request as long as the measured ones, so the adaptive width has tried its widths (their
+    # engines open in the background when first wanted), then those opens finish before the timing
+    llm.generate([[int(t) for t in rng.integers(0, vocab, prompt_len)]] * batch,
+                 SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    wait_for_engines(llm)
     seqs = [llm.add_request([int(t) for t in rng.integers(0, vocab, prompt_len)], params) for _ in range(batch)]
     llm.step()  # prefill (+ first round): excluded
     start_tokens = sum(s.num_generated for s in seqs)
@@ -71,6 +73,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", help="engine dtype: float32 or float16")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--fixed-width", action="store_true", help="adaptive width off: every round drafts k")
     args = parser.parse_args()
     acceptance = None if args.acceptance == "model" else float(args.acceptance)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bench-"))
@@ -90,7 +93,7 @@ def main() -> None:
               f"speedup  bound  speedup/bound")
         for batch in (1, 8):
             off = measure(engines, batch, False, acceptance, max_tokens, 32, args.threads)
-            on = measure(engines, batch, True, acceptance, max_tokens, 32, args.threads)
+            on = measure(engines, batch, True, acceptance, max_tokens, 32, args.threads, not args.fixed_width)
             speedup = on["tok_s"] / off["tok_s"]
             bound = on["accept_length"] * off["t_round"] / on["t_round"]
             print(f"  {batch:>19} | {off['tok_s']:9.1f}  {off['t_round'] * 1e3:10.2f} {off['host_share'] * 100:4.1f} | "

@@ -39,7 +39,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine  # noqa: E402
+from bench.common import acceptance_per_position, machine  # noqa: E402
 from bench.weight_formats import agreement  # noqa: E402
 from tandem import contract as c  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
@@ -146,20 +146,8 @@ def measure(engine_dir: Path, windows: np.ndarray, prompts: list[list[int]], tok
     nll, top = teacher_forced(llm, windows)
     plain, drift = greedy_with_drift(llm, prompts, tokens)
     spec = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
-    drafted = np.zeros(MTP_LAYERS)
-    accepted = np.zeros(MTP_LAYERS)
-    for r in spec:
-        d, a = r.metrics.drafted_per_position, r.metrics.accepted_per_position
-        drafted[: len(d)] += d
-        accepted[: len(a)] += a
-    rounds = sum(r.metrics.rounds for r in spec)
-    if not (drafted == rounds).all():
-        raise RuntimeError(f"{engine_dir}: drafts per position {drafted.tolist()} over {rounds} rounds; the acceptance "
-                           f"figures assume every round drafts {MTP_LAYERS} (fixed spec_k, p_min 0)")
-    # head i's draft accepted, given drafts 1..i-1 were: accepted_per_position counts rounds with >= i+1 accepted
-    given = accepted / np.concatenate([[rounds], accepted[:-1]]).clip(min=1)
-    return Quality(float(nll.mean()), top, [r.token_ids for r in plain],
-                   (sum(r.metrics.accepted for r in spec) + rounds) / rounds, given.tolist(), rounds,
+    accept_length, given, rounds = acceptance_per_position(spec, MTP_LAYERS, str(engine_dir))
+    return Quality(float(nll.mean()), top, [r.token_ids for r in plain], accept_length, given, rounds,
                    sum(s.token_ids == p.token_ids for s, p in zip(spec, plain)), drift)
 
 

@@ -29,6 +29,7 @@ from tandem.engines.atomic import MARKER, check_replaceable, check_writable, sta
 from tandem.engines.backends import get_backend
 from tandem.engines.fingerprint import changes, digests, fingerprint, hash_inputs, input_files
 from tandem.engines.integrity import verify_engine_dir
+from tandem.engines.malloc import return_large_blocks
 from tandem.engines.manifest import (
     CHECKPOINT_FILES,
     FORMAT,
@@ -46,7 +47,7 @@ from tandem.engines.verification import compare, fixed_inputs, timed
 from tandem.export.exporter import export_checkpoint
 
 _EXPORT_OPTIONS = ("dtype", "weights", "quant_block", "no_mtp", "page_size", "unified_round",  # change the graphs
-                   "index_share")
+                   "index_share", "draft_lm_head")
 _SAME_TOOLS = ("tandem", "backend", "contract_version")
 
 
@@ -97,7 +98,9 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
         with Progress("export", 1, show_progress) as bar:
             export_checkpoint(ckpt, export_dir, dtype=options.dtype, quant=options.quant,
                               rounds=tuple(bucket_plan.unified_round_kinds(desc, options)[0]),
-                              index_share=options.index_share)
+                              index_share=options.index_share,
+                              draft_quant=options.draft_quant(desc.vocab_size * desc.hidden_size))
+            ckpt.release()      # the export read every weight: 150M fp32 checkpoint, 0.6 GB of RSS until unmapped
             bar.step()
         for name in {e["file"] for e in reusable.values()} | ({"weights.bin"} if reusable else set()):
             if (out / name).exists():
@@ -105,6 +108,7 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
         with Progress("build", len(plan), show_progress) as bar:
             files = backend.build(export_dir, tmp, plan, desc=desc, options=options, progress=bar)
         verified, rebuilt, reused = {}, [], []
+        return_large_blocks()       # the verification's activations, freed, leave the process (malloc.py)
         checker = backend.Checker(tmp, export_dir)
         # one engine file at a time, so the checker holds few sessions (the ONNX Runtime one: one at a time)
         run_group = getattr(checker, "run_group", None) or (lambda items: [_timed_run(checker, *i) for i in items])
@@ -122,7 +126,8 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
                         bar.step(bucket.name)
                     else:
                         todo.append((bucket, files[bucket.name], fixed_inputs(desc, bucket, options)))
-                for (bucket, _, _), (ref, got, seconds) in zip(todo, run_group(todo) if todo else []):
+                # the checker's results first: zip then runs it to its end (a generator closes its session there)
+                for (ref, got, seconds), (bucket, _, _) in zip(run_group(todo) if todo else [], todo):
                     verified[bucket.name] = compare(ref, got, options.dtype, seconds).to_json()
                     rebuilt.append(bucket.name)
                     bar.step(bucket.name)

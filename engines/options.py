@@ -14,6 +14,8 @@ from tandem.export.quantize import WEIGHT_FORMATS, weight_quant
 BACKENDS = ("onnxruntime", "tensorrt")
 SUPPORTED_DTYPES = ("float32", "float16")  # engine dtype: weights, activations, KV and conv pools
 MAX_BATCH = 256
+DRAFT_LM_HEADS = ("auto", "same", "int8")
+DRAFT_INT8_PARAMS = 1 << 24   # "auto" drafts with an int8 lm_head from this size (64 MiB in fp32) up
 
 
 class OptionsError(ValueError):
@@ -35,8 +37,11 @@ class BuildOptions:
     draft: str | None = None
     no_mtp: bool = False
     unified_round: bool = True    # also build the one-call round graph per (batch, verify width)
-    index_share: bool = True      # sparse-MLA heads (DeepSeek-V3.2 / GLM-5): the round graph's draft steps after
-                                  # the first reuse its top-k instead of running the lightning indexer again
+    draft_lm_head: str = "auto"   # the lm_head the MTP heads draft with: "same" (as --weights), "int8", or "auto":
+                                  # int8 where the engines are float and the lm_head has >= DRAFT_INT8_PARAMS weights
+    index_share: bool = False     # sparse-MLA heads (DeepSeek-V3.2 / GLM-5): the round graph's draft steps after
+                                  # the first reuse its top-k instead of running the lightning indexer again; off:
+                                  # it cost 2-3% accept length on a trained model (docs/families/deepseek_v32.md)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -72,6 +77,8 @@ class BuildOptions:
                                "... fail with NOT_IMPLEMENTED); use --dtype float16 or float32")
         if self.dtype not in SUPPORTED_DTYPES:
             raise OptionsError(f"--dtype {self.dtype} is not supported yet; use {' or '.join(SUPPORTED_DTYPES)}")
+        if self.draft_lm_head not in DRAFT_LM_HEADS:
+            raise OptionsError(f"--draft-lm-head {self.draft_lm_head!r}: use one of {', '.join(DRAFT_LM_HEADS)}")
         if self.weights not in WEIGHT_FORMATS:
             raise OptionsError(f"--weights {self.weights!r}: use one of {', '.join(WEIGHT_FORMATS)} (int8 / int4: "
                                "weight-only quantization of the linear layers)")
@@ -84,6 +91,19 @@ class BuildOptions:
     def quant(self):
         """The weight quantization the export applies (None: float weights)."""
         return weight_quant(self.weights, self.quant_block)
+
+    def draft_quant(self, lm_head_params: int):
+        """The quantization of the lm_head the MTP heads draft with, for an lm_head of this many weights.
+        Drafts only propose (the verify pass decides with the target's own lm_head), and every draft
+        pass of a round reads the whole lm_head for one row: on a bandwidth-bound decode that read is
+        the round's largest after the trunk (150M Qwen3.5 layout: 94 MiB fp32 per pass, three passes
+        per round at k = 3). int8 reads a quarter of it; the drafts stay the float head's at 99%+
+        (docs/performance.md). Small lm_heads gain nothing (a step is per-node overhead there): "auto"
+        keeps them as they are."""
+        if self.draft_lm_head == "int8" or (self.draft_lm_head == "auto" and self.weights == "float"
+                                            and lm_head_params >= DRAFT_INT8_PARAMS):
+            return weight_quant("int8", self.quant_block) if self.weights != "int8" else self.quant
+        return self.quant
 
     def to_json(self) -> dict:
         out = asdict(self)

@@ -124,35 +124,56 @@ def masked(b: GraphBuilder, logits: str, bitmask: str) -> str:
     return b.op("Where", allowed, logits, b.const(_NEG, np.float32))
 
 
-def under_grammar(b: GraphBuilder, logits: str, bitmask: str | None, rows, types: tuple[int, ...]) -> list[str]:
-    """rows(builder, logits) -> the per-row results acceptance reads ([B, W] tokens, relaxed flags), from
-    the logits masked by `bitmask`. A batch whose masks are all ones (no request has a grammar) runs the
-    If's plain branch, which never touches the masks: only small results leave either branch.
+def under_grammar(b: GraphBuilder, logits: str, bitmask: str | None, rows, types: tuple[int, ...],
+                  relaxed: Relaxed | None = None) -> list[str]:
+    """rows(builder, logits, relax) -> the per-row results acceptance reads ([B, W] tokens, and with
+    `relax` the relaxed flags [B, W-1]), from the logits masked by `bitmask`. One If picks the plain
+    branch for a batch that needs neither the masks (all ones: no request has a grammar) nor the
+    relaxed rule (no row may relax): there rows run on the logits as they are and the relaxed flags,
+    all false, come from relaxed_rows alone, so no [B, W, V] pass runs for either. Only small
+    results leave either branch.
 
-        If(every word of bitmask == -1) -> rows(logits)      else -> rows(masked(logits, bitmask))
+        If(every word of bitmask == -1 and every relaxed_rows == 0) -> rows(logits), flags false
+                                                                  else -> rows(masked(logits, bitmask), relaxed)
     """
-    if bitmask is None:
-        return rows(b, logits)
-    flat = b.reshape(bitmask, [-1])
-    all_on = b.op("And", *(b.op("Equal", b.op(r, flat, keepdims=1), b.const([-1], np.int32))
-                           for r in ("ReduceMin", "ReduceMax")))
+    if bitmask is None and relaxed is None:
+        return rows(b, logits, False)
+    plain_cases = []
+    if bitmask is not None:
+        flat = b.reshape(bitmask, [-1])
+        plain_cases += [b.op("Equal", b.op(r, flat, keepdims=1), b.const([-1], np.int32))
+                        for r in ("ReduceMin", "ReduceMax")]
+    if relaxed is not None:
+        plain_cases.append(b.op("Equal", b.op("ReduceMax", b.reshape(relaxed.rows, [-1]), keepdims=1),
+                                b.const([0], np.int64)))
+    plain = plain_cases[0]
+    for case in plain_cases[1:]:
+        plain = b.op("And", plain, case)
     branches = []
-    for name, mask in (("plain", False), ("masked", True)):
+    for name in ("plain", "masked"):
         sub = GraphBuilder(function=True, root=f"grammar_{name}")   # verify_body builds acceptance once per graph
-        outs = rows(sub, masked(sub, logits, bitmask) if mask else logits)
+        if name == "plain":
+            outs = rows(sub, logits, False) + ([_relaxed_off(sub, relaxed)] if relaxed is not None else [])
+        else:
+            outs = rows(sub, masked(sub, logits, bitmask) if bitmask is not None else logits, relaxed is not None)
         branches.append(helper.make_graph(sub.nodes, f"grammar_{name}", [], [
             helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, types)]))
-    out = b.op("If", all_on, outputs=len(types), then_branch=branches[0], else_branch=branches[1])
+    out = b.op("If", plain, outputs=len(types), then_branch=branches[0], else_branch=branches[1])
     return [out] if isinstance(out, str) else list(out)
+
+
+def _relaxed_off(b: GraphBuilder, r: Relaxed) -> str:
+    """[B, W-1] bool: the relaxed flags where no row may relax (all false), from relaxed_rows alone."""
+    return b.op("Not", b.op("Equal", b.slice(r.rows, [0], [-1], [1]), b.const(0, np.int64)))
 
 
 def greedy(b: GraphBuilder, logits: str, ids: str, relaxed: Relaxed | None = None,
            bitmask: str | None = None) -> tuple[str, str]:
-    def rows(g: GraphBuilder, lg: str) -> list[str]:
-        return [g.op("ArgMax", lg, axis=-1, keepdims=0), *([_relaxed_ok(g, lg, ids, relaxed)] if relaxed else [])]
+    def rows(g: GraphBuilder, lg: str, relax: bool) -> list[str]:
+        return [g.op("ArgMax", lg, axis=-1, keepdims=0), *([_relaxed_ok(g, lg, ids, relaxed)] if relax else [])]
 
     with b.scope("accept_greedy"):
-        tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)])
+        tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)], relaxed)
         return _compare(b, tokens, ids, also[0] if also else None)   # t_i: [B, W]
 
 
@@ -188,7 +209,7 @@ def _inverse_cdf(b: GraphBuilder, probs: str, uniforms: str) -> str:
 
 def sampled(b: GraphBuilder, logits: str, ids: str, temperature: str, top_k: str, top_p: str,
             uniforms: str, relaxed: Relaxed | None = None, bitmask: str | None = None) -> tuple[str, str]:
-    def rows(g: GraphBuilder, lg: str) -> list[str]:
+    def rows(g: GraphBuilder, lg: str, relax: bool) -> list[str]:
         f32 = lambda v: g.const(v, np.float32)  # noqa: E731
         is_sampled = g.op("GreaterOrEqual", temperature, f32(MIN_TEMPERATURE))    # [B]
         t = g.unsqueeze(g.op("Where", is_sampled, temperature, f32(1.0)), [1, 2])
@@ -196,10 +217,10 @@ def sampled(b: GraphBuilder, logits: str, ids: str, temperature: str, top_k: str
         drawn = _inverse_cdf(g, probs, uniforms)                                  # [B, W]
         best = g.op("ArgMax", lg, axis=-1, keepdims=0)
         tokens = g.op("Where", g.unsqueeze(is_sampled, [1]), drawn, best)          # t_i: [B, W]
-        if not relaxed:
+        if not relax:
             return [tokens]
         return [tokens, g.op("And", _relaxed_ok(g, lg, ids, relaxed), g.unsqueeze(g.op("Not", is_sampled), [1]))]
 
     with b.scope("accept_sampled"):   # relaxed: greedy rows only
-        tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)])
+        tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)], relaxed)
         return _compare(b, tokens, ids, also[0] if also else None)

@@ -34,6 +34,7 @@ class GraphBuilder:
         self.function = function
         self.nodes: list[onnx.NodeProto] = []
         self.initializers: dict[str, np.ndarray] = {}  # name -> array (weights and constants)
+        self.stored: dict[str, tuple] = {}      # name -> (shape, dtype): weights already in weights.bin
         self._const_names: dict[tuple, str] = {}
         self._scopes: list[str] = [root] if root else []  # a distinct root keeps subgraph names apart
         self._used: dict[str, int] = {}
@@ -86,6 +87,12 @@ class GraphBuilder:
         """A model weight, stored under its own name (deduplicated by name)."""
         if name not in self.initializers:
             self.initializers[name] = np.ascontiguousarray(array)
+        return name
+
+    def stored_weight(self, name: str, shape: tuple[int, ...], dtype: np.dtype) -> str:
+        """A model weight an earlier graph of this export already wrote to weights.bin: the graph gets
+        an external reference to it, not a copy (exporter.export_checkpoint)."""
+        self.stored[name] = (tuple(shape), np.dtype(dtype))
         return name
 
     def attr_const(self, attr: str, kind: str) -> str:

@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import onnx
 
 from tandem import contract
@@ -51,17 +52,26 @@ class _SharedWeights:
         self._file = open(path, "wb")
         self._size = 0
 
+    def write(self, name: str, array: np.ndarray) -> None:
+        """Store a weight as the graphs will read it (Weights writes each one here as it derives it,
+        so no graph carries weight bytes)."""
+        if name not in self.offsets:
+            self._append(name, onnx.numpy_helper.from_array(array, name).raw_data)   # (packs int4 pairs)
+
+    def _append(self, name: str, raw: bytes) -> None:
+        pad = -self._size % _ALIGN
+        self._file.write(b"\0" * pad)
+        self._size += pad
+        self.offsets[name] = (self._size, len(raw))
+        self._file.write(raw)
+        self._size += len(raw)
+
     def externalize(self, model: onnx.ModelProto) -> None:
         for tensor in model.graph.initializer:
             if tensor.name.startswith("/const/") and len(tensor.raw_data) <= _INLINE_BYTES:
                 continue
             if tensor.name not in self.offsets:
-                pad = -self._size % _ALIGN
-                self._file.write(b"\0" * pad)
-                self._size += pad
-                self.offsets[tensor.name] = (self._size, len(tensor.raw_data))
-                self._file.write(tensor.raw_data)
-                self._size += len(tensor.raw_data)
+                self._append(tensor.name, tensor.raw_data)
             offset, length = self.offsets[tensor.name]
             tensor.ClearField("raw_data")
             tensor.data_location = onnx.TensorProto.EXTERNAL
@@ -80,26 +90,30 @@ EXPORT_DTYPES = ("float32", "float16")  # weights and activations; see export/la
 
 def build_graphs(ckpt: Checkpoint, dtype: str = "float32", gdn_chunk_size: int = 0,
                  quant: WeightQuant | None = None, rounds: tuple[GraphKind, ...] = (),
-                 index_share: bool = True) -> dict[str, onnx.ModelProto]:
+                 index_share: bool = False, draft_quant: WeightQuant | None | str = "same"
+                 ) -> dict[str, onnx.ModelProto]:
     """quant: weight-only int8 / int4 linear layers (export/quantize.py); None keeps them in `dtype`.
     rounds: the unified round graphs to add (export/round_graph.py); index_share: their sparse-MLA
     draft steps reuse the first step's top-k."""
-    return dict(_graphs(ckpt, dtype, gdn_chunk_size, quant, rounds, index_share))
+    return dict(_graphs(ckpt, dtype, gdn_chunk_size, quant, rounds, index_share, draft_quant))
 
 
 def _graphs(ckpt: Checkpoint, dtype: str, gdn_chunk_size: int, quant: WeightQuant | None,
-            rounds: tuple[GraphKind, ...], index_share: bool = True):
-    """(name, graph) one at a time: each graph carries its own copy of the weights it reads, so a
-    caller that writes and drops each before the next holds one graph's weights, not all of them
-    (150M model: 6.9 GB build peak with every graph held at once)."""
+            rounds: tuple[GraphKind, ...], index_share: bool = False, draft_quant: WeightQuant | None | str = "same",
+            sink: _SharedWeights | None = None):
+    """(name, graph) one at a time. Without `sink` each graph carries its own copy of the weights it
+    reads (build_graphs: graphs held in memory). With it every weight goes to weights.bin as it is
+    derived and the graphs only reference it there, so an export holds one weight at a time beside
+    the checkpoint (150M model: export peak 2.0 GB when graphs carried them, 6.9 GB when every graph
+    was held at once)."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
-    desc, w = ckpt.description, Weights(ckpt, dtype, quant)
+    desc, w = ckpt.description, Weights(ckpt, dtype, quant, draft_quant, sink)
     for kind in exported_kinds(desc.mtp.num_layers if desc.mtp else 0, rounds):
         yield kind.name, _graph(desc, w, kind, gdn_chunk_size, index_share)
 
 
-def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int, index_share: bool = True) -> onnx.ModelProto:
+def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int, index_share: bool = False) -> onnx.ModelProto:
     if kind.is_target_step:
         return target_step(desc, w, gdn_chunk_size)
     if kind.is_verify:
@@ -109,10 +123,15 @@ def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int, index_share: 
     return mtp_head(desc, w, kind.head)
 
 
+def _format(quant: WeightQuant | None) -> str:
+    return quant.format if quant else "float"
+
+
 def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float32",
                       quant: WeightQuant | None = None, rounds: tuple[GraphKind, ...] = (),
-                      index_share: bool = True) -> ExportResult:
-    """Export all graphs of `ckpt` into `out_dir` (created; existing graph files are replaced)."""
+                      index_share: bool = False, draft_quant: WeightQuant | None | str = "same") -> ExportResult:
+    """Export all graphs of `ckpt` into `out_dir` (created; existing graph files are replaced).
+    draft_quant: the form of the lm_head the MTP heads draft with ("same": as `quant`)."""
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -121,7 +140,7 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
     shared = _SharedWeights(out / WEIGHTS_FILE)
     files, hashes, nodes = {}, {}, {}
     try:
-        for name, model in _graphs(ckpt, dtype, 0, quant, rounds, index_share):
+        for name, model in _graphs(ckpt, dtype, 0, quant, rounds, index_share, draft_quant, sink=shared):
             shared.externalize(model)
             data = model.SerializeToString(deterministic=True)
             files[name], nodes[name] = f"{name}.onnx", len(model.graph.node)
@@ -134,7 +153,8 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
     manifest = {
         "contract_version": contract.CONTRACT_VERSION,
         "dtype": dtype,
-        "weights_format": quant.format if quant else "float",
+        "weights_format": _format(quant),
+        "draft_lm_head": _format(quant if draft_quant == "same" else draft_quant),
         "family": ckpt.description.family,
         "mtp_layers": ckpt.description.mtp.num_layers if ckpt.description.mtp else 0,
         "graphs": {n: {"file": files[n], "sha256": hashes[n], "nodes": nodes[n]} for n in files},

@@ -142,12 +142,13 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
     return hidden, kv, gdn
 
 
-def _lm_head(b: GraphBuilder, w: Weights, hidden: str, name: str = "lm_head.weight") -> str:
+def _lm_head(b: GraphBuilder, w: Weights, hidden: str, name: str = "lm_head.weight", draft: bool = False) -> str:
     """hidden [.., H] -> float32 logits [.., V]: the product in the export dtype, then widened. On
     ONNX Runtime CPU this equals an fp32 product on the same fp16 hidden (measured: bit for bit),
-    so no fp32 copy of lm_head is stored."""
+    so no fp32 copy of lm_head is stored. `draft`: an MTP head's, in the weights' draft form
+    (Weights.draft_quant): drafts only propose, the verify pass decides with the target's own."""
     with b.scope("lm_head"):
-        return cast(b, b.op("MatMul", hidden, w.matmul_t(b, name), name="MatMul"), w.dtype, "float32")
+        return cast(b, b.op("MatMul", hidden, w.matmul_t(b, name, draft), name="MatMul"), w.dtype, "float32")
 
 
 def _finish(b: GraphBuilder, name: str, ins, outs, produced: dict[str, str], functions) -> onnx.ModelProto:
@@ -163,6 +164,10 @@ def _finish(b: GraphBuilder, name: str, ins, outs, produced: dict[str, str], fun
     # weights go in one at a time: a list of them, then the graph, then the model each held a copy
     for n, a in b.initializers.items():
         model.graph.initializer.append(onnx.numpy_helper.from_array(a, n))
+    for n, (shape, dtype) in b.stored.items():   # in weights.bin already: the exporter points them there
+        tensor = onnx.TensorProto(name=n, dims=shape, data_type=helper.np_dtype_to_tensor_dtype(dtype),
+                                  data_location=onnx.TensorProto.EXTERNAL)
+        model.graph.initializer.append(tensor)
     model.ir_version = IR_VERSION
     return model
 
@@ -269,7 +274,8 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
         g = rms_norm(b, x, norm_scale(b, desc, w, p + "shared_head.norm.weight" if nextn else "mtp.norm.weight"),
                      desc.rms_norm_eps, "norm")                                                     # [B, R, H]
         g_last = b.op("GatherND", g, b.unsqueeze(last_row, [1]), batch_dims=1, name="last_row")    # [B, H]
-    logits = _lm_head(b, w, g_last, p + "shared_head.head.weight" if desc.mtp.own_lm_head else "lm_head.weight")
+    logits = _lm_head(b, w, g_last, p + "shared_head.head.weight" if desc.mtp.own_lm_head else "lm_head.weight",
+                      draft=True)
     with b.scope("draft"):
         if bitmask is None:
             draft, prob = _greedy_draft(b, logits)
@@ -277,7 +283,7 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
             mask_last = b.op("GatherND", bitmask, b.unsqueeze(last_row, [1]), batch_dims=1)     # [B, words]
             draft, prob = acceptance.under_grammar(
                 b, b.unsqueeze(logits, [1]), b.unsqueeze(mask_last, [1]),
-                lambda g, lg: _greedy_draft(g, g.squeeze(lg, [1])), (TensorProto.INT64, TensorProto.FLOAT))
+                lambda g, lg, _: _greedy_draft(g, g.squeeze(lg, [1])), (TensorProto.INT64, TensorProto.FLOAT))
     return HeadPass(draft, prob, g_last, g, rows, picked)
 
 

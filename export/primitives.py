@@ -16,37 +16,59 @@ from tandem.export.quantize import WeightQuant
 class Weights:
     """Canonical checkpoint tensors as export-dtype numpy, with the derived forms graphs use."""
 
-    def __init__(self, checkpoint, dtype: str = "float32", quant: WeightQuant | None = None):
+    def __init__(self, checkpoint, dtype: str = "float32", quant: WeightQuant | None = None,
+                 draft_quant: WeightQuant | None | str = "same", sink=None):
         self.ckpt = checkpoint
         self.dtype = dtype              # the graphs' activation dtype (contract spelling)
         self.np_dtype = np.dtype(dtype)
         self.quant = quant              # weight-only quantization of the linear layers (None: float)
+        # the lm_head the MTP heads draft with ("same": as the linear layers)
+        self.draft_quant = quant if draft_quant == "same" else draft_quant
         self._derived: dict[str, np.ndarray] = {}  # graphs share weights: derive each once
+        self._stored: dict[str, tuple] = {}        # derived and written to `sink`: name -> (shape, dtype)
+        self.sink = sink    # exporter._SharedWeights: where each weight goes as it is derived (None: kept here)
 
     def raw(self, name: str) -> np.ndarray:
         return np.asarray(self.ckpt.weight(name)).astype(np.float32)
 
     def derived(self, b: GraphBuilder, name: str, make) -> str:
-        if name not in self._derived:
-            self._derived[name] = np.ascontiguousarray(make())
+        """The weight `name` (made by make() on first use) for graph `b`: the array itself, or with a
+        sink a reference to where the sink stored it (the array is written and dropped at once)."""
+        if not self._known(name):
+            self._keep(name, make())
+        if name in self._stored:
+            return b.stored_weight(name, *self._stored[name])
         return b.weight(name, self._derived[name])
 
-    def matmul_t(self, b: GraphBuilder, name: str) -> str:
-        """W^T [in, out] for x @ W^T (nn.Linear); with `quant`, the blocked DequantizeLinear of its
-        int8 / int4 form (export/quantize.py)."""
-        if self.quant is None:
+    def _keep(self, name: str, array: np.ndarray) -> None:
+        array = np.ascontiguousarray(array)
+        if self.sink is None:
+            self._derived[name] = array
+        else:
+            self.sink.write(name, array)
+            self._stored[name] = (array.shape, array.dtype)
+
+    def _known(self, name: str) -> bool:
+        return name in self._derived or name in self._stored
+
+    def matmul_t(self, b: GraphBuilder, name: str, draft: bool = False) -> str:
+        """W^T [in, out] for x @ W^T (nn.Linear); with `quant` (`draft_quant` for `draft`: the MTP
+        heads' drafting lm_head), the blocked DequantizeLinear of its int8 / int4 form
+        (export/quantize.py). Both forms of one weight may exist: each is derived once."""
+        quant = self.draft_quant if draft else self.quant
+        if quant is None:
             return self.derived(b, name + ".T", lambda: self.raw(name).T.astype(self.np_dtype))
-        q_name = f"{name}.T.{self.quant.format}"
+        q_name = f"{name}.T.{quant.format}"
         parts = (q_name, q_name + ".scale", q_name + ".zero")
-        if q_name not in self._derived:
+        if not self._known(q_name):
             wt = self.raw(name).T
-            if not self.quant.applies(wt.shape):   # too few input rows for one block: stays float
+            if not quant.applies(wt.shape):   # too few input rows for one block: stays float
                 return self.derived(b, name + ".T", lambda: wt.astype(self.np_dtype))
-            for part, array in zip(parts, self.quant.quantize(wt, self.np_dtype)):
+            for part, array in zip(parts, quant.quantize(wt, self.np_dtype)):
                 if array is not None:
-                    self._derived[part] = array
-        inputs = [b.weight(part, self._derived[part]) for part in parts if part in self._derived]
-        return b.op("DequantizeLinear", *inputs, axis=0, block_size=self.quant.block)
+                    self._keep(part, array)
+        inputs = [self.derived(b, part, None) for part in parts if self._known(part)]
+        return b.op("DequantizeLinear", *inputs, axis=0, block_size=quant.block)
 
     def plus_one(self, b: GraphBuilder, name: str) -> str:
         """1 + w: zero-centred RMSNorm scale."""

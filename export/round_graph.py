@@ -52,7 +52,7 @@ def unified_refusal(desc: ModelDescription) -> str | None:
     return None
 
 
-def round_step(desc: ModelDescription, w: Weights, kind: GraphKind, index_share: bool = True) -> onnx.ModelProto:
+def round_step(desc: ModelDescription, w: Weights, kind: GraphKind, index_share: bool = False) -> onnx.ModelProto:
     """index_share: draft steps s >= 1 of head 0 attend the top-k its re-anchor pass selected
     (_shared_selection) instead of running its lightning indexer again (sparse-MLA heads only)."""
     reason = unified_refusal(desc)

@@ -176,11 +176,33 @@ def test_a_checker_without_run_group_is_run_bucket_by_bucket(tiny_root, tmp_path
 @pytest.mark.parametrize("kind", ["qwen3_5_mtp3", "qwen3_next"])
 def test_llm_opens_in_the_background_exactly_the_engines_a_first_request_calls(engine_dirs, kind):
     """LLM() starts opening sessions (several at once) for the target step, the drafting heads and
-    the first width's round engine; a first greedy request then opens nothing else."""
+    each batch size's starting width's round engine; a first greedy request then opens nothing else."""
     llm = LLM(engine_dirs[kind], EngineConfig(adaptive_width=False))
     sessions = llm.runner.runner.sessions
     started = set(sessions._pending) | set(sessions)
-    assert len(started) > 1
+    width = llm.width_per_batch[1]
+    assert llm.runner.files[llm.engine.round_engine(width, False)[0].engine_key(width)] in started
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert out[0].metrics.rounds > 0                      # it drafted and verified
-    assert set(sessions) == started
+    assert set(sessions) <= started and not any("sample" in f for f in started)
+
+
+def test_an_adaptive_round_never_waits_for_a_session_to_open(engine_dirs):
+    """A width whose round engine is not open (nor one LLM() began opening): the round takes the
+    widest open width below it while the wanted one opens in the background; once open, rounds
+    take it."""
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    runner, engine, sessions = llm.runner, llm.engine, llm.runner.runner.sessions
+    seq = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True))
+    llm.step()                                            # the prefill
+    file_of = {w: runner.files[engine.round_engine(w, False)[0].engine_key(w)]
+               for w in engine.width_control.widths if w > 1}
+    for file in file_of.values():                         # every width open ...
+        sessions[file]
+    wanted = max(file_of)
+    del sessions[file_of[wanted]]                         # ... but the widest, as before its first use
+    engine.waits_for.discard(engine.round_engine(wanted, False))
+    assert engine._open_width([seq], wanted) == wanted - 1
+    assert file_of[wanted] in sessions._pending           # opening in the background
+    sessions[file_of[wanted]]                             # (wait for it here)
+    assert engine._open_width([seq], wanted) == wanted

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from onnx import TensorProto, helper
 
 from tandem import contract as c
 from tandem.checkpoint import open_checkpoint
@@ -38,6 +39,40 @@ def test_lowered_gated_deltanet_matches_numpy(emit_rows):
     np.testing.assert_allclose(outs[1], r_final, atol=1e-5)
     if emit_rows:
         np.testing.assert_allclose(outs[2], r_rows, atol=1e-5)
+
+
+def _picked_row_state_model(inputs):
+    """GatedDeltaNet emitting row states, read only by GatherND at one row per sequence: the verify
+    body's pick of the state after the accepted row (export/graphs.verify_body)."""
+    model = single_op_model(gated_deltanet.make_function(True), "GatedDeltaNet", inputs, [4, 4, 5], scale=0.35,
+                            num_key_heads=2, num_value_heads=4)
+    g = model.graph
+    g.input.append(helper.make_tensor_value_info("row", TensorProto.INT64, [None, 1]))
+    g.node.append(helper.make_node("GatherND", ["out2", "row"], ["picked"], batch_dims=1, name="pick"))
+    del g.output[2]
+    g.output.append(helper.make_tensor_value_info("picked", TensorProto.FLOAT, [None] * 4))
+    return model
+
+
+def test_picked_row_state_is_a_second_linear_attention_equal_to_the_state_after_that_row():
+    """No per-row unrolling: the pick becomes LinearAttention over the same rows with decay and beta
+    zeroed past row a, and its state equals, bit for bit, the final state of the plain lowering run
+    with state_rows = a + 1 (what the target step commits after a + 1 rows)."""
+    rng = np.random.default_rng(4)
+    q, k, v, g, beta, s0 = gdn_inputs(rng)
+    picks = np.array([[0], [3], [4]], np.int64)
+    inputs = [q, k, v, g, beta, s0, np.full(3, 5, np.int64)]
+    lowered = lower_for_onnxruntime(_picked_row_state_model(inputs))
+    ops = [n.op_type for n in lowered.graph.node]
+    assert ops.count("LinearAttention") == 2 and "GatherND" not in ops and "Slice" not in ops
+    feeds = {f"in{j}": a for j, a in enumerate(inputs)} | {"row": picks}
+    picked = session(lowered).run(["picked"], feeds)[0]
+    r_rows = ref.gated_deltanet(q, k, v, g, beta, s0, inputs[6], scale=0.35)[2]
+    np.testing.assert_allclose(picked, r_rows[np.arange(3), picks[:, 0]], atol=1e-5)
+    plain = lower_for_onnxruntime(single_op_model(gated_deltanet.make_function(False), "GatedDeltaNet", inputs,
+                                                  [4, 4], scale=0.35, num_key_heads=2, num_value_heads=4))
+    after = run(plain, [q, k, v, g, beta, s0, picks[:, 0] + 1])[1]
+    assert np.array_equal(picked, after)
 
 
 def test_row_state_nodes_keep_their_body_without_a_static_width():

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -106,6 +107,13 @@ def _options(level: ort.GraphOptimizationLevel, exact_quantized: bool = False) -
     opts.use_per_session_threads = False
     if exact_quantized:
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+        # the build's verification runs each session a few times: no packed copy of the weights beside the
+        # memory-mapped ones (150M model: the verification's peak RSS was 2.7 GB with them)
+        opts.add_session_config_entry("session.disable_prepacking", "1")
+        # and no arena: it keeps its largest-ever blocks until the session closes (150M model, with
+        # glibc's fixed mmap threshold, engines/malloc.py: the verification's peak anonymous memory
+        # 851 -> 550 MiB on a unified round's engine file)
+        opts.enable_cpu_mem_arena = False
     return opts
 
 
@@ -157,17 +165,37 @@ class Checker:
         reference = self.runner.run(self.export_dir / f"{bucket.graph.name}.onnx", feeds)
         return reference, self.runner.run(self.engine_dir / optimized_name(engine[0]), feeds, optimized=True)
 
-    def run_group(self, items: list[tuple[Bucket, tuple[str, int], dict]]) -> list[tuple[dict, dict, float]]:
-        """Buckets of one engine file -> [(reference outputs, engine outputs, seconds)]: every
-        reference run first, then the engine, one session open at a time (each holds a packed copy
-        of the weights: 150M model, build peak 2.5 GB with two open)."""
-        refs = [timed(lambda b=b, f=f: self.runner.run(self.export_dir / f"{b.graph.name}.onnx", f))
-                for b, _, f in items]
+    def run_group(self, items: list[tuple[Bucket, tuple[str, int], dict]]):
+        """Buckets of one engine file -> (reference outputs, engine outputs, seconds) per bucket, in
+        order: every reference run first, then the engine, one session open at a time (each maps the
+        weights; 150M model, build peak 2.5 GB with two open). The reference outputs wait on disk,
+        memory-mapped back one bucket at a time (150M model: 268 MB for the target step's buckets).
+        Yields each engine result as it comes, letting go of that bucket's outputs before the next runs."""
+        spill = self.export_dir / "_references"      # inside the build's staging dir, removed with it
+        spill.mkdir(exist_ok=True)
+        refs = deque()
+        for i, (b, _, f) in enumerate(items):
+            out, seconds = timed(lambda b=b, f=f: self.runner.run(self.export_dir / f"{b.graph.name}.onnx", f))
+            refs.append((_spill(spill, i, out), seconds))
+            del out
         self.runner = ReferenceRunner()  # the reference's session closes before the engine's opens
-        got = [timed(lambda e=e, f=f: self.runner.run(self.engine_dir / optimized_name(e[0]), f, optimized=True))
-               for _, e, f in items]
+        for _, e, f in items:
+            out, seconds = timed(lambda e=e, f=f: self.runner.run(self.engine_dir / optimized_name(e[0]), f,
+                                                                  optimized=True))
+            files, ref_seconds = refs.popleft()
+            yield {name: np.load(path, mmap_mode="r") for name, path in files.items()}, out, ref_seconds + seconds
+            for path in files.values():
+                path.unlink()
         self.runner = ReferenceRunner()
-        return [(ref, out, ref_seconds + seconds) for (ref, ref_seconds), (out, seconds) in zip(refs, got)]
+
+
+def _spill(directory: Path, index: int, outputs: dict[str, np.ndarray]) -> dict[str, Path]:
+    """Each output to `<index>.<j>.npy` (output names may hold any character)."""
+    files = {}
+    for j, (name, value) in enumerate(outputs.items()):
+        files[name] = directory / f"{index}.{j}.npy"
+        np.save(files[name], value)
+    return files
 
 
 def Runner(engine_dir: Path, files: list[str], threads: int | None = None,  # noqa: N802 (the protocol's name)
@@ -213,6 +241,10 @@ class HostRunner:
         """Open these engine files' sessions in the background (the ones a first request calls),
         so that its first calls do not open them one after the other."""
         self.sessions.prefetch(files)
+
+    def ready(self, files: list[str]) -> bool:
+        """Whether these engine files' sessions are open (a background open that has finished counts)."""
+        return all(self.sessions.is_open(f) for f in files)
 
     def end_profiling(self) -> dict[str, Path]:
         """Engine file -> the profile json ONNX Runtime wrote for its session (profiling sessions only)."""
@@ -268,6 +300,9 @@ class _Sessions(dict):
         for f in todo:
             self._pending[f] = self._pool.submit(self._open, f)
 
+    def is_open(self, file: str) -> bool:
+        return file in self or (file in self._pending and self._pending[file].done())
+
     def __missing__(self, file: str):
         if file not in self.files:
             raise KeyError(file)
@@ -300,6 +335,26 @@ class _Binding:
         for name, arr in self.outputs.items():
             self.values[name] = ort.OrtValue.ortvalue_from_numpy(arr)
             self.io.bind_ortvalue_output(name, self.values[name])
+        self._own = self.outputs                  # the binding's own output buffers
+        self._placed, self._placed_names = None, ()
+
+    def place_outputs(self, key, views) -> None:
+        """Write some outputs into arrays the caller owns from the next run on: views() -> name ->
+        C-contiguous array of that output's shape and dtype (the state pools' rows of the call's
+        slots, ModelRunner._place_states); others are ignored. `key` names the placement, so an
+        unchanged one rebinds nothing; None: the own buffers again. `outputs` becomes a new dict on
+        each change, so views and commit plans made over the old one are remade."""
+        if key == self._placed:
+            return
+        own = self._own
+        targets = {} if key is None else {
+            n: a for n, a in views().items()
+            if n in own and a.shape == own[n].shape and a.dtype == own[n].dtype and a.flags.c_contiguous}
+        self.outputs = {**own, **targets}
+        for name in {*self._placed_names, *targets}:
+            self.values[name] = ort.OrtValue.ortvalue_from_numpy(self.outputs[name])
+            self.io.bind_ortvalue_output(name, self.values[name])
+        self._placed, self._placed_names = key, tuple(targets)
 
     def run(self) -> dict[str, np.ndarray]:
         self.sess.run_with_iobinding(self.io)

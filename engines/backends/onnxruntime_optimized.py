@@ -20,7 +20,6 @@ backend decides which file a session opens.
 from __future__ import annotations
 
 import hashlib
-import mmap
 import platform
 import tempfile
 from pathlib import Path
@@ -112,44 +111,38 @@ def _point(tensor: onnx.TensorProto, location: str, offset: int, length: int) ->
         entry.key, entry.value = key, value
 
 
-def _map(path: Path) -> mmap.mmap | bytes:
-    """The file's bytes without reading them in (b"" for a missing or empty file: mmap refuses those)."""
-    if not path.is_file() or not path.stat().st_size:
-        return b""
-    with open(path, "rb") as f:
-        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+def _read(f, offset: int, length: int) -> bytes:
+    f.seek(offset)
+    return f.read(length)
 
 
 class _OptimizedWeights:
     """Points each external tensor of a saved graph at weights.bin where the lowered graph has a
-    tensor of the same name and bytes there, else at optimized.bin (appended once per content)."""
+    tensor of the same name and bytes there, else at optimized.bin (appended once per content).
+    Reads one tensor at a time (no file is mapped: mapped pages count in the build's RSS, and the
+    optimizer's own session maps weights.bin already)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        self.weights = _map(folder / WEIGHTS_FILE)
+        self.weights = open(folder / WEIGHTS_FILE, "rb") if (folder / WEIGHTS_FILE).is_file() else None
         self._file = open(folder / OPTIMIZED_WEIGHTS, "wb")
         self._size = 0
         self._offsets: dict[str, int] = {}   # sha256 -> offset in optimized.bin
 
     def rehome(self, model: onnx.ModelProto, lowered: onnx.ModelProto, data_path: Path) -> None:
         known = {t.name: ref for t in lowered.graph.initializer if (ref := _external(t))}
-        data = _map(data_path)  # absent when no tensor reached the size for external data
-        try:
-            for tensor in model.graph.initializer:
-                ref = _external(tensor)
-                if ref is None:
-                    continue
-                _, offset, length = ref
-                blob = data[offset:offset + length]
+        tensors = [(t, ref) for t in model.graph.initializer if (ref := _external(t))]
+        if not tensors:
+            return
+        with open(data_path, "rb") as data:
+            for tensor, (_, offset, length) in tensors:
+                blob = _read(data, offset, length)
                 same = known.get(tensor.name)
-                if same and same[0] == WEIGHTS_FILE and same[2] == length \
-                        and self.weights[same[1]:same[1] + length] == blob:
+                if same and same[0] == WEIGHTS_FILE and same[2] == length and self.weights is not None \
+                        and _read(self.weights, same[1], length) == blob:
                     _point(tensor, WEIGHTS_FILE, same[1], length)
                 else:
                     _point(tensor, OPTIMIZED_WEIGHTS, self._append(blob), length)
-        finally:
-            if isinstance(data, mmap.mmap):
-                data.close()
 
     def _append(self, blob: bytes) -> int:
         digest = hashlib.sha256(blob).hexdigest()
@@ -163,7 +156,7 @@ class _OptimizedWeights:
 
     def close(self) -> None:
         self._file.close()
-        if isinstance(self.weights, mmap.mmap):
+        if self.weights is not None:
             self.weights.close()
         if not self._size:  # a float build: every tensor is in weights.bin
             (self.folder / OPTIMIZED_WEIGHTS).unlink()
