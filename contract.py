@@ -24,7 +24,8 @@ from tandem.checkpoint.cache_specs import CONV, KEY, RECURRENT, VALUE, LayerCach
 from tandem.checkpoint.description import ModelDescription
 from tandem.graph_kinds import GraphKind
 
-CONTRACT_VERSION = 2   # 2: verify_sample samples each row from its position's uniform, then compares
+CONTRACT_VERSION = 3   # 2: verify_sample samples each row from its position's uniform, then compares;
+                       # 3: conv pools position-major [slots, K-1, C]
 
 
 @dataclass(frozen=True)

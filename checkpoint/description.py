@@ -5,7 +5,7 @@ headers (validation.py). Nothing here reads weights. Every trunk layer and every
 carries its own mixer spec (a family with one shape for all its attention layers shares one spec
 object between them), and each mixer spec declares the pools its layer keeps (cache_specs.py):
 attention paged K and V rows [Hkv, head_dim] (with its sliding window, if any); Gated DeltaNet a
-recurrent state [Hv, dk, dv] in fp32 and a conv window [conv_dim, K-1] in the activation dtype;
+recurrent state [Hv, dk, dv] in fp32 and a conv window [K-1, conv_dim] in the activation dtype;
 multi-head latent attention (mla_specs.py) one latent row [kv_lora_rank + rope] and, with a
 lightning indexer, one indexer key row [index_head_dim]. Every later size and shape is derived
 from these declarations.
@@ -113,7 +113,8 @@ class LinearAttentionSpec:
     def cache_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec(RECURRENT, (self.num_value_heads, self.key_head_dim, self.value_head_dim),
                           "Gated DeltaNet states", dtype="float32"),
-                StateSpec(CONV, (self.conv_dim, self.conv_kernel - 1), "conv windows (the last K-1 conv inputs)"))
+                StateSpec(CONV, (self.conv_kernel - 1, self.conv_dim),
+                          "conv windows (the last K-1 conv inputs, position-major)"))
 
 
 MOE_ROUTERS = ("softmax", "sigmoid")

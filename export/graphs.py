@@ -35,7 +35,16 @@ from tandem.checkpoint.description import AttentionSpec, LayerKind, ModelDescrip
 from tandem.checkpoint.mla_specs import INDEX_KEYS, LATENT, MLASpec
 from tandem.export import acceptance
 from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN, GraphBuilder, value_info
-from tandem.export.layers import Paging, attention, decoder_layer, gated_deltanet_layer, norm_scale, rope_key, rope_pair
+from tandem.export.layers import (
+    Paging,
+    attention,
+    conv_windows_index,
+    decoder_layer,
+    gated_deltanet_layer,
+    norm_scale,
+    rope_key,
+    rope_pair,
+)
 from tandem.export.mla import mla_attention
 from tandem.export.ops import gated_deltanet, lightning_indexer, paged_sparse_attention
 from tandem.export.primitives import Weights, cast, rms_norm
@@ -75,10 +84,10 @@ def _paging(b: GraphBuilder, desc: ModelDescription, layers, ids: str, dtype: st
 
 
 def _conv_window_after(b: GraphBuilder, padded: str, rows: str, kernel: int) -> str:
-    """padded [B, C, K-1+W] -> the K-1 conv inputs after `rows` [B] rows: padded[:, :, n : n+K-1]."""
+    """padded [B, K-1+W, C] -> the K-1 conv inputs after `rows` [B] rows: padded[:, n : n+K-1, :]."""
     idx = b.op("Add", b.unsqueeze(rows, [1]), b.const(np.arange(kernel - 1)[None, :], np.int64))  # [B, K-1]
-    shape = b.concat([b.shape_of(padded, 0, 2), b.const([kernel - 1], np.int64)], 0)
-    return b.op("GatherElements", padded, b.op("Expand", b.unsqueeze(idx, [1]), shape), axis=2)
+    shape = b.concat([b.shape_of(padded, 0, 1), b.const([kernel - 1], np.int64), b.shape_of(padded, 2, 3)], 0)
+    return b.op("GatherElements", padded, b.op("Expand", b.unsqueeze(idx, [2]), shape), axis=1)
 
 
 def attention_layer(b: GraphBuilder, desc: ModelDescription, spec: AttentionSpec | MLASpec, w: Weights, xn: str,
@@ -115,7 +124,7 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
     state_rows = c.STATE_ROWS
     if verify:  # every row's state is kept; the accepted one is picked after acceptance
         state_rows = b.op("Expand", b.squeeze(b.shape_of(c.INPUT_IDS, 1, 2), [0]), b.shape_of(c.INPUT_IDS, 0, 1))
-    kv, gdn = {}, {}
+    kv, gdn, conv_index = {}, {}, {}    # conv_index: kernel -> the conv windows' index, one per graph
     selected = None     # the last indexer's top-k [B, W, K]: layers that reuse it attend to it
     for i, layer in enumerate(desc.layers):
         p = f"layers.{i}."
@@ -130,7 +139,10 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
                 def mixer(xn, i=i, p=p, spec=layer.mixer):
                     rec = b.op("Gather", c.recurrent_pool(i), c.STATE_SLOTS, axis=0, name="gather_state")
                     conv = b.op("Gather", c.conv_pool(i), c.STATE_SLOTS, axis=0, name="gather_conv")
-                    out = gated_deltanet_layer(b, desc, spec, w, xn, p, rec, conv, state_rows, row_states=verify)
+                    if spec.conv_kernel not in conv_index:
+                        conv_index[spec.conv_kernel] = conv_windows_index(b, c.INPUT_IDS, spec.conv_kernel)
+                    out = gated_deltanet_layer(b, desc, spec, w, xn, p, rec, conv, state_rows, row_states=verify,
+                                               conv_index=conv_index[spec.conv_kernel])
                     return out.output, out
             x, extra = decoder_layer(b, desc, w, x, p, layer, mixer)
         if layer.kind == LayerKind.FULL_ATTENTION:

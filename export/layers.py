@@ -30,7 +30,7 @@ from tandem.export.builder import TANDEM_DOMAIN, GraphBuilder
 from tandem.export.mla import rope_tables
 from tandem.export.mlp import mlp
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
-from tandem.export.primitives import Weights, cast, linear, rms_norm, silu
+from tandem.export.primitives import Weights, cast, linear, linears, rms_norm, silu
 
 
 @dataclass(frozen=True)
@@ -103,15 +103,16 @@ def attention(b: GraphBuilder, desc: ModelDescription, a: AttentionSpec, w: Weig
     eps = desc.rms_norm_eps
     hd = a.head_dim
     with b.scope("attn"):
-        q = linear(b, w, x, p + "self_attn.q_proj.weight", "q_proj")
+        projections = [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "g")[: 3 + a.head_gate]]
+        q, k, v, *g = linears(b, w, x, tuple(projections), "qkv_proj")   # one MatMul: same input
         if a.output_gate:  # [Hq, 2D] per head: query | elementwise gate
             qg = b.reshape(q, [0, 0, a.num_heads, 2 * hd])
             q = b.slice(qg, [0], [hd], [3])                                   # [B, W, Hq, D]
             gate = b.reshape(b.slice(qg, [hd], [2 * hd], [3]), [0, 0, a.num_heads * hd])
         else:
             q = b.reshape(q, [0, 0, a.num_heads, hd])
-        k = b.reshape(linear(b, w, x, p + "self_attn.k_proj.weight", "k_proj"), [0, 0, a.num_kv_heads, hd])
-        v = b.reshape(linear(b, w, x, p + "self_attn.v_proj.weight", "v_proj"), [0, 0, a.num_kv_heads, hd])
+        k = b.reshape(k, [0, 0, a.num_kv_heads, hd])
+        v = b.reshape(v, [0, 0, a.num_kv_heads, hd])
         if a.qk_norm:
             q = rms_norm(b, q, norm_scale(b, desc, w, p + "self_attn.q_norm.weight"), eps, "q_norm")
             k = rms_norm(b, k, norm_scale(b, desc, w, p + "self_attn.k_norm.weight"), eps, "k_norm")
@@ -122,8 +123,8 @@ def attention(b: GraphBuilder, desc: ModelDescription, a: AttentionSpec, w: Weig
                     paging.context_lens, paging.selected, domain=TANDEM_DOMAIN, scale=float(a.scale),
                     sliding_window=a.window or 0, name="PagedSparseAttention")     # [B, W, Hq, D]
         if a.head_gate:  # one sigmoid gate per head: g_proj [Hq, H]
-            g = b.op("Sigmoid", linear(b, w, x, p + "self_attn.g_proj.weight", "g_proj"))   # [B, W, Hq]
-            attn = b.op("Mul", attn, b.unsqueeze(g, [3]), name="head_gate")
+            gate_h = b.op("Sigmoid", g[0])                                                   # [B, W, Hq]
+            attn = b.op("Mul", attn, b.unsqueeze(gate_h, [3]), name="head_gate")
         attn = b.reshape(attn, [0, 0, a.num_heads * hd])
         if a.output_gate:
             attn = b.op("Mul", attn, b.op("Sigmoid", gate))
@@ -135,29 +136,30 @@ def attention(b: GraphBuilder, desc: ModelDescription, a: AttentionSpec, w: Weig
 class GDNOutputs:
     output: str
     state: str          # [B, Hv, dk, dv] after state_rows rows, or [B, W, Hv, dk, dv] per row
-    conv_padded: str    # [B, C, K-1+W]: the conv window followed by this step's conv inputs
+    conv_padded: str    # [B, K-1+W, C]: the conv window followed by this step's conv inputs
 
 
 def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, g: LinearAttentionSpec, w: Weights, x: str,
                          p: str, recurrent_state: str, conv_state: str, state_rows: str,
-                         row_states: bool) -> GDNOutputs:
-    """Gated DeltaNet mixer `g` of canonical prefix `p`; states are the gathered per-sequence ones."""
+                         row_states: bool, conv_index: str) -> GDNOutputs:
+    """Gated DeltaNet mixer `g` of canonical prefix `p`; states are the gathered per-sequence ones
+    (conv_state [B, K-1, C]); conv_index: conv_windows_index(), one per graph."""
     eps = desc.rms_norm_eps
     q = p + "linear_attn."
     with b.scope("linear_attn"):
-        qkv = linear(b, w, x, q + "in_proj_qkv.weight", "in_proj_qkv")        # [B, W, C]
-        z = b.reshape(linear(b, w, x, q + "in_proj_z.weight", "in_proj_z"), [0, 0, g.num_value_heads,
-                                                                              g.value_head_dim])
+        qkv, z, b_proj, a_proj = linears(b, w, x, tuple(q + f"in_proj_{n}.weight" for n in ("qkv", "z", "b", "a")),
+                                         "in_proj")                     # one MatMul: qkv [B, W, C], ...
+        z = b.reshape(z, [0, 0, g.num_value_heads, g.value_head_dim])
         f32 = lambda t: cast(b, t, w.dtype, "float32")  # noqa: E731 (the recurrence runs in fp32)
-        beta = b.op("Sigmoid", f32(linear(b, w, x, q + "in_proj_b.weight", "in_proj_b")))
-        a_proj = f32(linear(b, w, x, q + "in_proj_a.weight", "in_proj_a"))
+        beta = b.op("Sigmoid", f32(b_proj))
+        a_proj = f32(a_proj)
         neg_a = w.derived(b, q + "A_log.neg_exp", lambda: (-np.exp(w.raw(q + "A_log"))).astype(np.float32))
         decay = b.op("Mul", neg_a, b.op("Softplus", b.op("Add", a_proj, w.plain(b, q + "dt_bias", np.float32))))
         with b.scope("conv"):
-            padded = b.concat([conv_state, b.op("Transpose", qkv, perm=[0, 2, 1])], 2)   # [B, C, K-1+W]: the state's
+            padded = b.concat([conv_state, qkv], 1)     # [B, K-1+W, C]: the state's K-1 inputs, then this call's
             taps = w.derived(b, q + "conv1d.weight.taps",    # [C, 1, K] -> [K, C], made here: no runtime fold
                              lambda: w.raw(q + "conv1d.weight").reshape(g.conv_dim, g.conv_kernel).T.astype(w.np_dtype))
-            conv = causal_conv(b, conv_state, qkv, taps, g.conv_kernel)
+            conv = causal_conv(b, padded, taps, conv_index)
             mixed = f32(silu(b, conv))                                                     # [B, W, C]
         kd = g.key_dim
         shape_k = [0, 0, g.num_key_heads, g.key_head_dim]
@@ -177,17 +179,22 @@ def gated_deltanet_layer(b: GraphBuilder, desc: ModelDescription, g: LinearAtten
     return GDNOutputs(out, outs[2] if row_states else outs[1], padded)
 
 
-def causal_conv(b: GraphBuilder, conv_state: str, x: str, taps: str, kernel: int) -> str:
-    """Depthwise causal conv1d over the state's K-1 inputs [B, C, K-1] and this call's x [B, W, C]
-    with taps [K, C] (conv1d.weight [C, 1, K] transposed) -> [B, W, C]: windows gathered as
-    [B, W, K, C] (whole C-rows), times the taps, summed over K. Not Conv: ONNX Runtime's Conv rounds
-    a 1-position output (decode) differently from the same position among W (verify), and the
-    exactness contract needs each row's result independent of how many rows a call has."""
-    rows = b.concat([b.op("Transpose", conv_state, perm=[0, 2, 1]), x], 1)                 # [B, K-1+W, C]
-    w_len = b.squeeze(b.shape_of(x, 1, 2), [0])                                            # W
+def conv_windows_index(b: GraphBuilder, ids: str, kernel: int) -> str:
+    """[W, K]: row t's conv window is rows t .. t+K-1 of the state's K-1 inputs followed by the call's
+    W (W from ids [B, W]). The same for every Gated DeltaNet layer of a graph: built once."""
+    w_len = b.squeeze(b.shape_of(ids, 1, 2), [0])                                          # W
     t = b.op("Range", b.const(np.array(0, np.int64)), w_len, b.const(np.array(1, np.int64)))
-    idx = b.op("Add", b.unsqueeze(t, [1]), b.const(np.arange(kernel)[None, :], np.int64))  # [W, K]
-    windows = b.op("Gather", rows, idx, axis=1)                                            # [B, W, K, C]
+    return b.op("Add", b.unsqueeze(t, [1]), b.const(np.arange(kernel)[None, :], np.int64), name="conv_windows")
+
+
+def causal_conv(b: GraphBuilder, padded: str, taps: str, index: str) -> str:
+    """Depthwise causal conv1d over padded [B, K-1+W, C] (the state's K-1 inputs, then the call's W)
+    with taps [K, C] (conv1d.weight [C, 1, K] transposed) -> [B, W, C]: windows gathered as
+    [B, W, K, C] (whole C-rows, index [W, K]: conv_windows_index), times the taps, summed over K.
+    Not Conv: ONNX Runtime's Conv rounds a 1-position output (decode) differently from the same
+    position among W (verify), and the exactness contract needs each row's result independent of
+    how many rows a call has. The state is kept position-major [K-1, C] so that no Transpose runs."""
+    windows = b.op("Gather", padded, index, axis=1)                                         # [B, W, K, C]
     return b.op("ReduceSum", b.op("Mul", windows, taps), b.const(np.array([2], np.int64)), keepdims=0)
 
 

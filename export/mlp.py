@@ -19,7 +19,7 @@ from onnx import TensorProto
 
 from tandem.checkpoint.description import LayerSpec, MLPKind, ModelDescription
 from tandem.export.builder import GraphBuilder
-from tandem.export.primitives import Weights, cast, linear, silu
+from tandem.export.primitives import Weights, cast, linear, linears, silu
 
 
 def mlp(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str, layer: LayerSpec) -> str:
@@ -31,8 +31,7 @@ def mlp(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str, lay
 
 
 def swiglu(b: GraphBuilder, w: Weights, x: str, p: str, limit: float | None = None) -> str:
-    gate = linear(b, w, x, p + "gate_proj.weight", "gate_proj")
-    up = linear(b, w, x, p + "up_proj.weight", "up_proj")
+    gate, up = linears(b, w, x, (p + "gate_proj.weight", p + "up_proj.weight"), "gate_up_proj")   # one MatMul
     return linear(b, w, _act(b, w, gate, up, limit), p + "down_proj.weight", "down_proj")
 
 

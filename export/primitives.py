@@ -51,24 +51,36 @@ class Weights:
     def _known(self, name: str) -> bool:
         return name in self._derived or name in self._stored
 
-    def matmul_t(self, b: GraphBuilder, name: str, draft: bool = False) -> str:
+    def matmul_t(self, b: GraphBuilder, name: str | tuple[str, ...], draft: bool = False) -> str:
         """W^T [in, out] for x @ W^T (nn.Linear); with `quant` (`draft_quant` for `draft`: the MTP
         heads' drafting lm_head), the blocked DequantizeLinear of its int8 / int4 form
-        (export/quantize.py). Both forms of one weight may exist: each is derived once."""
+        (export/quantize.py). Both forms of one weight may exist: each is derived once.
+        A tuple of names (linears that read the same input): their W^T side by side, [in, sum out].
+        Quantization blocks run along `in`, so each column is quantized as it would be alone."""
+        names = (name,) if isinstance(name, str) else tuple(name)
+        key = fused_name(names)
         quant = self.draft_quant if draft else self.quant
+
+        def wt() -> np.ndarray:
+            return np.concatenate([self.raw(n).T for n in names], axis=1) if len(names) > 1 else self.raw(key).T
+
         if quant is None:
-            return self.derived(b, name + ".T", lambda: self.raw(name).T.astype(self.np_dtype))
-        q_name = f"{name}.T.{quant.format}"
+            return self.derived(b, key + ".T", lambda: wt().astype(self.np_dtype))
+        q_name = f"{key}.T.{quant.format}"
         parts = (q_name, q_name + ".scale", q_name + ".zero")
         if not self._known(q_name):
-            wt = self.raw(name).T
-            if not quant.applies(wt.shape):   # too few input rows for one block: stays float
-                return self.derived(b, name + ".T", lambda: wt.astype(self.np_dtype))
-            for part, array in zip(parts, quant.quantize(wt, self.np_dtype)):
-                if array is not None:
-                    self._keep(part, array)
+            array = wt()
+            if not quant.applies(array.shape):   # too few input rows for one block: stays float
+                return self.derived(b, key + ".T", lambda: array.astype(self.np_dtype))
+            for part, quantized in zip(parts, quant.quantize(array, self.np_dtype)):
+                if quantized is not None:
+                    self._keep(part, quantized)
         inputs = [self.derived(b, part, None) for part in parts if self._known(part)]
         return b.op("DequantizeLinear", *inputs, axis=0, block_size=quant.block)
+
+    def out_features(self, name: str) -> int:
+        """Rows of the [out, in] linear weight `name` (its header's shape: no data converted)."""
+        return int(np.shape(self.ckpt.weight(name))[0])
 
     def plus_one(self, b: GraphBuilder, name: str) -> str:
         """1 + w: zero-centred RMSNorm scale."""
@@ -93,3 +105,30 @@ def silu(b: GraphBuilder, x: str) -> str:
 
 def linear(b: GraphBuilder, w: Weights, x: str, name: str, scope: str) -> str:
     return b.op("MatMul", x, w.matmul_t(b, name), name=f"{scope}/MatMul")
+
+
+def linears(b: GraphBuilder, w: Weights, x: str, names: tuple[str, ...], scope: str) -> list[str]:
+    """x @ W_i^T for every name, as one MatMul over the weights side by side and a Split of its
+    last axis into each W_i's output rows. At batch 1 every MatMul node is a pass over the
+    input, a thread-pool dispatch and (int8 / int4) a quantization of x: one node for the
+    projections that share an input costs less than one each (docs/performance.md)."""
+    if len(names) == 1:
+        return [linear(b, w, x, names[0], scope)]
+    y = b.op("MatMul", x, w.matmul_t(b, tuple(names)), name=f"{scope}/MatMul")
+    return list(b.op("Split", y, b.const([w.out_features(n) for n in names], np.int64), axis=-1, outputs=len(names),
+                     name=f"{scope}/Split"))
+
+
+def fused_name(names: tuple[str, ...]) -> str:
+    """One weight name for linears side by side: ("l.a.weight", "l.b.weight") -> "l.{a,b}.weight"."""
+    if len(names) == 1:
+        return names[0]
+    parts = [n.split(".") for n in names]
+    head = 0
+    while all(len(p) > head + 1 and p[head] == parts[0][head] for p in parts):
+        head += 1
+    tail = 0
+    while all(len(p) > head + tail + 1 and p[-1 - tail] == parts[0][-1 - tail] for p in parts):
+        tail += 1
+    middles = [".".join(p[head:len(p) - tail]) for p in parts]
+    return ".".join(parts[0][:head] + ["{" + ",".join(middles) + "}"] + parts[0][len(parts[0]) - tail:])

@@ -37,7 +37,7 @@ def test_qwen_layers_declare_paged_kv_or_states_and_heads_paged_kv(desc):
         else:
             assert [(s.name, s.shape, s.dtype) for s in cache.pools] == [
                 ("recurrent", (g.num_value_heads, g.key_head_dim, g.value_head_dim), "float32"),
-                ("conv", (g.conv_dim, g.conv_kernel - 1), None)]
+                ("conv", (g.conv_kernel - 1, g.conv_dim), None)]
     assert [(h.layer, h.head, [p.name for p in h.paged], h.states) for h in heads] == [
         (j, True, ["key", "value"], ()) for j in range(HEADS)]
     assert len(desc.layer_caches(mtp_layers=1)) == desc.num_layers + 1
