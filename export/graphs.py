@@ -83,11 +83,20 @@ def _paging(b: GraphBuilder, desc: ModelDescription, layers, ids: str, dtype: st
     return Paging(c.CONTEXT_LENS, tables, rotary, b.const(np.zeros((1, 1, 0), np.int64)))
 
 
-def _conv_window_after(b: GraphBuilder, padded: str, rows: str, kernel: int) -> str:
-    """padded [B, K-1+W, C] -> the K-1 conv inputs after `rows` [B] rows: padded[:, n : n+K-1, :]."""
-    idx = b.op("Add", b.unsqueeze(rows, [1]), b.const(np.arange(kernel - 1)[None, :], np.int64))  # [B, K-1]
-    shape = b.concat([b.shape_of(padded, 0, 1), b.const([kernel - 1], np.int64), b.shape_of(padded, 2, 3)], 0)
-    return b.op("GatherElements", padded, b.op("Expand", b.unsqueeze(idx, [2]), shape), axis=1)
+def _conv_windows_after(b: GraphBuilder, gdn: dict, desc: ModelDescription, rows: str) -> dict[str, str]:
+    """new_conv_state.{i} of every Gated DeltaNet layer: padded [B, K-1+W, C] -> the K-1 conv inputs
+    after `rows` [B] rows, padded[b, n_b : n_b+K-1, :], one GatherND per layer on an index built
+    once per kernel size."""
+    index, out = {}, {}
+    for i, g in gdn.items():
+        kernel = desc.layers[i].mixer.conv_kernel
+        if kernel not in index:
+            with b.scope("conv_windows_after"):
+                index[kernel] = b.unsqueeze(b.op("Add", b.unsqueeze(rows, [1]), b.const(np.arange(kernel - 1)[None, :],
+                                                                                     np.int64)), [2])  # [B, K-1, 1]
+        with b.scope(f"model/layers.{i}/commit"):
+            out[c.new_conv_state(i)] = b.op("GatherND", g.conv_padded, index[kernel], batch_dims=1)
+    return out
 
 
 def attention_layer(b: GraphBuilder, desc: ModelDescription, spec: AttentionSpec | MLASpec, w: Weights, xn: str,
@@ -194,10 +203,8 @@ def target_step(desc: ModelDescription, w: Weights, gdn_chunk_size: int = 0) -> 
     for i, rows in kv.items():
         produced.update(new_rows_outputs(desc.layers[i].mixer, i, rows))
     for i, g in gdn.items():
-        with b.scope(f"model/layers.{i}/commit"):
-            produced[c.new_recurrent_state(i)] = g.state
-            produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, c.STATE_ROWS,
-                                                               desc.layers[i].mixer.conv_kernel)
+        produced[c.new_recurrent_state(i)] = g.state
+    produced.update(_conv_windows_after(b, gdn, desc, c.STATE_ROWS))
     return _finish(b, TARGET_STEP.name, ins, outs, produced,
                    _functions(desc, row_states=False, chunk=gdn_chunk_size))
 
@@ -225,11 +232,11 @@ def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: b
     for i, rows in kv.items():
         produced.update(new_rows_outputs(desc.layers[i].mixer, i, rows))
     kept = b.op("Add", accepted, b.const(1, np.int64), name="kept_rows")       # rows 0..accepted
+    row = b.unsqueeze(accepted, [1])                                            # [B, 1]: the accepted row
     for i, g in gdn.items():
         with b.scope(f"model/layers.{i}/commit"):
-            produced[c.new_recurrent_state(i)] = b.op("GatherND", g.state, b.unsqueeze(accepted, [1]), batch_dims=1)
-            produced[c.new_conv_state(i)] = _conv_window_after(b, g.conv_padded, kept,
-                                                               desc.layers[i].mixer.conv_kernel)
+            produced[c.new_recurrent_state(i)] = b.op("GatherND", g.state, row, batch_dims=1)
+    produced.update(_conv_windows_after(b, gdn, desc, kept))
     return produced
 
 

@@ -40,7 +40,7 @@ class Paging:
 
     context_lens: str                                      # [B]
     tables: dict[int | None, str]                          # window -> block tables [B, P]
-    rotary: dict[tuple, tuple[str, str]]                   # rope_key -> cos, sin [B, W, 1, rd] (MLA: rd / 2)
+    rotary: dict[tuple, tuple[str, str]]                   # rope_key -> cos, sin [B, W, 1, D] (MLA: [.., rd / 2])
     selected: str       # [B|1, W|1, K] committed positions each row may see; K = 0: dense
 
     def table(self, a: AttentionSpec | MLASpec) -> str:
@@ -51,14 +51,15 @@ class Paging:
 
 
 def rope_key(a: AttentionSpec | MLASpec) -> tuple:
-    """Layers with equal keys share one cos/sin pair: (rotary_dim, theta); MLA adds its YaRN."""
+    """Layers with equal keys share one cos/sin pair: (rotary_dim, theta, head_dim); MLA: (rope dims,
+    theta, its YaRN)."""
     if isinstance(a, MLASpec):
         return a.qk_rope_head_dim, float(a.rope_theta), a.yarn
-    return a.rotary_dim, float(a.rope_theta)
+    return a.rotary_dim, float(a.rope_theta), a.head_dim
 
 
 def rope_pair(b: GraphBuilder, a: AttentionSpec | MLASpec, positions: str, dtype: str, scope: str) -> tuple[str, str]:
-    """The cos/sin pair layer `a` reads: NeoX tables [.., rd] or MLA's per-pair ones [.., rd / 2]."""
+    """The cos/sin pair layer `a` reads: NeoX tables [.., D] (rotary_tables) or MLA's per-pair ones [.., rd / 2]."""
     if isinstance(a, MLASpec):
         with b.scope(scope):
             return rope_tables(b, a, positions, dtype)
@@ -73,28 +74,41 @@ def norm_scale(b: GraphBuilder, desc: ModelDescription, w: Weights, name: str) -
 
 def rotary_tables(b: GraphBuilder, a: AttentionSpec, positions: str, dtype: str = "float32",
                   scope: str = "rotary") -> tuple[str, str]:
-    """cos/sin [B, W, 1, rd] in `dtype` for int64 positions [B, W] (NeoX layout: freqs repeated
-    twice) with `a`'s theta and rotary dims; the angles are float32 (position x frequency needs
-    the mantissa)."""
+    """(cos, signed sin) [B, W, 1, D] float32 (whatever `dtype`: apply_rotary computes in float32) for
+    int64 positions [B, W], `a`'s theta and partial rotary dims rd (NeoX layout: freqs repeated
+    twice), laid out for apply_rotary: over dims rd..D cos is 1 and sin 0 (they pass through), and
+    sin is negated on the first half (rotate_half's sign). The angles are float32 (position x
+    frequency needs the mantissa)."""
+    half, pad = a.rotary_dim // 2, a.head_dim - a.rotary_dim
     inv_freq = 1.0 / (a.rope_theta ** (np.arange(0, a.rotary_dim, 2, dtype=np.float64) / a.rotary_dim))
     with b.scope(scope):
         freqs = b.op("Mul", b.unsqueeze(b.op("Cast", positions, to=TensorProto.FLOAT), [2]),
                      b.const(inv_freq.astype(np.float32)))                   # [B, W, rd/2]
         emb = b.unsqueeze(b.concat([freqs, freqs], -1), [2])                 # [B, W, 1, rd]
-        return (cast(b, b.op("Cos", emb, name="cos"), "float32", dtype),
-                cast(b, b.op("Sin", emb, name="sin"), "float32", dtype))
+        cos, sin = b.op("Cos", emb, name="cos"), b.op("Sin", emb, name="sin")
+        sign = np.concatenate([-np.ones(half), np.ones(half)]).astype(np.float32)
+        sin = b.op("Mul", sin, b.const(sign))
+        if pad:
+            ones = b.op("Expand", b.const(np.ones(pad, np.float32)), b.concat([b.shape_of(emb, 0, 3),
+                                                                              b.const([pad], np.int64)], 0))
+            cos, sin = b.concat([cos, ones], -1), b.concat([sin, b.op("Mul", ones, b.const(np.float32(0)))], -1)
+        return cos, sin
 
 
-def apply_rotary(b: GraphBuilder, x: str, cos: str, sin: str, head_dim: int, rotary_dim: int) -> str:
-    """Partial NeoX RoPE: rotate_half on the first rotary_dim dims of each head."""
+def apply_rotary(b: GraphBuilder, x: str, cos: str, sin: str, head_dim: int, rotary_dim: int, dtype: str) -> str:
+    """Partial NeoX RoPE on x [B, W, H, D]: x * cos + rotate_half(x) * sin on the first rotary_dim
+    dims, the rest as they are, as x * cos + x[perm] * sin with rotary_tables' padded, signed
+    tables (perm swaps the two halves of the rotary dims): one Gather and three elementwise nodes
+    per tensor where slicing, negating and concatenating took ten. The same products and sum as
+    rotate_half's, so the same bits; a pass-through dim is x * 1 + x' * 0 = x.
+    In float32 whatever `dtype`, with one explicit Cast back: ONNX Runtime CPU runs fp16 Mul / Add
+    through casts it inserts and may drop as precision-free, and the new K rows an attention call
+    reads must be rounded exactly as the ones it stores (row invariance of fp16 engines)."""
     half = rotary_dim // 2
-    x1 = b.slice(x, [0], [half], [3])
-    x2 = b.slice(x, [half], [rotary_dim], [3])
-    rot = b.concat([b.op("Neg", x2), x1], -1)
-    x_rot = b.op("Add", b.op("Mul", b.slice(x, [0], [rotary_dim], [3]), cos), b.op("Mul", rot, sin))
-    if rotary_dim == head_dim:
-        return x_rot
-    return b.concat([x_rot, b.slice(x, [rotary_dim], [head_dim], [3])], -1)
+    perm = np.concatenate([np.arange(half, rotary_dim), np.arange(half), np.arange(rotary_dim, head_dim)])
+    x = cast(b, x, dtype, "float32")
+    swapped = b.op("Gather", x, b.const(perm.astype(np.int64)), axis=3, name="rotate_half")
+    return cast(b, b.op("Add", b.op("Mul", x, cos), b.op("Mul", swapped, sin)), "float32", dtype)
 
 
 def attention(b: GraphBuilder, desc: ModelDescription, a: AttentionSpec, w: Weights, x: str, p: str,
@@ -117,8 +131,8 @@ def attention(b: GraphBuilder, desc: ModelDescription, a: AttentionSpec, w: Weig
             q = rms_norm(b, q, norm_scale(b, desc, w, p + "self_attn.q_norm.weight"), eps, "q_norm")
             k = rms_norm(b, k, norm_scale(b, desc, w, p + "self_attn.k_norm.weight"), eps, "k_norm")
         cos, sin = paging.rope(a)
-        q = apply_rotary(b, q, cos, sin, hd, a.rotary_dim)
-        k = apply_rotary(b, k, cos, sin, hd, a.rotary_dim)
+        q = apply_rotary(b, q, cos, sin, hd, a.rotary_dim, w.dtype)
+        k = apply_rotary(b, k, cos, sin, hd, a.rotary_dim, w.dtype)
         attn = b.op(paged_sparse_attention.OP_TYPE, q, k, v, key_pool, value_pool, paging.table(a),
                     paging.context_lens, paging.selected, domain=TANDEM_DOMAIN, scale=float(a.scale),
                     sliding_window=a.window or 0, name="PagedSparseAttention")     # [B, W, Hq, D]
