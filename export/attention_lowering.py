@@ -12,7 +12,9 @@ Shared, per (block tables, context lens, window, graph pass), built before the f
     ctx[b] + w; W spare slots at the end make room when the table has no page for them yet)
     mask [B, 1, 1, W+1, T+W]: row w sees j <= ctx[b] + w (and ctx[b] + w - j < window)
 
-Per layer (D / Dv / Hkv / G from the layer's own tensors, static after ORT's constant folding):
+Per layer (Hkv / D / Dv from the pools' declared shapes, constants in the Reshapes: ORT cannot fold a
+Shape of a tensor whose batch or row count is symbolic, so shape arithmetic would run every call;
+G from the query's size; from the layer's tensors where a pool's shape is not declared):
 
     K, V pages --Gather(block_tables)--> [B, T, Hkv, D] --Cast fp32, Concat(new), ScatterND(new at ctx+w)
     q [B,Hkv,G,W,D] --Pad one row (target layers)--> x K^T x scale --Where(mask)--> Softmax --> x V --> drop the pad row
@@ -70,10 +72,22 @@ def pass_of(node: onnx.NodeProto) -> str:
     return node.name.split("/model/")[0].split("/mtp/")[0]
 
 
-def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str]) -> tuple[list[onnx.NodeProto], int]:
+def static_pool_dims(graph: onnx.GraphProto) -> dict[str, tuple[int, int]]:
+    """Graph input -> its last two dims where both are static: (Hkv, D) of a paged K or V pool
+    [pages, page_size, Hkv, D] (the contract declares them from the cache specs)."""
+    out = {}
+    for i in graph.input:
+        dims = i.type.tensor_type.shape.dim
+        if len(dims) == 4 and all(d.HasField("dim_value") for d in dims[2:]):
+            out[i.name] = (dims[2].dim_value, dims[3].dim_value)
+    return out
+
+
+def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str], pool_dims: dict[str, tuple[int, int]]
+                          ) -> tuple[list[onnx.NodeProto], int]:
     """`nodes` with each PagedSparseAttention node named in `dense` replaced by its lowered form;
     the nodes of one pass (pass_of) with the same tables, context lengths and window share one
-    mask. Returns (nodes, how many were lowered)."""
+    mask. pool_dims: static_pool_dims of the graph. Returns (nodes, how many were lowered)."""
     out, masks, lowered = [], {}, 0
     b = GraphBuilder(function=True, root="dense_attention")   # Constant nodes: no initializers to add
     for node in nodes:
@@ -88,7 +102,7 @@ def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str]) -> tuple
         key = (tables, ctx, window, pass_of(node), pad)
         if key not in masks:
             masks[key] = _mask(b, q, kc, tables, ctx, window, pad)
-        _attention(b, node, masks[key], scale)
+        _attention(b, node, masks[key], scale, pool_dims.get(kc), pool_dims.get(vc))
         out.extend(b.nodes[start:])
         lowered += 1
     return out, lowered
@@ -115,30 +129,34 @@ def _mask(b: GraphBuilder, q: str, kc: str, tables: str, ctx: str, window: int, 
     return Shared(b.unsqueeze(mask, [1, 2]), where, pad)                           # mask [B, 1, 1, W+pad, T+W]
 
 
-def _attention(b: GraphBuilder, node: onnx.NodeProto, shared: Shared, scale: float) -> None:
-    """The body's attention for one layer under the pass's shared mask; writes the node's own output name."""
+def _attention(b: GraphBuilder, node: onnx.NodeProto, shared: Shared, scale: float,
+               k_dims: tuple[int, int] | None, v_dims: tuple[int, int] | None) -> None:
+    """The body's attention for one layer under the pass's shared mask; writes the node's own output
+    name. k_dims / v_dims: the pools' static (Hkv, D) and (Hkv, Dv), or None (read off the tensors)."""
     q, k, v, kc, vc, tables, _, _ = node.input
     i64 = lambda x: b.const(x, np.int64)  # noqa: E731
     f32 = lambda x: b.op("Cast", x, to=TensorProto.FLOAT)  # noqa: E731 (ORT drops it on float32 tensors)
 
-    def rows(cache, new):                                                          # [B, T+W, Hkv, D]
+    def rows(cache, new, dims):                                                    # [B, T+W, Hkv, D]
         paged = b.op("Gather", cache, tables, axis=0)                              # [B, P, S, Hkv, D]
-        flat = b.reshape(paged, b.concat([i64([0, -1]), b.shape_of(cache, 2, 4)], 0))
+        flat = b.reshape(paged, i64([0, -1, *dims]) if dims else b.concat([i64([0, -1]), b.shape_of(cache, 2, 4)], 0))
         spread = b.concat([f32(flat), f32(new)], 1)          # W spare slots: room when ctx + W > P*S
         return b.op("ScatterND", spread, shared.where, f32(new))                   # new row w at slot ctx + w
 
-    hkv = b.shape_of(k, 2, 3)
-    g = b.op("Div", b.shape_of(q, 2, 3), hkv)
-    q5 = b.op("Transpose", b.reshape(f32(q), b.concat([i64([0, 0]), hkv, g, b.shape_of(q, 3, 4)], 0)),
-              perm=[0, 2, 3, 1, 4])                                                # [B, Hkv, G, W, D]
+    if k_dims:
+        q_shape = i64([0, 0, k_dims[0], -1, k_dims[1]])                           # G = Hq / Hkv from the size
+    else:
+        hkv = b.shape_of(k, 2, 3)
+        q_shape = b.concat([i64([0, 0]), hkv, b.op("Div", b.shape_of(q, 2, 3), hkv), b.shape_of(q, 3, 4)], 0)
+    q5 = b.op("Transpose", b.reshape(f32(q), q_shape), perm=[0, 2, 3, 1, 4])      # [B, Hkv, G, W, D]
     if shared.pad:
         q5 = b.op("Pad", q5, i64([0, 0, 0, 0, 0, 0, 0, 0, 1, 0]))                 # [B, Hkv, G, W+1, D]
-    k5 = b.unsqueeze(b.op("Transpose", rows(kc, k), perm=[0, 2, 3, 1]), [2])       # [B, Hkv, 1, D, T+W]
-    v5 = b.unsqueeze(b.op("Transpose", rows(vc, v), perm=[0, 2, 1, 3]), [2])       # [B, Hkv, 1, T+W, Dv]
+    k5 = b.unsqueeze(b.op("Transpose", rows(kc, k, k_dims), perm=[0, 2, 3, 1]), [2])   # [B, Hkv, 1, D, T+W]
+    v5 = b.unsqueeze(b.op("Transpose", rows(vc, v, v_dims), perm=[0, 2, 1, 3]), [2])   # [B, Hkv, 1, T+W, Dv]
     scores = b.op("Mul", b.op("MatMul", q5, k5), b.const(np.float32(scale)))
     probs = b.op("Softmax", b.op("Where", shared.mask, scores, b.const(np.float32(_NEG))), axis=-1)
     out = b.op("MatMul", probs, v5)
     out = b.slice(out, [0], [-1], [3]) if shared.pad else out                      # drop the pad row
     out = b.op("Transpose", out, perm=[0, 3, 1, 2, 4])                             # [B, W, Hkv, G, Dv]
-    out = b.reshape(out, b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
+    out = b.reshape(out, i64([0, 0, -1, v_dims[1]]) if v_dims else b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))
     b.op("CastLike", out, q, outputs=[node.output[0]], name=node.name + "/output")
