@@ -43,7 +43,7 @@ from tandem.engines.manifest import (
 )
 from tandem.engines.options import BuildOptions, OptionsError
 from tandem.engines.progress import Progress
-from tandem.engines.verification import compare, fixed_inputs, timed
+from tandem.engines.verification import compare, fixed_inputs, sampled_rows, timed
 from tandem.export.exporter import export_checkpoint
 
 _EXPORT_OPTIONS = ("dtype", "weights", "quant_block", "no_mtp", "page_size", "unified_round",  # change the graphs
@@ -127,8 +127,8 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
                     else:
                         todo.append((bucket, files[bucket.name], fixed_inputs(desc, bucket, options)))
                 # the checker's results first: zip then runs it to its end (a generator closes its session there)
-                for (ref, got, seconds), (bucket, _, _) in zip(run_group(todo) if todo else [], todo):
-                    verified[bucket.name] = compare(ref, got, options.dtype, seconds).to_json()
+                for (ref, got, seconds), (bucket, _, feeds) in zip(run_group(todo) if todo else [], todo):
+                    verified[bucket.name] = compare(ref, got, options.dtype, seconds, sampled_rows(feeds)).to_json()
                     rebuilt.append(bucket.name)
                     bar.step(bucket.name)
         records = [{"name": b.name, "graph": b.graph.name, "role": b.role, "batch": b.batch, "rows": b.rows,
