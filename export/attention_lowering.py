@@ -48,9 +48,10 @@ _NEG = -1e30  # as the body: finite, every row sees at least itself
 @dataclass(frozen=True)
 class Shared:
     """Built once per pass and window: the visibility mask and where the new rows go."""
-    mask: str    # [B, 1, 1, W+pad, T+W] bool
+    mask: str    # [B, 1, 1, W+pad, T+W] bool; with `groups` G: [B, 1, G*(W+pad), T+W] (row g*(W+pad) + w)
     where: str   # [B, W, 2] int64: (b, ctx_b + w), ScatterND indices of the new rows
     pad: int     # 1: one pad query row (target layers), 0: none (MTP heads' layers)
+    groups: int | None = None   # G = Hq / Hkv when static: the query heads of a KV head are one matrix
 
 
 def dense_attention_nodes(model: onnx.ModelProto) -> set[str]:
@@ -83,11 +84,25 @@ def static_pool_dims(graph: onnx.GraphProto) -> dict[str, tuple[int, int]]:
     return out
 
 
-def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str], pool_dims: dict[str, tuple[int, int]]
-                          ) -> tuple[list[onnx.NodeProto], int]:
+def query_heads(model: onnx.ModelProto) -> dict[str, int]:
+    """PagedSparseAttention query tensor -> its static head count Hq (ONNX shape inference: the
+    exporter reshapes q to [B, W, Hq, D] with constant Hq)."""
+    queries = {n.input[0] for n in model.graph.node if n.op_type == psa.OP_TYPE}
+    inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph.value_info
+    out = {}
+    for v in inferred:
+        dims = v.type.tensor_type.shape.dim
+        if v.name in queries and len(dims) == 4 and dims[2].HasField("dim_value"):
+            out[v.name] = dims[2].dim_value
+    return out
+
+
+def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str], pool_dims: dict[str, tuple[int, int]],
+                          heads: dict[str, int] | None = None) -> tuple[list[onnx.NodeProto], int]:
     """`nodes` with each PagedSparseAttention node named in `dense` replaced by its lowered form;
     the nodes of one pass (pass_of) with the same tables, context lengths and window share one
-    mask. pool_dims: static_pool_dims of the graph. Returns (nodes, how many were lowered)."""
+    mask. pool_dims: static_pool_dims of the graph; heads: query_heads of it. Returns (nodes, how
+    many were lowered)."""
     out, masks, lowered = [], {}, 0
     b = GraphBuilder(function=True, root="dense_attention")   # Constant nodes: no initializers to add
     for node in nodes:
@@ -99,19 +114,23 @@ def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str], pool_dim
         scale = next(a.f for a in node.attribute if a.name == "scale")
         start = len(b.nodes)
         pad = 0 if "/mtp/" in node.name else 1   # the heads' rows only draft: exactness needs no pad there
-        key = (tables, ctx, window, pass_of(node), pad)
+        k_dims, v_dims, hq = pool_dims.get(kc), pool_dims.get(vc), (heads or {}).get(q)
+        groups = hq // k_dims[0] if hq and k_dims and v_dims and hq % k_dims[0] == 0 else None
+        key = (tables, ctx, window, pass_of(node), pad, groups)
         if key not in masks:
-            masks[key] = _mask(b, q, kc, tables, ctx, window, pad)
+            masks[key] = _mask(b, q, kc, tables, ctx, window, pad, groups)
         _attention(b, node, masks[key], scale, pool_dims.get(kc), pool_dims.get(vc))
         out.extend(b.nodes[start:])
         lowered += 1
     return out, lowered
 
 
-def _mask(b: GraphBuilder, q: str, kc: str, tables: str, ctx: str, window: int, pad: int) -> Shared:
+def _mask(b: GraphBuilder, q: str, kc: str, tables: str, ctx: str, window: int, pad: int,
+          groups: int | None = None) -> Shared:
     """The pass's key positions and mask. Keys are laid out by position (see _attention), so
     key slot j holds position j: row w (position ctx + w) sees j <= ctx + w (and ctx + w - j <
-    window). With `pad`, row W is the pad row (sees everything up to ctx + W; its output is dropped)."""
+    window). With `pad`, row W is the pad row (sees everything up to ctx + W; its output is dropped).
+    With `groups` G the rows are the G query heads' W+pad rows one after the other (tiled)."""
     i64 = lambda x: b.const(x, np.int64)  # noqa: E731
     w_len = b.shape_of(q, 1, 2)                                                    # [1] = W
     t_len = b.op("Add", b.op("Mul", b.shape_of(tables, 1, 2), b.shape_of(kc, 1, 2)), w_len)  # [1] = P*S + W
@@ -126,6 +145,8 @@ def _mask(b: GraphBuilder, q: str, kc: str, tables: str, ctx: str, window: int, 
     batch = b.op("Expand", b.unsqueeze(b.op("Range", i64(0), b.squeeze(b.shape_of(ctx, 0, 1), [0]), i64(1)), [1]),
                  b.shape_of(new_pos))                                              # [B, W]
     where = b.concat([b.unsqueeze(batch, [2]), b.unsqueeze(new_pos, [2])], 2)      # [B, W, 2] = (b, ctx_b + w)
+    if groups:
+        return Shared(b.unsqueeze(b.op("Tile", mask, i64([1, groups, 1])), [1]), where, pad, groups)
     return Shared(b.unsqueeze(mask, [1, 2]), where, pad)                           # mask [B, 1, 1, W+pad, T+W]
 
 
@@ -151,11 +172,17 @@ def _attention(b: GraphBuilder, node: onnx.NodeProto, shared: Shared, scale: flo
     q5 = b.op("Transpose", b.reshape(f32(q), q_shape), perm=[0, 2, 3, 1, 4])      # [B, Hkv, G, W, D]
     if shared.pad:
         q5 = b.op("Pad", q5, i64([0, 0, 0, 0, 0, 0, 0, 0, 1, 0]))                 # [B, Hkv, G, W+1, D]
-    k5 = b.unsqueeze(b.op("Transpose", rows(kc, k, k_dims), perm=[0, 2, 3, 1]), [2])   # [B, Hkv, 1, D, T+W]
-    v5 = b.unsqueeze(b.op("Transpose", rows(vc, v, v_dims), perm=[0, 2, 1, 3]), [2])   # [B, Hkv, 1, T+W, Dv]
-    scores = b.op("Mul", b.op("MatMul", q5, k5), b.const(np.float32(scale)))
+    k4 = b.op("Transpose", rows(kc, k, k_dims), perm=[0, 2, 3, 1])                # [B, Hkv, D, T+W]
+    v4 = b.op("Transpose", rows(vc, v, v_dims), perm=[0, 2, 1, 3])                # [B, Hkv, T+W, Dv]
+    if shared.groups:   # one [G*(W+pad), D] x [D, T+W] product per KV head: each key and value read once
+        q_rows, k_in, v_in = b.reshape(q5, i64([0, 0, -1, k_dims[1]])), k4, v4    # q [B, Hkv, G*(W+pad), D]
+    else:               # [B, Hkv, G, W+pad, D] x [B, Hkv, 1, D, T+W]: keys and values read once per group
+        q_rows, k_in, v_in = q5, b.unsqueeze(k4, [2]), b.unsqueeze(v4, [2])
+    scores = b.op("Mul", b.op("MatMul", q_rows, k_in), b.const(np.float32(scale)))
     probs = b.op("Softmax", b.op("Where", shared.mask, scores, b.const(np.float32(_NEG))), axis=-1)
-    out = b.op("MatMul", probs, v5)
+    out = b.op("MatMul", probs, v_in)
+    if shared.groups:
+        out = b.reshape(out, i64([0, 0, shared.groups, -1, v_dims[1]]))          # [B, Hkv, G, W+pad, Dv]
     out = b.slice(out, [0], [-1], [3]) if shared.pad else out                      # drop the pad row
     out = b.op("Transpose", out, perm=[0, 3, 1, 2, 4])                             # [B, W, Hkv, G, Dv]
     out = b.reshape(out, i64([0, 0, -1, v_dims[1]]) if v_dims else b.concat([i64([0, 0, -1]), b.shape_of(v, 3, 4)], 0))

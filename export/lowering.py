@@ -26,7 +26,13 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from tandem.export.attention_lowering import dense_attention_nodes, lower_dense_attention, pass_of, static_pool_dims
+from tandem.export.attention_lowering import (
+    dense_attention_nodes,
+    lower_dense_attention,
+    pass_of,
+    query_heads,
+    static_pool_dims,
+)
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
@@ -55,7 +61,8 @@ def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None) -> on
             nodes.extend(replays[node.input[0]](node))
             continue
         nodes.append(node)
-    nodes, dense = lower_dense_attention(nodes, dense_attention_nodes(out), static_pool_dims(out.graph))
+    nodes, dense = lower_dense_attention(nodes, dense_attention_nodes(out), static_pool_dims(out.graph),
+                                         query_heads(model))
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     _alias_shared_dequantize_inputs(out.graph)
