@@ -106,7 +106,8 @@ def test_failure_mid_build_leaves_no_valid_looking_directory(tiny_root, tmp_path
 def test_a_failed_verification_writes_nothing(tiny_root, tmp_path, monkeypatch):
     from tandem.engines.verification import Verification
 
-    monkeypatch.setattr(builder_module, "compare", lambda ref, got, dtype, s, sampled=None: Verification(False, 1e-4, {"x": 1.0}, s))
+    monkeypatch.setattr(builder_module, "compare",
+                        lambda ref, got, dtype, s, sampled=None: Verification(False, 1e-4, {"x": 1.0}, s))
     with pytest.raises(BuildError, match="disagree with the un-lowered graphs"):
         build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "e", SMALL, show_progress=False)
     assert not (tmp_path / "e").exists() and not leftovers(tmp_path)
