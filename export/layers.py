@@ -63,7 +63,7 @@ def rope_pair(b: GraphBuilder, a: AttentionSpec | MLASpec, positions: str, dtype
     if isinstance(a, MLASpec):
         with b.scope(scope):
             return rope_tables(b, a, positions, dtype)
-    return rotary_tables(b, a, positions, dtype, scope)
+    return rotary_tables(b, a, positions, scope)
 
 
 def norm_scale(b: GraphBuilder, desc: ModelDescription, w: Weights, name: str) -> str:
@@ -72,9 +72,8 @@ def norm_scale(b: GraphBuilder, desc: ModelDescription, w: Weights, name: str) -
     return w.plus_one(b, name) if desc.norm_zero_centred else w.plain(b, name)
 
 
-def rotary_tables(b: GraphBuilder, a: AttentionSpec, positions: str, dtype: str = "float32",
-                  scope: str = "rotary") -> tuple[str, str]:
-    """(cos, signed sin) [B, W, 1, D] float32 (whatever `dtype`: apply_rotary computes in float32) for
+def rotary_tables(b: GraphBuilder, a: AttentionSpec, positions: str, scope: str = "rotary") -> tuple[str, str]:
+    """(cos, signed sin) [B, W, 1, D] float32 (apply_rotary computes in float32 in every dtype) for
     int64 positions [B, W], `a`'s theta and partial rotary dims rd (NeoX layout: freqs repeated
     twice), laid out for apply_rotary: over dims rd..D cos is 1 and sin 0 (they pass through), and
     sin is negated on the first half (rotate_half's sign). The angles are float32 (position x
