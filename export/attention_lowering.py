@@ -17,7 +17,8 @@ Shape of a tensor whose batch or row count is symbolic, so shape arithmetic woul
 G from the query's size; from the layer's tensors where a pool's shape is not declared):
 
     K, V pages --Gather(block_tables)--> [B, T, Hkv, D] --Cast fp32, Concat(new), ScatterND(new at ctx+w)
-    q [B,Hkv,G,W,D] --Pad one row (target layers)--> x K^T x scale --Where(mask)--> Softmax --> x V --> drop the pad row
+    q [B,Hkv,G,W,D] --Pad one row (target layers)--> [B, Hkv, G*(W+1), D] (G static: one product per
+    KV head, each key read once) x K^T x scale --Where(mask)--> Softmax --> x V --> drop the pad row
     --> [B, W, Hq, Dv] --CastLike(query)
 
 Why by position, and why the pad row: each row's result must not depend on how many rows the
