@@ -120,7 +120,7 @@ def lower_dense_attention(nodes: list[onnx.NodeProto], dense: set[str], pool_dim
         key = (tables, ctx, window, pass_of(node), pad, groups)
         if key not in masks:
             masks[key] = _mask(b, q, kc, tables, ctx, window, pad, groups)
-        _attention(b, node, masks[key], scale, pool_dims.get(kc), pool_dims.get(vc))
+        _attention(b, node, masks[key], scale, k_dims, v_dims)
         out.extend(b.nodes[start:])
         lowered += 1
     return out, lowered

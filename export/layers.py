@@ -88,9 +88,9 @@ def rotary_tables(b: GraphBuilder, a: AttentionSpec, positions: str, scope: str 
         sign = np.concatenate([-np.ones(half), np.ones(half)]).astype(np.float32)
         sin = b.op("Mul", sin, b.const(sign))
         if pad:
-            ones = b.op("Expand", b.const(np.ones(pad, np.float32)), b.concat([b.shape_of(emb, 0, 3),
-                                                                              b.const([pad], np.int64)], 0))
-            cos, sin = b.concat([cos, ones], -1), b.concat([sin, b.op("Mul", ones, b.const(np.float32(0)))], -1)
+            shape = b.concat([b.shape_of(emb, 0, 3), b.const([pad], np.int64)], 0)       # [B, W, 1, D-rd]
+            fill = lambda v: b.op("Expand", b.const(np.full(pad, v, np.float32)), shape)  # noqa: E731
+            cos, sin = b.concat([cos, fill(1.0)], -1), b.concat([sin, fill(0.0)], -1)
         return cos, sin
 
 
