@@ -4,7 +4,8 @@
                                         [--context 64] [--calls 300] [--threads N]
 
 Both dirs must come from the same checkpoint (same contract inputs). For each batch size, opens the
-graph's engine file of each dir on the process-wide thread pool, feeds both the same inputs (random
+graph of each dir as the pipeline opens it (the saved optimized graph, with the dir's kernel
+library) on the process-wide thread pool, feeds both the same inputs (random
 pools, scattered pages, every sequence at `--context` committed positions, `--rows` new rows), and
 times A and B alternately, call after call, so both see the same machine state. Prints the median
 ms per call of each and the ratio of medians A / B (> 1: B faster), and checks that both give the
@@ -25,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ and tests
 from bench.common import machine  # noqa: E402
 from tandem import contract as c  # noqa: E402
 from tandem.checkpoint.description import description_from_dict  # noqa: E402
-from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
+from tandem.engines.backends.onnxruntime_backend import open_served, serving_files  # noqa: E402
 from tandem.engines.manifest import read_manifest  # noqa: E402
 from tests.paged_driver import PagedState, relaxed_off  # noqa: E402
 
@@ -38,6 +39,13 @@ def engine_file(engine_dir: Path, graph: str, rows: int) -> Path:
     if not files:
         raise SystemExit(f"{engine_dir}: no engine file for graph {graph!r}")
     return engine_dir / files[0]
+
+
+def _served(engine_dir: Path, graph: str, rows: int, threads: int | None):
+    """The graph's session as the pipeline opens it: the saved optimized graph (with the engine
+    dir's kernel library) where the dir has one for this runtime and CPU, else the lowered graph."""
+    name = engine_file(engine_dir, graph, rows).name
+    return open_served(engine_dir, serving_files(engine_dir, [name])[name], threads)
 
 
 def feeds(sess, desc, batch: int, rows: int, context: int, page_size: int) -> dict:
@@ -99,7 +107,7 @@ def main() -> None:
     manifest = read_manifest(args.dir_a)
     desc = description_from_dict(manifest["description"])
     page_size = manifest["options"]["page_size"]
-    a, b = (session(engine_file(d, args.graph, args.rows), threads=args.threads) for d in (args.dir_a, args.dir_b))
+    a, b = (_served(d, args.graph, args.rows, args.threads) for d in (args.dir_a, args.dir_b))
     print(f"{machine()}; {args.graph}, {args.rows} row(s), context {args.context}, {args.calls} calls each, "
           f"interleaved\n  A = {args.dir_a}\n  B = {args.dir_b}")
     for batch in args.batch:

@@ -34,16 +34,20 @@ from tandem.export.attention_lowering import (
     static_pool_dims,
 )
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
+from tandem.export.gdn_kernel_lowering import lower_gdn_to_kernel
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
 
-def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None) -> onnx.ModelProto:
+def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None, gdn_kernel: bool = False
+                          ) -> onnx.ModelProto:
     """Return a copy of `model` with its GatedDeltaNet nodes lowered (see module doc). `rows`
-    is the static verify width; without it, nodes that emit row states keep their body."""
+    is the static verify width; without it, nodes that emit row states keep their body.
+    `gdn_kernel`: lower them to tandem's own CPU kernel instead (export/gdn_kernel_lowering.py;
+    the session needs plugins/cpu_kernels.py's library)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     nodes, masks = [], {}    # masks: the state_rows mask per (state_rows, graph pass), shared by the layers
-    lowered = 0
+    lowered = lower_gdn_to_kernel(out) if gdn_kernel else 0
     picks = _row_state_picks(out.graph)
     replays = {}             # row_states tensor -> its node's replay (inputs packed for LinearAttention)
     for node in out.graph.node:

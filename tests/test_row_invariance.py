@@ -16,7 +16,7 @@ import pytest
 
 from tandem import contract as c
 from tandem.checkpoint import open_checkpoint
-from tandem.engines.backends.onnxruntime_backend import session
+from tandem.engines.backends.onnxruntime_backend import open_served
 
 from .paged_driver import PagedState, prefilled
 
@@ -30,7 +30,7 @@ def engine_dir(request, engine_dirs, quantized_dirs) -> Path:
 
 
 def _opened(engine_dir: Path, name: str):
-    return session(engine_dir / f"{name}.opt.onnx", optimized=True)   # what the runtime opens
+    return open_served(engine_dir, f"{name}.opt.onnx")   # what the runtime opens
 
 
 def _prefilled(desc, target) -> tuple[PagedState, np.ndarray]:

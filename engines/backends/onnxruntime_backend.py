@@ -7,12 +7,19 @@ IOBinding. Per-call latency matched one optimised static-shape model per bucket 
 while those stored a full weights copy per bucket (570 MiB each for 150M parameters). Next to
 each lowered graph the build saves ONNX Runtime's optimized form of it, which the CPU runner
 opens with optimisation off (onnxruntime_optimized.py).
+
+The optimized graphs run Gated DeltaNet on tandem's own CPU kernel where it compiles here
+(plugins/cpu_kernels.py, export/gdn_kernel_lowering.py): the build optimizes a second lowering of
+each graph that uses it, and the engine dir carries the library (cpu_kernels.so). The lowered
+graphs keep ONNX Runtime's LinearAttention: they are the CUDA provider's input and the fallback
+on another CPU or runtime, where the library is not loaded.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -29,9 +36,12 @@ from tandem.engines.manifest import read_manifest
 from tandem.engines.verification import timed
 from tandem.export.exporter import WEIGHTS_FILE
 from tandem.export.lowering import lower_for_onnxruntime
+from tandem.export.ops import gated_deltanet
+from tandem.plugins import cpu_kernels
 
 NAME = "onnxruntime"
-__all__ = ["NAME", "Checker", "ReferenceRunner", "build", "engine_file", "link_or_copy", "session", "versions"]
+__all__ = ["NAME", "Checker", "ReferenceRunner", "build", "engine_file", "link_or_copy", "open_served", "serving_files",
+           "session", "versions"]
 
 
 log = logging.getLogger(__name__)
@@ -39,7 +49,8 @@ log = logging.getLogger(__name__)
 
 def versions() -> dict[str, str]:
     """What the engines depend on; "cpu" because the saved optimized graphs do."""
-    return {"onnxruntime": ort.__version__, "onnx": onnx.__version__, "numpy": np.__version__, "cpu": cpu_signature()}
+    return {"onnxruntime": ort.__version__, "onnx": onnx.__version__, "numpy": np.__version__, "cpu": cpu_signature(),
+            "cpu_kernels": cpu_kernels.digest()}
 
 
 def engine_file(bucket: Bucket) -> str:
@@ -51,23 +62,48 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, opt
     """Write the lowered graphs the buckets need; returns bucket name -> (engine file, profile 0)."""
     if not (out_dir / WEIGHTS_FILE).exists():
         link_or_copy(export_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
-    files = {}
+    files, graphs = {}, {}
     for bucket in buckets:
         name = engine_file(bucket)
+        graphs[name] = (bucket.graph.name, bucket.rows if bucket.graph.per_width else None)
         if not (out_dir / name).exists():
             model = onnx.load(str(export_dir / f"{bucket.graph.name}.onnx"), load_external_data=False)
-            rows = bucket.rows if bucket.graph.per_width else None
-            onnx.save(lower_for_onnxruntime(model, rows=rows), str(out_dir / name))
+            onnx.save(lower_for_onnxruntime(model, rows=graphs[name][1]), str(out_dir / name))
         files[bucket.name] = (name, 0)
         if progress:
             progress.step(bucket.name)
-    # every file, reused ones too: optimized.bin is written afresh, never shared with a previous build
-    save_optimized(out_dir, sorted({f for f, _ in files.values()}), _options)
+    kernels = _kernel_library(export_dir, out_dir, {g for g, _ in graphs.values()})
+    variants = {}
+    try:
+        if kernels is not None:    # the CPU provider's graphs: Gated DeltaNet on tandem's kernel
+            for name, (graph, rows) in graphs.items():
+                model = onnx.load(str(export_dir / f"{graph}.onnx"), load_external_data=False)
+                variants[name] = out_dir / f".kernels-{name}"
+                onnx.save(lower_for_onnxruntime(model, rows=rows, gdn_kernel=True), str(variants[name]))
+        # every file, reused ones too: optimized.bin is written afresh, never shared with a previous build
+        save_optimized(out_dir, sorted(graphs), lambda level: _options(level, kernels=kernels), sources=variants)
+    finally:
+        for path in variants.values():
+            path.unlink(missing_ok=True)
     return files
 
 
+def _kernel_library(export_dir: Path, out_dir: Path, graphs: set[str]) -> Path | None:
+    """tandem's CPU kernel library, copied into the engine dir, where some graph has a Gated
+    DeltaNet and the library compiles on this machine; else None (and no file)."""
+    (out_dir / cpu_kernels.LIBRARY_FILE).unlink(missing_ok=True)     # a reused dir's: this build decides anew
+    uses = any(n.op_type == gated_deltanet.OP_TYPE
+               for g in graphs for n in onnx.load(str(export_dir / f"{g}.onnx"), load_external_data=False).graph.node)
+    library = cpu_kernels.library() if uses else None
+    if library is None:
+        return None
+    shutil.copyfile(library, out_dir / cpu_kernels.LIBRARY_FILE)
+    return out_dir / cpu_kernels.LIBRARY_FILE
+
+
 def session(model, threads: int | None = None, profile_prefix: str | None = None,
-            exact_quantized: bool = False, optimized: bool = False) -> ort.InferenceSession:
+            exact_quantized: bool = False, optimized: bool = False, kernels: Path | None = None
+            ) -> ort.InferenceSession:
     """Every tandem session (a path or a ModelProto) runs on one process-wide thread pool.
 
     `optimized`: the model is a saved optimized graph (onnxruntime_optimized.py): opened with graph
@@ -79,6 +115,9 @@ def session(model, threads: int | None = None, profile_prefix: str | None = None
     float32 instead (level 0): the build's verification uses it on both sides, so it checks the
     lowering and not the int8 rounding of activations (which flips with any 1e-6 reordering).
 
+    `kernels`: tandem's CPU kernel library (plugins/cpu_kernels.py), which an engine dir's optimized
+    graphs need where it carries one.
+
     `profile_prefix` turns on ONNX Runtime's per-node profiler (off by default: it times every
     node of every run); `end_profiling()` on the session writes `<prefix>_<date>.json`.
 
@@ -89,7 +128,7 @@ def session(model, threads: int | None = None, profile_prefix: str | None = None
     """
     _ensure_global_pool(threads)
     level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL if optimized else ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    opts = _options(level, exact_quantized)
+    opts = _options(level, exact_quantized, kernels)
     if profile_prefix:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
@@ -97,11 +136,14 @@ def session(model, threads: int | None = None, profile_prefix: str | None = None
     return ort.InferenceSession(source, opts, providers=["CPUExecutionProvider"])
 
 
-def _options(level: ort.GraphOptimizationLevel, exact_quantized: bool = False) -> ort.SessionOptions:
+def _options(level: ort.GraphOptimizationLevel, exact_quantized: bool = False, kernels: Path | None = None
+             ) -> ort.SessionOptions:
     """The options every session shares (the build's optimizer pass too, so it saves what a serving
     session would have made)."""
     _ensure_global_pool(None)
     opts = ort.SessionOptions()
+    if kernels is not None:
+        opts.register_custom_ops_library(str(kernels))
     opts.graph_optimization_level = level
     opts.log_severity_level = 3
     opts.use_per_session_threads = False
@@ -132,10 +174,12 @@ def _ensure_global_pool(threads: int | None) -> None:
 class ReferenceRunner:
     """Runs exported (un-lowered) graphs with ONNX Runtime: the reference every backend's
     engines are checked against. One session per file; `optimized` for a saved optimized graph,
-    run through its exact copy (onnxruntime_optimized.exact_copy)."""
+    run through its exact copy (onnxruntime_optimized.exact_copy), with the engine dir's kernel
+    library where it has one."""
 
-    def __init__(self):
+    def __init__(self, kernels: Path | None = None):
         self._sessions: dict[Path, ort.InferenceSession] = {}
+        self.kernels = kernels
 
     def run(self, path: Path, feeds: dict[str, np.ndarray], optimized: bool = False) -> dict[str, np.ndarray]:
         if path not in self._sessions:
@@ -144,7 +188,7 @@ class ReferenceRunner:
             if optimized:
                 copy = exact_copy(path)
                 try:
-                    self._sessions[path] = session(copy, exact_quantized=True, optimized=True)
+                    self._sessions[path] = session(copy, exact_quantized=True, optimized=True, kernels=self.kernels)
                 finally:
                     copy.unlink()
             else:
@@ -159,7 +203,8 @@ class Checker:
 
     def __init__(self, engine_dir: Path, export_dir: Path):
         self.engine_dir, self.export_dir = engine_dir, export_dir
-        self.runner = ReferenceRunner()
+        self.kernels = _kernels_of(engine_dir)
+        self.runner = ReferenceRunner(self.kernels)
 
     def run(self, bucket: Bucket, engine: tuple[str, int], feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:
         reference = self.runner.run(self.export_dir / f"{bucket.graph.name}.onnx", feeds)
@@ -178,7 +223,7 @@ class Checker:
             out, seconds = timed(lambda b=b, f=f: self.runner.run(self.export_dir / f"{b.graph.name}.onnx", f))
             refs.append((_spill(spill, i, out), seconds))
             del out
-        self.runner = ReferenceRunner()  # the reference's session closes before the engine's opens
+        self.runner = ReferenceRunner(self.kernels)  # the reference's session closes before the engine's opens
         for _, e, f in items:
             out, seconds = timed(lambda e=e, f=f: self.runner.run(self.engine_dir / optimized_name(e[0]), f,
                                                                   optimized=True))
@@ -186,7 +231,7 @@ class Checker:
             yield {name: np.load(path, mmap_mode="r") for name, path in files.items()}, out, ref_seconds + seconds
             for path in files.values():
                 path.unlink()
-        self.runner = ReferenceRunner()
+        self.runner = ReferenceRunner(self.kernels)
 
 
 def _spill(directory: Path, index: int, outputs: dict[str, np.ndarray]) -> dict[str, Path]:
@@ -227,9 +272,8 @@ class HostRunner:
         # multi-call round's next to the unified one), and each costs ~0.3 s to open
         prefix = (lambda f: f"{profile_prefix}{Path(f).stem}") if profile_prefix else (lambda f: None)
         _ensure_global_pool(threads)   # here, before prefetch may open sessions in several threads at once
-        opened = _serving_files(Path(engine_dir), files)
-        self.sessions = _Sessions(files, lambda f: session(Path(engine_dir) / opened[f], threads, prefix(f),
-                                                           optimized=opened[f] != f))
+        opened = serving_files(Path(engine_dir), files)
+        self.sessions = _Sessions(files, lambda f: open_served(Path(engine_dir), opened[f], threads, prefix(f)))
         self.memory = HostMemory()
         self._bindings: dict[tuple, _Binding] = {}
 
@@ -263,7 +307,23 @@ class HostRunner:
         return binding.run
 
 
-def _serving_files(engine_dir: Path, files: list[str]) -> dict[str, str]:
+def _kernels_of(engine_dir: Path) -> Path | None:
+    """The engine dir's copy of tandem's CPU kernel library, which its optimized graphs use; None
+    where it has none."""
+    path = engine_dir / cpu_kernels.LIBRARY_FILE
+    return path if path.is_file() else None
+
+
+def open_served(engine_dir: Path, served: str, threads: int | None = None, profile_prefix: str | None = None):
+    """The session of `served` (an engine file or its saved optimized graph, as serving_files
+    chose), opened as the pipeline opens it: an optimized graph with optimisation off and the engine
+    dir's kernel library."""
+    optimized = served.endswith(".opt.onnx")
+    return session(engine_dir / served, threads, profile_prefix, optimized=optimized,
+                   kernels=_kernels_of(engine_dir) if optimized else None)
+
+
+def serving_files(engine_dir: Path, files: list[str]) -> dict[str, str]:
     """Engine file -> the file its session opens: the saved optimized graph when the manifest names
     one and it was made by this ONNX Runtime on a CPU like this one, else the lowered graph (the
     optimizer runs at load: slower, never wrong)."""

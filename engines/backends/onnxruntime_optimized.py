@@ -57,9 +57,13 @@ def cpu_signature() -> str:
     return f"{platform.machine()}:{','.join(sorted(flags & set(_CPU_FLAGS)))}"
 
 
-def save_optimized(folder: Path, files: list[str], options, progress=None) -> None:
+def save_optimized(folder: Path, files: list[str], options, progress=None, sources: dict[str, Path] | None = None
+                   ) -> None:
     """Write `optimized_name(f)` for each engine file `f` in `folder`, its tensors in weights.bin
-    (unchanged ones) or optimized.bin. `options(level)` gives the serving SessionOptions."""
+    (unchanged ones) or optimized.bin. `options(level)` gives the serving SessionOptions.
+    `sources`: engine file -> the graph to optimize in its place (a lowering for the CPU provider
+    only, in `folder`, with the same weights), where it is not the engine file itself."""
+    sources = sources or {}
     store = _OptimizedWeights(folder)
     try:
         for name in files:
@@ -71,7 +75,7 @@ def save_optimized(folder: Path, files: list[str], options, progress=None) -> No
                 opts.add_session_config_entry("session.optimized_model_external_initializers_file_name", "data.bin")
                 opts.add_session_config_entry("session.optimized_model_external_initializers_min_size_in_bytes",
                                               str(_EXTERNAL_MIN_BYTES))
-                ort.InferenceSession(str(folder / name), opts, providers=["CPUExecutionProvider"])
+                ort.InferenceSession(str(sources.get(name, folder / name)), opts, providers=["CPUExecutionProvider"])
                 model = onnx.load(str(saved), load_external_data=False)
                 store.rehome(model, onnx.load(str(folder / name), load_external_data=False), saved.parent / "data.bin")
                 onnx.save(model, str(folder / optimized_name(name)))

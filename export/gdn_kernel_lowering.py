@@ -1,0 +1,120 @@
+"""Lower `ai.tandem::GatedDeltaNet` to tandem's own ONNX Runtime CPU kernel,
+`ai.tandem.cpu::GatedDeltaNet` (plugins/cpu/gated_deltanet.cc, compiled by plugins/cpu_kernels.py).
+
+    GatedDeltaNet(q, k, v, g, beta, Gather(pool, slots), rows)
+        -> ai.tandem.cpu::GatedDeltaNet(q, k, v, g, beta, pool, slots, rows)
+
+The kernel reads each sequence's state from its pool row: the Gather's 0.5 MiB copy per sequence
+and layer (150M model) goes, and a final state bound to the pool's rows is updated where it lies.
+Where the initial state is not such a Gather, the state tensor is its own pool over slots 0..B-1.
+
+Verify graphs read the state after the accepted row a (GatherND(row_states, a) at the graph's end,
+once acceptance is known): the GatherND becomes a second kernel node over the same rows with
+state_rows min(rows, a + 1), whose final state is the state after row a. Rows past state_rows
+leave the state as it is, so this equals the per-row state bit for bit, and no [B, W, Hv, dk, dv]
+row states are made. Where row states are a graph's output, the kernel emits them.
+
+Every row runs the same code whatever the graph's rows: a verify row equals a decode step bit for
+bit. The kernel serves the saved optimized graphs of the CPU provider only; the lowered graphs
+(the CUDA provider's input, and the fallback) keep LinearAttention (export/lowering.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from tandem.export.builder import TANDEM_DOMAIN, GraphBuilder
+from tandem.export.ops import gated_deltanet
+
+CPU_DOMAIN = "ai.tandem.cpu"
+
+
+def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
+    """Rewrite `model`'s GatedDeltaNet nodes in place; returns how many. Drops the state Gathers
+    and row-state GatherNDs it makes dead."""
+    graph = model.graph
+    producers = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    nodes, lowered, replays, gathers = [], 0, {}, set()
+    for node in graph.node:
+        if node.domain == TANDEM_DOMAIN and node.op_type == gated_deltanet.OP_TYPE:
+            new, replay = _kernel_nodes(node, producers, readers, outputs)
+            gathers.add(node.input[5])
+            nodes.extend(new)
+            if replay is not None:
+                replays[node.output[2]] = replay
+            lowered += 1
+        elif node.op_type == "GatherND" and node.input[0] in replays:
+            nodes.extend(replays[node.input[0]](node))
+        else:
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(_without_unread(nodes, gathers, outputs))
+    if lowered and not any(o.domain == CPU_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    return lowered
+
+
+def _kernel_nodes(node: onnx.NodeProto, producers: dict, readers: dict, outputs: set):
+    """(nodes replacing `node`, replay(gather) -> nodes for its row-state picks, or None)."""
+    q, k, v, g, beta, s0, rows = node.input
+    scale = next(a.f for a in node.attribute if a.name == "scale")
+    b = GraphBuilder(function=True, root=node.name + "/kernel")
+    gather = producers.get(s0)
+    axis = next((a.i for a in gather.attribute if a.name == "axis"), 0) if gather is not None else None
+    if gather is not None and gather.op_type == "Gather" and axis == 0:
+        pool, slots = gather.input
+    else:  # the state tensor is its own pool: slots 0..B-1
+        pool = s0
+        slots = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(s0, 0, 1), [0]), b.const(1, np.int64))
+    emits = len(node.output) == 3 and node.output[2] != ""
+    picked = emits and node.output[2] not in outputs and _only_picks(readers.get(node.output[2], []), node.output[2])
+    kernel_outputs = list(node.output[:2]) + ([node.output[2]] if emits and not picked else [])
+
+    def kernel(state_rows, outs, name):
+        return b.op(gated_deltanet.OP_TYPE, q, k, v, g, beta, pool, slots, state_rows, domain=CPU_DOMAIN,
+                    outputs=outs, name=name, scale=scale)
+
+    kernel(rows, kernel_outputs, "GatedDeltaNet")
+    if not picked:
+        return b.nodes, None
+
+    def replay(pick: onnx.NodeProto) -> list[onnx.NodeProto]:
+        r = GraphBuilder(function=True, root=pick.name + "/replayed")
+        upto = r.op("Add", r.squeeze(pick.input[1], [1]), r.const(1, np.int64))      # rows 0..a: a + 1 of them
+        r.op(gated_deltanet.OP_TYPE, q, k, v, g, beta, pool, slots, r.op("Min", rows, upto), domain=CPU_DOMAIN,
+             outputs=[pick.output[0] + "/unused_output", pick.output[0]], name="GatedDeltaNet", scale=scale)
+        return r.nodes
+
+    return b.nodes, replay
+
+
+def _only_picks(users: list[onnx.NodeProto], row_states: str) -> bool:
+    """Whether every reader of `row_states` is GatherND(row_states, a [B, 1], batch_dims=1)."""
+    return bool(users) and all(u.op_type == "GatherND" and u.input[0] == row_states
+                               and any(a.name == "batch_dims" and a.i == 1 for a in u.attribute) for u in users)
+
+
+def _without_unread(nodes: list[onnx.NodeProto], states: set[str], outputs: set[str]) -> list[onnx.NodeProto]:
+    """`nodes` less the producers of `states` (the initial states the kernel now reads from their
+    pools) that nothing reads any more, in this graph or in a subgraph of it."""
+    read = set(outputs)
+    for node in nodes:
+        read.update(_reads(node))
+    return [n for n in nodes if not (set(n.output) & states) or read & set(n.output)]
+
+
+def _reads(node: onnx.NodeProto) -> set[str]:
+    """The names a node reads: its inputs and those its subgraphs (If, Loop, Scan bodies) read."""
+    names = set(node.input)
+    for attr in node.attribute:
+        for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
+            for inner in g.node:
+                names.update(_reads(inner))
+    return names

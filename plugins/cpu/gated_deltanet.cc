@@ -1,0 +1,240 @@
+// ai.tandem.cpu::GatedDeltaNet: the gated delta rule as one ONNX Runtime CPU kernel.
+//
+// Same inputs, outputs and semantics as the portable ai.tandem::GatedDeltaNet (its function body,
+// export/ops/gated_deltanet.py). Per sequence b, value head h (key head h / (Hv / Hk)), row t:
+//     S = exp(g_t) S;  u = beta_t (v_t - S^T k_t);  S = S + k_t u^T;  o_t = scale S^T q_t
+// Rows at or past state_rows[b] leave S as it is (the body runs them with g = 0, beta = 0) and
+// still produce o_t. S is [dk, dv] row-major; each row is two passes over it, in cache:
+//     pass 1: S *= exp(g_t), kS += S[i] k_i            (kS = S^T k, over the decayed S)
+//     pass 2: S[i] += k_i u, o += S[i] q_i             (o = S^T q, over the updated S)
+// The final state may be bound to the pool's own rows (the runtime places state outputs there when
+// the slots are consecutive, pipeline/model_runner.py): every element is read before it is written
+// at the same index, so reading and writing one buffer is safe.
+// Why a kernel: com.microsoft::LinearAttention took 50 us per 0.5 MiB state at batch 1 and
+// 34-71 us per sequence at batch 8 on this project's 2-core machine (docs/performance.md). Every
+// row runs the same code whatever the number of rows, so a verify row equals a decode step bit
+// for bit (row invariance, tests/test_row_invariance.py).
+//
+// Inputs   query, key [B, W, Hk, dk]; value [B, W, Hv, dv]; decay, beta [B, W, Hv];
+//          state_pool [P, Hv, dk, dv]; state_slots [B] int64; state_rows [B] int64
+//          (sequence b starts from state_pool[state_slots[b]]: the pool is read in place, no gather)
+// Outputs  output [B, W, Hv, dv]; final_state [B, Hv, dk, dv]; row_states [B, W, Hv, dk, dv]
+//          (optional: the state after each row)
+// Attrs    scale (float)
+
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "ort_abi.h"
+
+namespace tandem {
+namespace {
+
+struct Tensor {
+  float* data = nullptr;
+  std::vector<int64_t> dims;
+};
+
+void check(const OrtApiTable& api, OrtStatus* status) {
+  if (status != nullptr) {
+    std::string msg = api.GetErrorMessage(status);
+    api.ReleaseStatus(status);
+    throw std::runtime_error("ai.tandem.cpu::GatedDeltaNet: " + msg);
+  }
+}
+
+std::vector<int64_t> dims_of(const OrtApiTable& api, const OrtValue* value) {
+  OrtTensorTypeAndShapeInfo* info = nullptr;
+  check(api, api.GetTensorTypeAndShape(value, &info));
+  size_t n = 0;
+  OrtStatus* status = api.GetDimensionsCount(info, &n);
+  std::vector<int64_t> dims(n);
+  if (status == nullptr) status = api.GetDimensions(info, dims.data(), n);
+  api.ReleaseTensorTypeAndShapeInfo(info);
+  check(api, status);
+  return dims;
+}
+
+template <typename T>
+T* input(const OrtApiTable& api, OrtKernelContext* context, size_t index, std::vector<int64_t>* dims) {
+  const OrtValue* value = nullptr;
+  check(api, api.KernelContextGetInput(context, index, &value));
+  *dims = dims_of(api, value);
+  void* data = nullptr;
+  check(api, api.GetTensorMutableData(const_cast<OrtValue*>(value), &data));
+  return static_cast<T*>(data);
+}
+
+float* output(const OrtApiTable& api, OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims) {
+  OrtValue* value = nullptr;
+  check(api, api.KernelContextGetOutput(context, index, dims.data(), dims.size(), &value));
+  void* data = nullptr;
+  check(api, api.GetTensorMutableData(value, &data));
+  return static_cast<float*>(data);
+}
+
+void expect(bool ok, const char* what) {
+  if (!ok) throw std::runtime_error(std::string("ai.tandem.cpu::GatedDeltaNet: ") + what);
+}
+
+// One row of one head: S' (updated when `update`, else S) into dst, o [dv] = scale S'^T q. src and dst
+// are [dk, dv] row-major and may be the same buffer (every row after a sequence's first).
+// DV > 0: the head dim known at compile time, so the accumulators stay in registers.
+template <int64_t DV>
+void row(const float* src, float* dst, const float* __restrict q, const float* __restrict k,
+         const float* __restrict v, float decay, float beta, bool update, float scale, int64_t dk, int64_t dv_arg,
+         float* __restrict o) {
+  const int64_t dv = DV > 0 ? DV : dv_arg;
+  float acc[DV > 0 ? DV : 1024];
+  if (update) {
+    for (int64_t j = 0; j < dv; ++j) acc[j] = 0.0f;              // S^T k over the decayed state
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* si = src + i * dv;
+      float* di = dst + i * dv;
+      const float ki = k[i];
+      for (int64_t j = 0; j < dv; ++j) {
+        const float x = si[j] * decay;
+        di[j] = x;
+        acc[j] += x * ki;
+      }
+    }
+    float u[DV > 0 ? DV : 1024];
+    for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - acc[j]);
+    for (int64_t j = 0; j < dv; ++j) acc[j] = 0.0f;              // S'^T q
+    for (int64_t i = 0; i < dk; ++i) {
+      float* di = dst + i * dv;
+      const float ki = k[i], qi = q[i];
+      for (int64_t j = 0; j < dv; ++j) {
+        const float x = di[j] + ki * u[j];
+        di[j] = x;
+        acc[j] += x * qi;
+      }
+    }
+  } else {
+    if (src != dst) std::memcpy(dst, src, sizeof(float) * dk * dv);
+    for (int64_t j = 0; j < dv; ++j) acc[j] = 0.0f;
+    for (int64_t i = 0; i < dk; ++i) {
+      const float* di = dst + i * dv;
+      const float qi = q[i];
+      for (int64_t j = 0; j < dv; ++j) acc[j] += di[j] * qi;
+    }
+  }
+  for (int64_t j = 0; j < dv; ++j) o[j] = acc[j] * scale;
+}
+
+using RowFn = void (*)(const float*, float*, const float*, const float*, const float*, float, float, bool, float,
+                       int64_t, int64_t, float*);
+
+RowFn row_for(int64_t dv) {
+  switch (dv) {
+    case 64: return row<64>;
+    case 128: return row<128>;
+    case 256: return row<256>;
+    default: return row<0>;
+  }
+}
+
+struct Kernel {
+  OrtApiTable api;
+  float scale;
+
+  void compute(OrtKernelContext* context) const {
+    std::vector<int64_t> qd, kd, vd, gd, bd, sd, rd;
+    const float* q = input<float>(api, context, 0, &qd);
+    const float* k = input<float>(api, context, 1, &kd);
+    const float* v = input<float>(api, context, 2, &vd);
+    const float* g = input<float>(api, context, 3, &gd);
+    const float* beta = input<float>(api, context, 4, &bd);
+    std::vector<int64_t> ld;
+    const float* pool = input<float>(api, context, 5, &sd);
+    const int64_t* slots = input<int64_t>(api, context, 6, &ld);
+    const int64_t* rows = input<int64_t>(api, context, 7, &rd);
+    expect(qd.size() == 4 && kd == qd && vd.size() == 4 && sd.size() == 4 && rd.size() == 1 && ld == rd,
+           "expected query, key [B, W, Hk, dk], value [B, W, Hv, dv], state_pool [P, Hv, dk, dv], "
+           "state_slots and state_rows [B]");
+    const int64_t B = qd[0], W = qd[1], hk = qd[2], dk = qd[3], hv = vd[2], dv = vd[3];
+    expect(vd[0] == B && vd[1] == W && sd[1] == hv && sd[2] == dk && sd[3] == dv && rd[0] == B,
+           "inputs disagree on B, W, heads or head dims");
+    for (int64_t b = 0; b < B; ++b) expect(slots[b] >= 0 && slots[b] < sd[0], "a state slot is outside the pool");
+    expect(hk > 0 && hv % hk == 0, "value heads must be a multiple of key heads");
+    expect(gd == std::vector<int64_t>({B, W, hv}) && bd == gd, "decay and beta must be [B, W, Hv]");
+    size_t outputs = 0;
+    check(api, api.KernelContextGetOutputCount(context, &outputs));
+    float* out = output(api, context, 0, {B, W, hv, dv});
+    float* final_state = output(api, context, 1, {B, hv, dk, dv});
+    float* row_states = outputs > 2 ? output(api, context, 2, {B, W, hv, dk, dv}) : nullptr;
+    expect(dv <= 1024, "value head dim above 1024");
+    const int64_t ratio = hv / hk, state = dk * dv;
+    const RowFn run_row = row_for(dv);
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t n = rows[b];
+      for (int64_t h = 0; h < hv; ++h) {
+        float* s = final_state + (b * hv + h) * state;
+        const float* src = pool + (slots[b] * hv + h) * state;  // the first row reads the pool's row
+        if (W == 0 && src != s) std::memcpy(s, src, sizeof(float) * state);
+        for (int64_t t = 0; t < W; ++t, src = s) {
+          const int64_t bt = b * W + t;
+          const float* qt = q + (bt * hk + h / ratio) * dk;
+          const float* kt = k + (bt * hk + h / ratio) * dk;
+          const float* vt = v + (bt * hv + h) * dv;
+          const bool update = t < n;
+          run_row(src, s, qt, kt, vt, update ? std::exp(g[bt * hv + h]) : 1.0f, beta[bt * hv + h], update, scale,
+                  dk, dv, out + (bt * hv + h) * dv);
+          if (row_states != nullptr) std::memcpy(row_states + (bt * hv + h) * state, s, sizeof(float) * state);
+        }
+      }
+    }
+  }
+};
+
+const char* op_name(const OrtCustomOp*) { return "GatedDeltaNet"; }
+const char* op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+int op_input_type(const OrtCustomOp*, size_t index) { return index >= 6 ? kTensorInt64 : kTensorFloat; }
+size_t op_input_count(const OrtCustomOp*) { return 8; }
+int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
+size_t op_output_count(const OrtCustomOp*) { return 3; }
+int op_input_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+int op_output_characteristic(const OrtCustomOp*, size_t index) {
+  return index == 2 ? kInputOutputOptional : kInputOutputRequired;
+}
+int op_input_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
+
+void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
+  OrtApiTable table(api);
+  float scale = 1.0f;
+  check(table, table.KernelInfoGetAttributeFloat(info, "scale", &scale));
+  return new Kernel{table, scale};
+}
+void op_compute(void* kernel, OrtKernelContext* context) { static_cast<Kernel*>(kernel)->compute(context); }
+void op_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
+
+const OrtCustomOp kGatedDeltaNet = {
+    kOrtApiVersion, op_create,     op_name,      op_provider,   op_input_type,           op_input_count,
+    op_output_type, op_output_count, op_compute, op_destroy, op_input_characteristic, op_output_characteristic,
+    op_input_memory,
+};
+
+}  // namespace
+}  // namespace tandem
+
+// The entry point ONNX Runtime calls (SessionOptions.register_custom_ops_library). The domain lives
+// as long as the process: sessions keep pointing at it.
+extern "C" __attribute__((visibility("default")))
+OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  const void* table = base->GetApi(kOrtApiVersion);
+  if (table == nullptr) return nullptr;  // cannot happen on ONNX Runtime >= 1.13; nothing to report with
+  tandem::OrtApiTable api(table);
+  // made once (sessions open in several threads at once: a function-local static is thread-safe)
+  static OrtStatus* failed = nullptr;
+  static OrtCustomOpDomain* domain = [&]() -> OrtCustomOpDomain* {
+    OrtCustomOpDomain* made = nullptr;
+    failed = api.CreateCustomOpDomain("ai.tandem.cpu", &made);
+    if (failed == nullptr) failed = api.CustomOpDomainAdd(made, &tandem::kGatedDeltaNet);
+    return made;
+  }();
+  if (failed != nullptr) return api.CreateStatus(kOrtFail, api.GetErrorMessage(failed));
+  return api.AddCustomOpDomain(options, domain);
+}

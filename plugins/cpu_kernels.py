@@ -1,0 +1,104 @@
+"""tandem's ONNX Runtime CPU kernels (plugins/cpu/*.cc): compiled once per machine, carried by
+the engine dirs that use them.
+
+    library() -> Path | None     the compiled library (cached), or None where it cannot be built
+                                 or is turned off (TANDEM_CPU_KERNELS=0: A/B against ONNX Runtime's)
+    LIBRARY_FILE                 its name inside an engine dir
+
+The kernels are ONNX Runtime custom ops in the domain `ai.tandem.cpu` (export/gdn_kernel_lowering.py
+lowers to them); a session loads them with SessionOptions.register_custom_ops_library. The library
+is written against ONNX Runtime's C ABI (plugins/cpu/ort_abi.h), so it needs a C++ compiler but no
+ONNX Runtime headers: `$CXX`, else `c++` or `g++` on PATH. Where none works the build says why once
+and lowers to ONNX Runtime's own kernels instead (slower, same results within the verification's
+tolerance).
+
+Compiled for the machine's instruction sets (x86-64-v3 where AVX2 and FMA are there): the engine
+dir records the CPU signature its optimized graphs were made on (onnxruntime_optimized.cpu_signature),
+and a load on another CPU opens the lowered graphs, which do not use the library.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+from tandem.engines.backends.onnxruntime_optimized import cpu_signature
+
+SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
+SOURCES = ("gated_deltanet.cc",)
+HEADERS = ("ort_abi.h",)
+LIBRARY_FILE = "cpu_kernels.so"
+
+log = logging.getLogger(__name__)
+
+
+def digest() -> str:
+    """What the library is made of: its sources, the flags and the machine (part of the backend's
+    versions, so a change rebuilds the engine dirs that carry it); "off" where turned off."""
+    if not enabled():
+        return "off"
+    h = hashlib.sha256()
+    for name in (*SOURCES, *HEADERS):
+        h.update(name.encode() + b"\0" + (SOURCE_DIR / name).read_bytes())
+    h.update(" ".join(_flags()).encode() + cpu_signature().encode())
+    return h.hexdigest()[:16]
+
+
+def enabled() -> bool:
+    return os.environ.get("TANDEM_CPU_KERNELS", "1") != "0"
+
+
+def library() -> Path | None:
+    """The compiled library, built on first use into the cache (`$TANDEM_KERNEL_CACHE`, else
+    ~/.cache/tandem/kernels); None, with one warning saying why, where no compiler can build it."""
+    return _library() if enabled() else None
+
+
+@lru_cache(maxsize=1)
+def _library() -> Path | None:
+    target = _cache_dir() / f"{digest()}-{LIBRARY_FILE}"
+    if target.is_file():
+        return target
+    compiler = _compiler()
+    if compiler is None:
+        log.warning("no C++ compiler (set $CXX, or install g++): tandem's CPU kernels are not built, and the "
+                    "engines use ONNX Runtime's own (slower) kernels instead")
+        return None
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
+        built = Path(scratch) / LIBRARY_FILE
+        cmd = [compiler, *_flags(), "-o", str(built), *(str(SOURCE_DIR / s) for s in SOURCES)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            log.warning("tandem's CPU kernels did not compile (%s); the engines use ONNX Runtime's own kernels "
+                        "instead:\n%s", " ".join(cmd), done.stderr[-2000:])
+            return None
+        os.replace(built, target)       # atomic: a concurrent build finds the whole file or none
+    return target
+
+
+def _flags() -> list[str]:
+    flags = ["-O3", "-std=c++17", "-shared", "-fPIC", "-fvisibility=hidden", "-Wall"]
+    signature = cpu_signature()
+    if platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= set(signature.split(":")[-1].split(",")):
+        flags.append("-march=x86-64-v3")
+    return flags
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TANDEM_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "tandem" / "kernels"
