@@ -22,8 +22,13 @@
 //          (optional: the state after each row)
 // Attrs    scale (float)
 
+#include <algorithm>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <mutex>
+#include <thread>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -137,6 +142,73 @@ RowFn row_for(int64_t dv) {
   }
 }
 
+// Helper threads for a kernel's independent (sequence, head) pairs: one fewer than the cores, so
+// with the calling thread every core takes a share. They sleep between calls; a call made while
+// another holds them (sessions run from several threads) runs on its own thread.
+class Helpers {
+ public:
+  Helpers() {
+    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
+    for (unsigned i = 1; i < cores; ++i) threads_.emplace_back([this, i] { loop(i); });
+  }
+  ~Helpers() {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+  // fn(first, last) over [0, tasks) in len(threads) + 1 contiguous shares
+  void run(int64_t tasks, const std::function<void(int64_t, int64_t)>& fn) {
+    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
+    const int64_t parts = static_cast<int64_t>(threads_.size()) + 1;
+    if (!busy.owns_lock() || parts == 1 || tasks < 2) {
+      fn(0, tasks);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      fn_ = &fn, tasks_ = tasks, parts_ = parts, pending_ = parts - 1, ++round_;
+    }
+    wake_.notify_all();
+    fn(0, tasks / parts);
+    std::unique_lock<std::mutex> lock(mutex_);
+    done_.wait(lock, [this] { return pending_ == 0; });
+  }
+
+ private:
+  void loop(unsigned index) {
+    uint64_t seen = 0;
+    for (;;) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      wake_.wait(lock, [&] { return stop_ || round_ != seen; });
+      if (stop_) return;
+      seen = round_;
+      const auto* fn = fn_;
+      const int64_t first = tasks_ * index / parts_, last = tasks_ * (index + 1) / parts_;
+      lock.unlock();
+      (*fn)(first, last);
+      lock.lock();
+      if (--pending_ == 0) done_.notify_one();
+    }
+  }
+
+  std::vector<std::thread> threads_;
+  std::mutex mutex_, busy_;
+  std::condition_variable wake_, done_;
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  int64_t tasks_ = 0, parts_ = 1, pending_ = 0;
+  uint64_t round_ = 0;
+  bool stop_ = false;
+};
+
+Helpers& helpers() {
+  static Helpers instance;
+  return instance;
+}
+
 struct Kernel {
   OrtApiTable api;
   float scale;
@@ -169,9 +241,10 @@ struct Kernel {
     expect(dv <= 1024, "value head dim above 1024");
     const int64_t ratio = hv / hk, state = dk * dv;
     const RowFn run_row = row_for(dv);
-    for (int64_t b = 0; b < B; ++b) {
-      const int64_t n = rows[b];
-      for (int64_t h = 0; h < hv; ++h) {
+    // (sequence, head) pairs are independent: split them between this thread and the helpers
+    auto heads = [&](int64_t first, int64_t last) {
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t b = task / hv, h = task % hv, n = rows[b];
         float* s = final_state + (b * hv + h) * state;
         const float* src = pool + (slots[b] * hv + h) * state;  // the first row reads the pool's row
         if (W == 0 && src != s) std::memcpy(s, src, sizeof(float) * state);
@@ -186,7 +259,8 @@ struct Kernel {
           if (row_states != nullptr) std::memcpy(row_states + (bt * hv + h) * state, s, sizeof(float) * state);
         }
       }
-    }
+    };
+    helpers().run(B * hv, heads);
   }
 };
 
