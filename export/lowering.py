@@ -34,20 +34,23 @@ from tandem.export.attention_lowering import (
     static_pool_dims,
 )
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
-from tandem.export.gdn_kernel_lowering import lower_gdn_to_kernel
+from tandem.export.cpu_kernel_lowering import lower_attention_to_kernel, lower_gdn_to_kernel
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
 
-def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None, gdn_kernel: bool = False
+def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None, cpu_kernels: bool = False
                           ) -> onnx.ModelProto:
     """Return a copy of `model` with its GatedDeltaNet nodes lowered (see module doc). `rows`
     is the static verify width; without it, nodes that emit row states keep their body.
-    `gdn_kernel`: lower them to tandem's own CPU kernel instead (export/gdn_kernel_lowering.py;
-    the session needs plugins/cpu_kernels.py's library)."""
+    `cpu_kernels`: lower them, and dense float32 attention, to tandem's own CPU kernels instead
+    (export/cpu_kernel_lowering.py; the session needs plugins/cpu_kernels.py's library)."""
     out = onnx.ModelProto()
     out.CopyFrom(model)
     nodes, masks = [], {}    # masks: the state_rows mask per (state_rows, graph pass), shared by the layers
-    lowered = lower_gdn_to_kernel(out) if gdn_kernel else 0
+    lowered = lower_gdn_to_kernel(out) if cpu_kernels else 0
+    dense = dense_attention_nodes(out)
+    if cpu_kernels:
+        dense -= lower_attention_to_kernel(out, dense)
     picks = _row_state_picks(out.graph)
     replays = {}             # row_states tensor -> its node's replay (inputs packed for LinearAttention)
     for node in out.graph.node:
@@ -65,8 +68,9 @@ def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None, gdn_k
             nodes.extend(replays[node.input[0]](node))
             continue
         nodes.append(node)
-    nodes, dense = lower_dense_attention(nodes, dense_attention_nodes(out), static_pool_dims(out.graph),
-                                         query_heads(model))
+    kernel_attention = any(n.op_type == "PagedAttention" for n in nodes)
+    nodes, dense = lower_dense_attention(nodes, dense, static_pool_dims(out.graph), query_heads(model))
+    dense += kernel_attention
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     _alias_shared_dequantize_inputs(out.graph)

@@ -5,7 +5,7 @@ the engine dirs that use them.
                                  or is turned off (TANDEM_CPU_KERNELS=0: A/B against ONNX Runtime's)
     LIBRARY_FILE                 its name inside an engine dir
 
-The kernels are ONNX Runtime custom ops in the domain `ai.tandem.cpu` (export/gdn_kernel_lowering.py
+The kernels are ONNX Runtime custom ops in the domain `ai.tandem.cpu` (export/cpu_kernel_lowering.py
 lowers to them); a session loads them with SessionOptions.register_custom_ops_library. The library
 is written against ONNX Runtime's C ABI (plugins/cpu/ort_abi.h), so it needs a C++ compiler but no
 ONNX Runtime headers: `$CXX`, else `c++` or `g++` on PATH. Where none works the build says why once
@@ -32,8 +32,8 @@ from pathlib import Path
 from tandem.engines.backends.onnxruntime_optimized import cpu_signature
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
-SOURCES = ("gated_deltanet.cc",)
-HEADERS = ("ort_abi.h",)
+SOURCES = ("gated_deltanet.cc", "paged_attention.cc", "register.cc")
+HEADERS = ("ort_abi.h", "kernel_common.h")
 LIBRARY_FILE = "cpu_kernels.so"
 
 log = logging.getLogger(__name__)

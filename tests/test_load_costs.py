@@ -21,8 +21,8 @@ from tandem.engines.manifest import MANIFEST, read_manifest
 from tandem.engines.options import BuildOptions
 from tandem.engines.verification import fixed_inputs
 from tandem.export import exporter
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
 from tandem.export.exporter import WEIGHTS_FILE
-from tandem.export.gdn_kernel_lowering import CPU_DOMAIN
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 

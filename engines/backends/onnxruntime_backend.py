@@ -8,11 +8,12 @@ while those stored a full weights copy per bucket (570 MiB each for 150M paramet
 each lowered graph the build saves ONNX Runtime's optimized form of it, which the CPU runner
 opens with optimisation off (onnxruntime_optimized.py).
 
-The optimized graphs run Gated DeltaNet on tandem's own CPU kernel where it compiles here
-(plugins/cpu_kernels.py, export/gdn_kernel_lowering.py): the build optimizes a second lowering of
-each graph that uses it, and the engine dir carries the library (cpu_kernels.so). The lowered
-graphs keep ONNX Runtime's LinearAttention: they are the CUDA provider's input and the fallback
-on another CPU or runtime, where the library is not loaded.
+The optimized graphs run Gated DeltaNet and dense float32 attention on tandem's own CPU kernels
+where they compile here (plugins/cpu_kernels.py, export/cpu_kernel_lowering.py): the build
+optimizes a second lowering of each graph that uses them, and the engine dir carries the library
+(cpu_kernels.so). The lowered graphs keep ONNX Runtime's LinearAttention and the graph lowering of
+attention: they are the CUDA provider's input and the fallback on another CPU or runtime, where
+the library is not loaded.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ from tandem.engines.backends.onnxruntime_optimized import cpu_signature, exact_c
 from tandem.engines.buckets import Bucket
 from tandem.engines.manifest import read_manifest
 from tandem.engines.verification import timed
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
 from tandem.export.exporter import WEIGHTS_FILE
 from tandem.export.lowering import lower_for_onnxruntime
-from tandem.export.ops import gated_deltanet
 from tandem.plugins import cpu_kernels
 
 NAME = "onnxruntime"
@@ -72,33 +73,27 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, opt
         files[bucket.name] = (name, 0)
         if progress:
             progress.step(bucket.name)
-    kernels = _kernel_library(export_dir, out_dir, {g for g, _ in graphs.values()})
+    kernels = cpu_kernels.library()
     variants = {}
     try:
-        if kernels is not None:    # the CPU provider's graphs: Gated DeltaNet on tandem's kernel
+        if kernels is not None:    # the CPU provider's graphs: Gated DeltaNet and attention on tandem's kernels
             for name, (graph, rows) in graphs.items():
                 model = onnx.load(str(export_dir / f"{graph}.onnx"), load_external_data=False)
-                variants[name] = out_dir / f".kernels-{name}"
-                onnx.save(lower_for_onnxruntime(model, rows=rows, gdn_kernel=True), str(variants[name]))
+                variant = lower_for_onnxruntime(model, rows=rows, cpu_kernels=True)
+                if any(n.domain == CPU_DOMAIN for n in variant.graph.node):
+                    variants[name] = out_dir / f".kernels-{name}"
+                    onnx.save(variant, str(variants[name]))
+        library = out_dir / cpu_kernels.LIBRARY_FILE
+        library.unlink(missing_ok=True)          # a reused dir's: this build decides anew
+        if variants:
+            shutil.copyfile(kernels, library)    # the engine dir carries what its graphs load
         # every file, reused ones too: optimized.bin is written afresh, never shared with a previous build
-        save_optimized(out_dir, sorted(graphs), lambda level: _options(level, kernels=kernels), sources=variants)
+        save_optimized(out_dir, sorted(graphs), lambda level: _options(level, kernels=library if variants else None),
+                       sources=variants)
     finally:
         for path in variants.values():
             path.unlink(missing_ok=True)
     return files
-
-
-def _kernel_library(export_dir: Path, out_dir: Path, graphs: set[str]) -> Path | None:
-    """tandem's CPU kernel library, copied into the engine dir, where some graph has a Gated
-    DeltaNet and the library compiles on this machine; else None (and no file)."""
-    (out_dir / cpu_kernels.LIBRARY_FILE).unlink(missing_ok=True)     # a reused dir's: this build decides anew
-    uses = any(n.op_type == gated_deltanet.OP_TYPE
-               for g in graphs for n in onnx.load(str(export_dir / f"{g}.onnx"), load_external_data=False).graph.node)
-    library = cpu_kernels.library() if uses else None
-    if library is None:
-        return None
-    shutil.copyfile(library, out_dir / cpu_kernels.LIBRARY_FILE)
-    return out_dir / cpu_kernels.LIBRARY_FILE
 
 
 def session(model, threads: int | None = None, profile_prefix: str | None = None,

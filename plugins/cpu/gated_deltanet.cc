@@ -22,68 +22,16 @@
 //          (optional: the state after each row)
 // Attrs    scale (float)
 
-#include <algorithm>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
-#include <functional>
-#include <mutex>
-#include <thread>
-#include <stdexcept>
-#include <string>
 #include <vector>
 
-#include "ort_abi.h"
+#include "kernel_common.h"
 
 namespace tandem {
 namespace {
 
-struct Tensor {
-  float* data = nullptr;
-  std::vector<int64_t> dims;
-};
-
-void check(const OrtApiTable& api, OrtStatus* status) {
-  if (status != nullptr) {
-    std::string msg = api.GetErrorMessage(status);
-    api.ReleaseStatus(status);
-    throw std::runtime_error("ai.tandem.cpu::GatedDeltaNet: " + msg);
-  }
-}
-
-std::vector<int64_t> dims_of(const OrtApiTable& api, const OrtValue* value) {
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  check(api, api.GetTensorTypeAndShape(value, &info));
-  size_t n = 0;
-  OrtStatus* status = api.GetDimensionsCount(info, &n);
-  std::vector<int64_t> dims(n);
-  if (status == nullptr) status = api.GetDimensions(info, dims.data(), n);
-  api.ReleaseTensorTypeAndShapeInfo(info);
-  check(api, status);
-  return dims;
-}
-
-template <typename T>
-T* input(const OrtApiTable& api, OrtKernelContext* context, size_t index, std::vector<int64_t>* dims) {
-  const OrtValue* value = nullptr;
-  check(api, api.KernelContextGetInput(context, index, &value));
-  *dims = dims_of(api, value);
-  void* data = nullptr;
-  check(api, api.GetTensorMutableData(const_cast<OrtValue*>(value), &data));
-  return static_cast<T*>(data);
-}
-
-float* output(const OrtApiTable& api, OrtKernelContext* context, size_t index, const std::vector<int64_t>& dims) {
-  OrtValue* value = nullptr;
-  check(api, api.KernelContextGetOutput(context, index, dims.data(), dims.size(), &value));
-  void* data = nullptr;
-  check(api, api.GetTensorMutableData(value, &data));
-  return static_cast<float*>(data);
-}
-
-void expect(bool ok, const char* what) {
-  if (!ok) throw std::runtime_error(std::string("ai.tandem.cpu::GatedDeltaNet: ") + what);
-}
+void expect_gdn(bool ok, const char* what) { expect(ok, "GatedDeltaNet", what); }
 
 // One row of one head: S' (updated when `update`, else S) into dst, o [dv] = scale S'^T q. src and dst
 // are [dk, dv] row-major and may be the same buffer (every row after a sequence's first).
@@ -142,73 +90,6 @@ RowFn row_for(int64_t dv) {
   }
 }
 
-// Helper threads for a kernel's independent (sequence, head) pairs: one fewer than the cores, so
-// with the calling thread every core takes a share. They sleep between calls; a call made while
-// another holds them (sessions run from several threads) runs on its own thread.
-class Helpers {
- public:
-  Helpers() {
-    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    for (unsigned i = 1; i < cores; ++i) threads_.emplace_back([this, i] { loop(i); });
-  }
-  ~Helpers() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-
-  // fn(first, last) over [0, tasks) in len(threads) + 1 contiguous shares
-  void run(int64_t tasks, const std::function<void(int64_t, int64_t)>& fn) {
-    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    const int64_t parts = static_cast<int64_t>(threads_.size()) + 1;
-    if (!busy.owns_lock() || parts == 1 || tasks < 2) {
-      fn(0, tasks);
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = &fn, tasks_ = tasks, parts_ = parts, pending_ = parts - 1, ++round_;
-    }
-    wake_.notify_all();
-    fn(0, tasks / parts);
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return pending_ == 0; });
-  }
-
- private:
-  void loop(unsigned index) {
-    uint64_t seen = 0;
-    for (;;) {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return stop_ || round_ != seen; });
-      if (stop_) return;
-      seen = round_;
-      const auto* fn = fn_;
-      const int64_t first = tasks_ * index / parts_, last = tasks_ * (index + 1) / parts_;
-      lock.unlock();
-      (*fn)(first, last);
-      lock.lock();
-      if (--pending_ == 0) done_.notify_one();
-    }
-  }
-
-  std::vector<std::thread> threads_;
-  std::mutex mutex_, busy_;
-  std::condition_variable wake_, done_;
-  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
-  int64_t tasks_ = 0, parts_ = 1, pending_ = 0;
-  uint64_t round_ = 0;
-  bool stop_ = false;
-};
-
-Helpers& helpers() {
-  static Helpers instance;
-  return instance;
-}
-
 struct Kernel {
   OrtApiTable api;
   float scale;
@@ -224,21 +105,20 @@ struct Kernel {
     const float* pool = input<float>(api, context, 5, &sd);
     const int64_t* slots = input<int64_t>(api, context, 6, &ld);
     const int64_t* rows = input<int64_t>(api, context, 7, &rd);
-    expect(qd.size() == 4 && kd == qd && vd.size() == 4 && sd.size() == 4 && rd.size() == 1 && ld == rd,
+    expect_gdn(qd.size() == 4 && kd == qd && vd.size() == 4 && sd.size() == 4 && rd.size() == 1 && ld == rd,
            "expected query, key [B, W, Hk, dk], value [B, W, Hv, dv], state_pool [P, Hv, dk, dv], "
            "state_slots and state_rows [B]");
     const int64_t B = qd[0], W = qd[1], hk = qd[2], dk = qd[3], hv = vd[2], dv = vd[3];
-    expect(vd[0] == B && vd[1] == W && sd[1] == hv && sd[2] == dk && sd[3] == dv && rd[0] == B,
+    expect_gdn(vd[0] == B && vd[1] == W && sd[1] == hv && sd[2] == dk && sd[3] == dv && rd[0] == B,
            "inputs disagree on B, W, heads or head dims");
-    for (int64_t b = 0; b < B; ++b) expect(slots[b] >= 0 && slots[b] < sd[0], "a state slot is outside the pool");
-    expect(hk > 0 && hv % hk == 0, "value heads must be a multiple of key heads");
-    expect(gd == std::vector<int64_t>({B, W, hv}) && bd == gd, "decay and beta must be [B, W, Hv]");
-    size_t outputs = 0;
-    check(api, api.KernelContextGetOutputCount(context, &outputs));
+    for (int64_t b = 0; b < B; ++b) expect_gdn(slots[b] >= 0 && slots[b] < sd[0], "a state slot is outside the pool");
+    expect_gdn(hk > 0 && hv % hk == 0, "value heads must be a multiple of key heads");
+    expect_gdn(gd == std::vector<int64_t>({B, W, hv}) && bd == gd, "decay and beta must be [B, W, Hv]");
+    const size_t outputs = output_count(api, context);
     float* out = output(api, context, 0, {B, W, hv, dv});
     float* final_state = output(api, context, 1, {B, hv, dk, dv});
     float* row_states = outputs > 2 ? output(api, context, 2, {B, W, hv, dk, dv}) : nullptr;
-    expect(dv <= 1024, "value head dim above 1024");
+    expect_gdn(dv <= 1024, "value head dim above 1024");
     const int64_t ratio = hv / hk, state = dk * dv;
     const RowFn run_row = row_for(dv);
     // (sequence, head) pairs are independent: split them between this thread and the helpers
@@ -285,30 +165,12 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
 void op_compute(void* kernel, OrtKernelContext* context) { static_cast<Kernel*>(kernel)->compute(context); }
 void op_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
+}  // namespace
+
 const OrtCustomOp kGatedDeltaNet = {
     kOrtApiVersion, op_create,     op_name,      op_provider,   op_input_type,           op_input_count,
     op_output_type, op_output_count, op_compute, op_destroy, op_input_characteristic, op_output_characteristic,
     op_input_memory,
 };
 
-}  // namespace
 }  // namespace tandem
-
-// The entry point ONNX Runtime calls (SessionOptions.register_custom_ops_library). The domain lives
-// as long as the process: sessions keep pointing at it.
-extern "C" __attribute__((visibility("default")))
-OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-  const void* table = base->GetApi(kOrtApiVersion);
-  if (table == nullptr) return nullptr;  // cannot happen on ONNX Runtime >= 1.13; nothing to report with
-  tandem::OrtApiTable api(table);
-  // made once (sessions open in several threads at once: a function-local static is thread-safe)
-  static OrtStatus* failed = nullptr;
-  static OrtCustomOpDomain* domain = [&]() -> OrtCustomOpDomain* {
-    OrtCustomOpDomain* made = nullptr;
-    failed = api.CreateCustomOpDomain("ai.tandem.cpu", &made);
-    if (failed == nullptr) failed = api.CustomOpDomainAdd(made, &tandem::kGatedDeltaNet);
-    return made;
-  }();
-  if (failed != nullptr) return api.CreateStatus(kOrtFail, api.GetErrorMessage(failed));
-  return api.AddCustomOpDomain(options, domain);
-}

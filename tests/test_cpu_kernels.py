@@ -1,5 +1,5 @@
 """tandem's CPU kernel for Gated DeltaNet (plugins/cpu/gated_deltanet.cc) against a float64 numpy
-reference of the delta rule, row by row; its lowering (export/gdn_kernel_lowering.py) against the
+reference of the delta rule, row by row; its lowering (export/cpu_kernel_lowering.py) against the
 function body; and the engine dirs that carry it (or fall back without a compiler)."""
 
 from __future__ import annotations
@@ -14,9 +14,10 @@ from tandem.engines.backends.onnxruntime_optimized import optimized_name
 from tandem.engines.builder import build_engines
 from tandem.engines.manifest import read_manifest
 from tandem.export.builder import OPSET, TANDEM_DOMAIN
-from tandem.export.gdn_kernel_lowering import CPU_DOMAIN
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
 from tandem.export.lowering import lower_for_onnxruntime
 from tandem.export.ops import gated_deltanet
+from tandem.export.ops import paged_sparse_attention as psa
 from tandem.plugins import cpu_kernels
 
 from .test_load_costs import SMALL
@@ -163,7 +164,7 @@ def test_lowering_to_the_kernel_equals_the_function_body(library, emit_rows):
     if emit_rows:
         f["a"] = np.array([[2], [3], [0]], np.int64)
     model = _gdn_graph(emit_rows)
-    lowered = lower_for_onnxruntime(model, gdn_kernel=True)
+    lowered = lower_for_onnxruntime(model, cpu_kernels=True)
     assert [n.op_type for n in lowered.graph.node if n.domain == CPU_DOMAIN] == ["GatedDeltaNet"] * (1 + emit_rows)
     assert not any(n.op_type in ("Gather", "GatherND") for n in lowered.graph.node)
     body = onnxruntime_backend.session(model).run(None, f)
@@ -202,3 +203,72 @@ def test_without_a_compiler_the_build_uses_onnxruntime_kernels(tiny_root, tmp_pa
     assert not any(n.domain == CPU_DOMAIN for n in served.graph.node)
     assert any(n.op_type == "LinearAttention" for n in served.graph.node)
     assert onnxruntime_backend._kernels_of(out) is None
+
+
+# ---- ai.tandem.cpu::PagedAttention ------------------------------------------------------------
+
+PAGE = 4
+
+
+def _attention_graph(kernel: bool, window: int) -> onnx.ModelProto:
+    """Dense PagedSparseAttention (selected: a constant with K = 0) as the exporter emits it, or
+    its kernel lowering (lower_for_onnxruntime(..., cpu_kernels=True))."""
+    info = helper.make_tensor_value_info
+    names = ["q", "k", "v", "kc", "vc", "tables", "ctx"]
+    inputs = [info(n, F, None) for n in names[:5]] + [info("tables", I64, None), info("ctx", I64, None)]
+    empty = helper.make_tensor("selected", I64, [1, 1, 0], [])
+    node = helper.make_node(psa.OP_TYPE, [*names, "selected"], ["o"], domain=TANDEM_DOMAIN, name="attn",
+                            scale=0.3, sliding_window=window)
+    m = helper.make_model(helper.make_graph([node], "attn", inputs, [info("o", F, None)], [empty]),
+                          opset_imports=[helper.make_opsetid("", OPSET), helper.make_opsetid(TANDEM_DOMAIN, 1)],
+                          functions=[psa.make_function()])
+    m.ir_version = 10
+    return lower_for_onnxruntime(m, cpu_kernels=True) if kernel else m
+
+
+def _attention_inputs(rng, ctx, W, hq=4, hkv=2, d=24, pages=16):
+    B = len(ctx)
+    table_width = max(-(-(c + W) // PAGE) for c in ctx)
+    return {"q": rng.standard_normal((B, W, hq, d)).astype(np.float32),
+            "k": rng.standard_normal((B, W, hkv, d)).astype(np.float32),
+            "v": rng.standard_normal((B, W, hkv, d)).astype(np.float32),
+            "kc": rng.standard_normal((pages, PAGE, hkv, d)).astype(np.float32),
+            "vc": rng.standard_normal((pages, PAGE, hkv, d)).astype(np.float32),
+            "tables": rng.permutation(pages)[:B * table_width].reshape(B, table_width).astype(np.int64),
+            "ctx": np.array(ctx, np.int64)}
+
+
+@pytest.mark.parametrize("window", [0, 3], ids=["full", "window3"])
+@pytest.mark.parametrize("W", [1, 3])
+def test_attention_kernel_equals_the_function_body(library, W, window):
+    """GQA (2 query heads per KV head), scattered pages, a sequence with no committed context; head
+    dim 24 takes the kernel's tail path."""
+    f = _attention_inputs(np.random.default_rng(W + window), ctx=[0, 5, 9], W=W)
+    lowered = _attention_graph(True, window)
+    assert [n.op_type for n in lowered.graph.node] == ["PagedAttention"]
+    want = onnxruntime_backend.session(_attention_graph(False, window)).run(None, f)[0]
+    got = _session(lowered, library).run(None, f)[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+
+
+def test_attention_row_equals_the_decode_step_at_its_position_bit_for_bit(library):
+    """Row w of a 3-row call == a 1-row call at context + w with rows 0..w-1 committed to the pages."""
+    f = _attention_inputs(np.random.default_rng(5), ctx=[6, 1], W=3)
+    sess = _session(_attention_graph(True, 0), library)
+    rows = sess.run(None, f)[0]
+    kc, vc = f["kc"].copy(), f["vc"].copy()
+    for w in range(3):
+        step = {**f, "q": f["q"][:, w:w + 1], "k": f["k"][:, w:w + 1], "v": f["v"][:, w:w + 1], "kc": kc, "vc": vc,
+                "ctx": f["ctx"] + w}
+        assert np.array_equal(sess.run(None, step)[0][:, 0], rows[:, w])
+        for b, pos in enumerate(f["ctx"] + w):          # commit row w at its position
+            page, slot = f["tables"][b, pos // PAGE], pos % PAGE
+            kc[page, slot], vc[page, slot] = f["k"][b, w], f["v"][b, w]
+
+
+def test_attention_kernel_refuses_a_page_outside_the_cache(library):
+    f = _attention_inputs(np.random.default_rng(2), ctx=[5], W=1)
+    sess = _session(_attention_graph(True, 0), library)
+    with pytest.raises(Exception, match="a block table names a page outside the cache"):
+        sess.run(None, {**f, "tables": np.full_like(f["tables"], 99)})
+    assert sess.run(None, f)[0].shape == f["q"].shape

@@ -1,5 +1,9 @@
-"""Lower `ai.tandem::GatedDeltaNet` to tandem's own ONNX Runtime CPU kernel,
-`ai.tandem.cpu::GatedDeltaNet` (plugins/cpu/gated_deltanet.cc, compiled by plugins/cpu_kernels.py).
+"""Lower tandem's ops to its own ONNX Runtime CPU kernels (plugins/cpu/, compiled by
+plugins/cpu_kernels.py), in the domain `ai.tandem.cpu`:
+
+    ai.tandem::GatedDeltaNet                      -> ai.tandem.cpu::GatedDeltaNet   (below)
+    ai.tandem::PagedSparseAttention, dense, fp32  -> ai.tandem.cpu::PagedAttention  (same inputs
+        but `selected`; reads the committed K/V through the block table where it lies, no copies)
 
     GatedDeltaNet(q, k, v, g, beta, Gather(pool, slots), rows)
         -> ai.tandem.cpu::GatedDeltaNet(q, k, v, g, beta, pool, slots, rows)
@@ -15,8 +19,9 @@ leave the state as it is, so this equals the per-row state bit for bit, and no [
 row states are made. Where row states are a graph's output, the kernel emits them.
 
 Every row runs the same code whatever the graph's rows: a verify row equals a decode step bit for
-bit. The kernel serves the saved optimized graphs of the CPU provider only; the lowered graphs
-(the CUDA provider's input, and the fallback) keep LinearAttention (export/lowering.py).
+bit (both kernels). The kernels serve the saved optimized graphs of the CPU provider only; the
+lowered graphs (the CUDA provider's input, and the fallback) keep LinearAttention and the graph
+lowering of attention (export/lowering.py, export/attention_lowering.py).
 """
 
 from __future__ import annotations
@@ -59,6 +64,27 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
     if lowered and not any(o.domain == CPU_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
     return lowered
+
+
+def lower_attention_to_kernel(model: onnx.ModelProto, dense: set[str]) -> set[str]:
+    """Rewrite in place the PagedSparseAttention nodes named in `dense` (no row selects:
+    attention_lowering.dense_attention_nodes) whose caches are float32 graph inputs; returns the
+    names rewritten (the others keep the graph lowering: float16 caches)."""
+    f32 = {i.name for i in model.graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    done = set()
+    for node in model.graph.node:
+        if node.name in dense and node.input[3] in f32 and node.input[4] in f32:
+            attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+            kept = list(node.input[:7])                                  # all but `selected`
+            del node.input[:], node.attribute[:]
+            node.input.extend(kept)
+            node.domain, node.op_type = CPU_DOMAIN, "PagedAttention"
+            node.attribute.extend([helper.make_attribute("scale", float(attrs["scale"])),
+                                   helper.make_attribute("sliding_window", int(attrs.get("sliding_window", 0)))])
+            done.add(node.name)
+    if done and not any(o.domain == CPU_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    return done
 
 
 def _kernel_nodes(node: onnx.NodeProto, producers: dict, readers: dict, outputs: set):

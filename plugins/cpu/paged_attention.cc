@@ -1,0 +1,163 @@
+// ai.tandem.cpu::PagedAttention: dense paged attention (ai.tandem::PagedSparseAttention where no
+// row selects) as one ONNX Runtime CPU kernel, float32.
+//
+// Inputs   query [B, W, Hq, D]; key [B, W, Hkv, D], value [B, W, Hkv, Dv] (the call's new rows);
+//          key_cache [N, S, Hkv, D], value_cache [N, S, Hkv, Dv]; block_tables [B, P] int64;
+//          context_lens [B] int64
+// Output   [B, W, Hq, Dv]
+// Attrs    scale (float), sliding_window (int, 0: none)
+//
+// Row w of sequence b sits at position p = context_lens[b] + w and sees positions j <= p with
+// p - j < window (if any): committed ones (j < context_lens[b]) in the pool, at page
+// block_tables[b][j / S], slot j % S, and the call's own rows w' = j - context_lens[b] <= w.
+// Per KV head, its G = Hq / Hkv query heads read each key and value once:
+//     s_g[j] = scale q_g . K_j;  P_g = softmax_j(s_g);  out_g = sum_j P_g[j] V_j     (float32)
+// Why a kernel: the graph lowering (export/attention_lowering.py) gathers every page of the table,
+// transposes, scatters the new rows into the copy and pads the spare slots before the products; at
+// batch 8 and 1,000 tokens those copies took 3x the products (docs/performance.md). Here nothing is
+// copied. Every row loops over its positions in the same order whatever the call's rows, so a
+// verify row equals the decode step at its position bit for bit.
+
+#include <cmath>
+#include <vector>
+
+#include "kernel_common.h"
+
+namespace tandem {
+namespace {
+
+void expect_pa(bool ok, const char* what) { expect(ok, "PagedAttention", what); }
+
+// scale * (q_g . key) for NG query heads at once (q_g = q + g * D), each over 16 fixed lanes summed
+// in a fixed order: 2 NG independent vector chains (not one latency-bound one), and the same
+// result for the same inputs wherever it runs.
+template <int NG>
+void dots(const float* __restrict q, const float* __restrict key, int64_t D, float scale, float* out) {
+  float lanes[NG][16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= D; i += 16) {
+    for (int g = 0; g < NG; ++g) {
+      for (int l = 0; l < 16; ++l) lanes[g][l] += q[g * D + i + l] * key[i + l];
+    }
+  }
+  for (; i < D; ++i) {
+    for (int g = 0; g < NG; ++g) lanes[g][i % 16] += q[g * D + i] * key[i];
+  }
+  for (int g = 0; g < NG; ++g) {
+    float half[8];
+    for (int l = 0; l < 8; ++l) half[l] = lanes[g][l] + lanes[g][l + 8];
+    out[g] = scale * (((half[0] + half[1]) + (half[2] + half[3])) + ((half[4] + half[5]) + (half[6] + half[7])));
+  }
+}
+
+// the G query heads of a KV head (consecutive in the query), four at a time
+void head_dots(const float* q, const float* key, int64_t D, int64_t G, float scale, float* out) {
+  int64_t g = 0;
+  for (; g + 4 <= G; g += 4) dots<4>(q + g * D, key, D, scale, out + g);
+  for (; g < G; ++g) dots<1>(q + g * D, key, D, scale, out + g);
+}
+
+struct Kernel {
+  OrtApiTable api;
+  float scale;
+  int64_t window;
+
+  void compute(OrtKernelContext* context) const {
+    std::vector<int64_t> qd, kd, vd, kcd, vcd, td, cd;
+    const float* q = input<float>(api, context, 0, &qd);
+    const float* k = input<float>(api, context, 1, &kd);
+    const float* v = input<float>(api, context, 2, &vd);
+    const float* kc = input<float>(api, context, 3, &kcd);
+    const float* vc = input<float>(api, context, 4, &vcd);
+    const int64_t* tables = input<int64_t>(api, context, 5, &td);
+    const int64_t* ctx = input<int64_t>(api, context, 6, &cd);
+    expect_pa(qd.size() == 4 && kd.size() == 4 && vd.size() == 4 && kcd.size() == 4 && vcd.size() == 4 &&
+                  td.size() == 2 && cd.size() == 1,
+              "expected query [B, W, Hq, D], key / value [B, W, Hkv, D], caches [N, S, Hkv, D], "
+              "block_tables [B, P], context_lens [B]");
+    const int64_t B = qd[0], W = qd[1], hq = qd[2], D = qd[3], hkv = kd[2], dv = vd[3];
+    const int64_t pages = kcd[0], S = kcd[1], P = td[1];
+    expect_pa(kd[0] == B && kd[1] == W && kd[3] == D && vd[0] == B && vd[1] == W && vd[2] == hkv,
+              "the new rows disagree with the query on B, W or heads");
+    expect_pa(kcd[2] == hkv && kcd[3] == D && vcd[0] == pages && vcd[1] == S && vcd[2] == hkv && vcd[3] == dv,
+              "the caches disagree with the new rows on heads or head dims");
+    expect_pa(td[0] == B && cd[0] == B && hkv > 0 && hq % hkv == 0, "block_tables / context_lens / heads");
+    for (int64_t b = 0; b < B; ++b) {
+      expect_pa(ctx[b] >= 0 && ctx[b] <= P * S, "a context length is longer than its block table");
+      for (int64_t page = 0; page < (ctx[b] + S - 1) / S; ++page) {
+        const int64_t id = tables[b * P + page];
+        expect_pa(id >= 0 && id < pages, "a block table names a page outside the cache");
+      }
+    }
+    float* out = output(api, context, 0, {B, W, hq, dv});
+    const int64_t G = hq / hkv;
+    auto heads = [&](int64_t first, int64_t last) {
+      std::vector<float> scores, acc;
+      for (int64_t task = first; task < last; ++task) {
+        const int64_t b = task / hkv, h = task % hkv, n_ctx = ctx[b];
+        auto key_at = [&](int64_t j) {
+          return j < n_ctx ? kc + ((tables[b * P + j / S] * S + j % S) * hkv + h) * D
+                           : k + ((b * W + (j - n_ctx)) * hkv + h) * D;
+        };
+        auto value_at = [&](int64_t j) {
+          return j < n_ctx ? vc + ((tables[b * P + j / S] * S + j % S) * hkv + h) * dv
+                           : v + ((b * W + (j - n_ctx)) * hkv + h) * dv;
+        };
+        for (int64_t w = 0; w < W; ++w) {
+          const int64_t p = n_ctx + w, lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, n = p - lo + 1;
+          scores.resize(static_cast<size_t>(G * n));     // [j][g]: the row's positions, then heads
+          const float* qrow = q + ((b * W + w) * hq + h * G) * D;
+          for (int64_t j = lo; j <= p; ++j) head_dots(qrow, key_at(j), D, G, scale, scores.data() + (j - lo) * G);
+          for (int64_t g = 0; g < G; ++g) {               // softmax over the row's positions
+            float top = scores[g], sum = 0.0f;
+            for (int64_t j = 1; j < n; ++j) top = std::max(top, scores[j * G + g]);
+            for (int64_t j = 0; j < n; ++j) sum += (scores[j * G + g] = std::exp(scores[j * G + g] - top));
+            for (int64_t j = 0; j < n; ++j) scores[j * G + g] /= sum;
+          }
+          acc.assign(static_cast<size_t>(G * dv), 0.0f);
+          for (int64_t j = lo; j <= p; ++j) {             // each value once for the G heads
+            const float* value = value_at(j);
+            for (int64_t g = 0; g < G; ++g) {
+              const float weight = scores[(j - lo) * G + g];
+              float* a = acc.data() + g * dv;
+              for (int64_t e = 0; e < dv; ++e) a[e] += weight * value[e];
+            }
+          }
+          float* o = out + ((b * W + w) * hq + h * G) * dv;
+          for (int64_t e = 0; e < G * dv; ++e) o[e] = acc[e];
+        }
+      }
+    };
+    helpers().run(B * hkv, heads);
+  }
+};
+
+const char* op_name(const OrtCustomOp*) { return "PagedAttention"; }
+const char* op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+int op_input_type(const OrtCustomOp*, size_t index) { return index >= 5 ? kTensorInt64 : kTensorFloat; }
+size_t op_input_count(const OrtCustomOp*) { return 7; }
+int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
+size_t op_output_count(const OrtCustomOp*) { return 1; }
+int op_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+int op_input_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
+
+void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
+  OrtApiTable table(api);
+  float scale = 1.0f;
+  int64_t window = 0;
+  check(table, table.KernelInfoGetAttributeFloat(info, "scale", &scale));
+  check(table, table.KernelInfoGetAttributeInt64(info, "sliding_window", &window));
+  return new Kernel{table, scale, window};
+}
+void op_compute(void* kernel, OrtKernelContext* context) { static_cast<Kernel*>(kernel)->compute(context); }
+void op_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
+
+}  // namespace
+
+const OrtCustomOp kPagedAttention = {
+    kOrtApiVersion, op_create,     op_name,      op_provider,   op_input_type,     op_input_count,
+    op_output_type, op_output_count, op_compute, op_destroy, op_characteristic, op_characteristic,
+    op_input_memory,
+};
+
+}  // namespace tandem

@@ -1,0 +1,24 @@
+// The entry point ONNX Runtime calls when a session loads the library
+// (SessionOptions.register_custom_ops_library): the domain ai.tandem.cpu with every op of it.
+
+#include "kernel_common.h"
+
+extern "C" __attribute__((visibility("default")))
+OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+  const void* table = base->GetApi(kOrtApiVersion);
+  if (table == nullptr) return nullptr;  // cannot happen on ONNX Runtime >= 1.13; nothing to report with
+  tandem::OrtApiTable api(table);
+  // made once and kept for the process (sessions point at it; they open in several threads at
+  // once: a function-local static is initialised once, thread-safely)
+  static OrtStatus* failed = nullptr;
+  static OrtCustomOpDomain* domain = [&]() -> OrtCustomOpDomain* {
+    OrtCustomOpDomain* made = nullptr;
+    failed = api.CreateCustomOpDomain("ai.tandem.cpu", &made);
+    for (const OrtCustomOp* op : {&tandem::kGatedDeltaNet, &tandem::kPagedAttention}) {
+      if (failed == nullptr) failed = api.CustomOpDomainAdd(made, op);
+    }
+    return made;
+  }();
+  if (failed != nullptr) return api.CreateStatus(kOrtFail, api.GetErrorMessage(failed));
+  return api.AddCustomOpDomain(options, domain);
+}
