@@ -46,10 +46,11 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
         for name in node.input:
             readers.setdefault(name, []).append(node)
     outputs = {o.name for o in graph.output}
+    read = outputs.union(*(_reads(n) for n in graph.node))      # every name read, subgraphs included
     nodes, lowered, replays, gathers = [], 0, {}, set()
     for node in graph.node:
         if node.domain == TANDEM_DOMAIN and node.op_type == gated_deltanet.OP_TYPE:
-            new, replay = _kernel_nodes(node, producers, readers, outputs)
+            new, replay = _kernel_nodes(node, producers, readers, outputs, read)
             gathers.add(node.input[5])
             nodes.extend(new)
             if replay is not None:
@@ -87,7 +88,7 @@ def lower_attention_to_kernel(model: onnx.ModelProto, dense: set[str]) -> set[st
     return done
 
 
-def _kernel_nodes(node: onnx.NodeProto, producers: dict, readers: dict, outputs: set):
+def _kernel_nodes(node: onnx.NodeProto, producers: dict, readers: dict, outputs: set, read: set):
     """(nodes replacing `node`, replay(gather) -> nodes for its row-state picks, or None)."""
     q, k, v, g, beta, s0, rows = node.input
     scale = next(a.f for a in node.attribute if a.name == "scale")
@@ -101,7 +102,9 @@ def _kernel_nodes(node: onnx.NodeProto, producers: dict, readers: dict, outputs:
         slots = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(s0, 0, 1), [0]), b.const(1, np.int64))
     emits = len(node.output) == 3 and node.output[2] != ""
     picked = emits and node.output[2] not in outputs and _only_picks(readers.get(node.output[2], []), node.output[2])
-    kernel_outputs = list(node.output[:2]) + ([node.output[2]] if emits and not picked else [])
+    # a final state nothing reads (a verify's, whose picks replay the rows) stays in the kernel's scratch
+    final = node.output[1] if node.output[1] in read else ""
+    kernel_outputs = [node.output[0], final] + ([node.output[2]] if emits and not picked else [])
 
     def kernel(state_rows, outs, name):
         return b.op(gated_deltanet.OP_TYPE, q, k, v, g, beta, pool, slots, state_rows, domain=CPU_DOMAIN,
@@ -115,7 +118,8 @@ def _kernel_nodes(node: onnx.NodeProto, producers: dict, readers: dict, outputs:
         r = GraphBuilder(function=True, root=pick.name + "/replayed")
         upto = r.op("Add", r.squeeze(pick.input[1], [1]), r.const(1, np.int64))      # rows 0..a: a + 1 of them
         r.op(gated_deltanet.OP_TYPE, q, k, v, g, beta, pool, slots, r.op("Min", rows, upto), domain=CPU_DOMAIN,
-             outputs=[pick.output[0] + "/unused_output", pick.output[0]], name="GatedDeltaNet", scale=scale)
+             outputs=[pick.output[0] + "/unused_output", pick.output[0]], name="GatedDeltaNet", scale=scale,
+             emit_output=0)                     # the state only: rows past a are not run
         return r.nodes
 
     return b.nodes, replay

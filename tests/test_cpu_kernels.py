@@ -132,16 +132,17 @@ def test_a_bad_slot_fails_that_call_with_a_clear_error(library):
     assert sess.run(None, {**f, "slots": np.array([1], np.int64), "n": np.ones(1, np.int64)})[0].shape == (1, 1, 1, 16)
 
 
-def _gdn_graph(emit_rows: bool) -> onnx.ModelProto:
+def _gdn_graph(emit_rows: bool, final_read: bool = True) -> onnx.ModelProto:
     """GatedDeltaNet over Gather(pool, slots), and (emit_rows) the verify's pick of the state after
-    row a: GatherND(row_states, a [B, 1], batch_dims=1)."""
+    row a: GatherND(row_states, a [B, 1], batch_dims=1); final_read False: nothing reads the final
+    state (as in the verify graphs)."""
     info = helper.make_tensor_value_info
     fn = gated_deltanet.make_function(emit_row_states=emit_rows)
     nodes = [helper.make_node("Gather", ["pool", "slots"], ["s0"], axis=0),
              helper.make_node(gated_deltanet.OP_TYPE, ["q", "k", "v", "g", "b", "s0", "n"],
                               ["o", "s"] + (["rs"] if emit_rows else []), domain=TANDEM_DOMAIN, name="GatedDeltaNet",
                               scale=0.25, num_key_heads=2, num_value_heads=4)]
-    outputs = [info("o", F, None), info("s", F, None)]
+    outputs = [info("o", F, None)] + ([info("s", F, None)] if final_read else [])
     inputs = [info(n, F, None) for n in ("q", "k", "v", "g", "b", "pool")] + [info("slots", I64, None),
                                                                              info("n", I64, None)]
     if emit_rows:
@@ -155,17 +156,21 @@ def _gdn_graph(emit_rows: bool) -> onnx.ModelProto:
     return m
 
 
-@pytest.mark.parametrize("emit_rows", [False, True], ids=["decode", "verify-pick"])
-def test_lowering_to_the_kernel_equals_the_function_body(library, emit_rows):
-    """The pick becomes a second kernel node over rows 0..a; no Gather of the states is left."""
+@pytest.mark.parametrize("emit_rows,final_read", [(False, True), (True, True), (True, False)],
+                         ids=["decode", "verify-pick", "verify-pick-no-final"])
+def test_lowering_to_the_kernel_equals_the_function_body(library, emit_rows, final_read):
+    """The pick becomes a second kernel node over rows 0..a that computes the state only; no Gather
+    of the states is left; a final state nothing reads is not written (scratch in the kernel)."""
     rng = np.random.default_rng(11)
     f = _inputs(rng, 3, 4, 2, 4, 16, 16, pool_rows=5)
     f.update(slots=np.array([4, 0, 2], np.int64), n=np.array([4, 3, 0], np.int64))
     if emit_rows:
         f["a"] = np.array([[2], [3], [0]], np.int64)
-    model = _gdn_graph(emit_rows)
+    model = _gdn_graph(emit_rows, final_read)
     lowered = lower_for_onnxruntime(model, cpu_kernels=True)
-    assert [n.op_type for n in lowered.graph.node if n.domain == CPU_DOMAIN] == ["GatedDeltaNet"] * (1 + emit_rows)
+    kernels = [n for n in lowered.graph.node if n.domain == CPU_DOMAIN]
+    assert [n.op_type for n in kernels] == ["GatedDeltaNet"] * (1 + emit_rows)
+    assert (kernels[0].output[1] == "") == (not final_read)
     assert not any(n.op_type in ("Gather", "GatherND") for n in lowered.graph.node)
     body = onnxruntime_backend.session(model).run(None, f)
     got = _session(lowered, library).run(None, f)
@@ -174,7 +179,7 @@ def test_lowering_to_the_kernel_equals_the_function_body(library, emit_rows):
     if emit_rows:   # the pick equals the kernel's own row state at row a, bit for bit
         _, _, per_row = _session(_kernel_model(True), library).run(
             None, {k: f[k] for k in ("q", "k", "v", "g", "b", "pool", "slots")} | {"n": f["n"]})
-        assert np.array_equal(got[2], per_row[np.arange(3), f["a"][:, 0]])
+        assert np.array_equal(got[-1], per_row[np.arange(3), f["a"][:, 0]])
 
 
 def test_engine_dir_carries_the_library_its_optimized_graphs_use(engine_dirs, library):

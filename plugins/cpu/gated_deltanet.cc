@@ -18,9 +18,10 @@
 // Inputs   query, key [B, W, Hk, dk]; value [B, W, Hv, dv]; decay, beta [B, W, Hv];
 //          state_pool [P, Hv, dk, dv]; state_slots [B] int64; state_rows [B] int64
 //          (sequence b starts from state_pool[state_slots[b]]: the pool is read in place, no gather)
-// Outputs  output [B, W, Hv, dv]; final_state [B, Hv, dk, dv]; row_states [B, W, Hv, dk, dv]
-//          (optional: the state after each row)
-// Attrs    scale (float)
+// Outputs  output [B, W, Hv, dv]; final_state [B, Hv, dk, dv] (optional); row_states
+//          [B, W, Hv, dk, dv] (optional: the state after each row)
+// Attrs    scale (float); emit_output (int, default 1; 0: the output is not computed and rows at or
+//          past state_rows are skipped: a replay that only wants the state after them)
 
 #include <cmath>
 #include <cstring>
@@ -33,8 +34,9 @@ namespace {
 
 void expect_gdn(bool ok, const char* what) { expect(ok, "GatedDeltaNet", what); }
 
-// One row of one head: S' (updated when `update`, else S) into dst, o [dv] = scale S'^T q. src and dst
-// are [dk, dv] row-major and may be the same buffer (every row after a sequence's first).
+// One row of one head: S' (updated when `update`, else S) into dst, o [dv] = scale S'^T q (none where
+// o is null). src and dst are [dk, dv] row-major and may be the same buffer (every row after a
+// sequence's first).
 // DV > 0: the head dim known at compile time, so the accumulators stay in registers.
 template <int64_t DV>
 void row(const float* src, float* dst, const float* __restrict q, const float* __restrict k,
@@ -56,6 +58,14 @@ void row(const float* src, float* dst, const float* __restrict q, const float* _
     }
     float u[DV > 0 ? DV : 1024];
     for (int64_t j = 0; j < dv; ++j) u[j] = beta * (v[j] - acc[j]);
+    if (o == nullptr) {                                            // the state only
+      for (int64_t i = 0; i < dk; ++i) {
+        float* di = dst + i * dv;
+        const float ki = k[i];
+        for (int64_t j = 0; j < dv; ++j) di[j] += ki * u[j];
+      }
+      return;
+    }
     for (int64_t j = 0; j < dv; ++j) acc[j] = 0.0f;              // S'^T q
     for (int64_t i = 0; i < dk; ++i) {
       float* di = dst + i * dv;
@@ -68,6 +78,7 @@ void row(const float* src, float* dst, const float* __restrict q, const float* _
     }
   } else {
     if (src != dst) std::memcpy(dst, src, sizeof(float) * dk * dv);
+    if (o == nullptr) return;
     for (int64_t j = 0; j < dv; ++j) acc[j] = 0.0f;
     for (int64_t i = 0; i < dk; ++i) {
       const float* di = dst + i * dv;
@@ -93,6 +104,7 @@ RowFn row_for(int64_t dv) {
 struct Kernel {
   OrtApiTable api;
   float scale;
+  bool emit_output;   // 0: a replay that only wants the state (rows past state_rows are skipped)
 
   void compute(OrtKernelContext* context) const {
     std::vector<int64_t> qd, kd, vd, gd, bd, sd, rd;
@@ -116,26 +128,30 @@ struct Kernel {
     expect_gdn(gd == std::vector<int64_t>({B, W, hv}) && bd == gd, "decay and beta must be [B, W, Hv]");
     const size_t outputs = output_count(api, context);
     float* out = output(api, context, 0, {B, W, hv, dv});
-    float* final_state = output(api, context, 1, {B, hv, dk, dv});
-    float* row_states = outputs > 2 ? output(api, context, 2, {B, W, hv, dk, dv}) : nullptr;
+    // an omitted final state (the verify's first pass: its picks replay the rows) is kept in scratch
+    float* final_state = outputs > 1 ? output(api, context, 1, {B, hv, dk, dv}, /*optional=*/true) : nullptr;
+    float* row_states = outputs > 2 ? output(api, context, 2, {B, W, hv, dk, dv}, true) : nullptr;
+    expect_gdn(emit_output || final_state != nullptr, "a state-only call needs its final_state output");
     expect_gdn(dv <= 1024, "value head dim above 1024");
     const int64_t ratio = hv / hk, state = dk * dv;
     const RowFn run_row = row_for(dv);
     // (sequence, head) pairs are independent: split them between this thread and the helpers
     auto heads = [&](int64_t first, int64_t last) {
+      std::vector<float> scratch(final_state == nullptr ? state : 0);
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / hv, h = task % hv, n = rows[b];
-        float* s = final_state + (b * hv + h) * state;
+        float* s = final_state != nullptr ? final_state + (b * hv + h) * state : scratch.data();
         const float* src = pool + (slots[b] * hv + h) * state;  // the first row reads the pool's row
-        if (W == 0 && src != s) std::memcpy(s, src, sizeof(float) * state);
-        for (int64_t t = 0; t < W; ++t, src = s) {
+        const int64_t last_row = emit_output ? W : std::min<int64_t>(W, std::max<int64_t>(n, 0));
+        if (last_row == 0 && src != s) std::memcpy(s, src, sizeof(float) * state);
+        for (int64_t t = 0; t < last_row; ++t, src = s) {
           const int64_t bt = b * W + t;
           const float* qt = q + (bt * hk + h / ratio) * dk;
           const float* kt = k + (bt * hk + h / ratio) * dk;
           const float* vt = v + (bt * hv + h) * dv;
           const bool update = t < n;
           run_row(src, s, qt, kt, vt, update ? std::exp(g[bt * hv + h]) : 1.0f, beta[bt * hv + h], update, scale,
-                  dk, dv, out + (bt * hv + h) * dv);
+                  dk, dv, emit_output ? out + (bt * hv + h) * dv : nullptr);
           if (row_states != nullptr) std::memcpy(row_states + (bt * hv + h) * state, s, sizeof(float) * state);
         }
       }
@@ -152,7 +168,7 @@ int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
 size_t op_output_count(const OrtCustomOp*) { return 3; }
 int op_input_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
 int op_output_characteristic(const OrtCustomOp*, size_t index) {
-  return index == 2 ? kInputOutputOptional : kInputOutputRequired;
+  return index == 0 ? kInputOutputRequired : kInputOutputOptional;
 }
 int op_input_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
 
@@ -160,7 +176,7 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   OrtApiTable table(api);
   float scale = 1.0f;
   check(table, table.KernelInfoGetAttributeFloat(info, "scale", &scale));
-  return new Kernel{table, scale};
+  return new Kernel{table, scale, optional_int(table, info, "emit_output", 1) != 0};
 }
 void op_compute(void* kernel, OrtKernelContext* context) { static_cast<Kernel*>(kernel)->compute(context); }
 void op_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }

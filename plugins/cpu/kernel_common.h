@@ -55,13 +55,25 @@ T* input(const OrtApiTable& api, OrtKernelContext* context, size_t index, std::v
   return static_cast<T*>(data);
 }
 
+// The output's buffer; null for an optional output the node omits ("" as its name).
 inline float* output(const OrtApiTable& api, OrtKernelContext* context, size_t index,
-                     const std::vector<int64_t>& dims) {
+                     const std::vector<int64_t>& dims, bool optional = false) {
   OrtValue* value = nullptr;
   check(api, api.KernelContextGetOutput(context, index, dims.data(), dims.size(), &value));
+  if (value == nullptr && optional) return nullptr;
   void* data = nullptr;
   check(api, api.GetTensorMutableData(value, &data));
   return static_cast<float*>(data);
+}
+
+// An int attribute, or `fallback` where the node has none.
+inline int64_t optional_int(const OrtApiTable& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
+  int64_t value = fallback;
+  if (OrtStatus* status = api.KernelInfoGetAttributeInt64(info, name, &value)) {
+    api.ReleaseStatus(status);
+    return fallback;
+  }
+  return value;
 }
 
 inline size_t output_count(const OrtApiTable& api, OrtKernelContext* context) {
