@@ -135,7 +135,7 @@ struct Kernel {
     expect_gdn(dv <= 1024, "value head dim above 1024");
     const int64_t ratio = hv / hk, state = dk * dv;
     const RowFn run_row = row_for(dv);
-    // (sequence, head) pairs are independent: split them between this thread and the helpers
+    // (sequence, head) pairs are independent: ONNX Runtime's thread pool shares them out
     auto heads = [&](int64_t first, int64_t last) {
       std::vector<float> scratch(final_state == nullptr ? state : 0);
       for (int64_t task = first; task < last; ++task) {
@@ -156,7 +156,7 @@ struct Kernel {
         }
       }
     };
-    helpers().run(B * hv, heads);
+    parallel_for(api, context, B * hv, heads);
   }
 };
 
@@ -184,7 +184,7 @@ void op_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 }  // namespace
 
 const OrtCustomOp kGatedDeltaNet = {
-    kOrtApiVersion, op_create,     op_name,      op_provider,   op_input_type,           op_input_count,
+    kOrtCustomOpVersion, op_create,     op_name,      op_provider,   op_input_type,           op_input_count,
     op_output_type, op_output_count, op_compute, op_destroy, op_input_characteristic, op_output_characteristic,
     op_input_memory,
 };

@@ -1,15 +1,12 @@
 // What tandem's ONNX Runtime CPU kernels share: reading inputs and making outputs through the C
-// ABI (ort_abi.h), errors that fail the call with a message, and helper threads.
+// ABI (ort_abi.h), errors that fail the call with a message, and the thread pool.
 #pragma once
 
 #include <algorithm>
-#include <condition_variable>
 #include <cstdint>
 #include <functional>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "ort_abi.h"
@@ -82,71 +79,21 @@ inline size_t output_count(const OrtApiTable& api, OrtKernelContext* context) {
   return n;
 }
 
-// Helper threads for a kernel's independent (sequence, head) pairs: one fewer than the cores, so
-// with the calling thread every core takes a share. They sleep between calls; a call made while
-// another holds them (sessions run from several threads) runs on its own thread.
-class Helpers {
- public:
-  Helpers() {
-    const unsigned cores = std::max(1u, std::thread::hardware_concurrency());
-    for (unsigned i = 1; i < cores; ++i) threads_.emplace_back([this, i] { loop(i); });
+// fn(first, last) over [0, tasks) on ONNX Runtime's intra-op thread pool (the session's, or the
+// process-wide one tandem uses): its threads spin between nodes, so they pick work up at once,
+// where threads of the library's own slept between calls and woke late for 50-100 us kernels.
+inline void parallel_for(const OrtApiTable& api, OrtKernelContext* context, int64_t tasks,
+                         const std::function<void(int64_t, int64_t)>& fn) {
+  if (tasks <= 1) {
+    fn(0, tasks);
+    return;
   }
-  ~Helpers() {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      stop_ = true;
-    }
-    wake_.notify_all();
-    for (auto& t : threads_) t.join();
-  }
-
-  // fn(first, last) over [0, tasks) in len(threads) + 1 contiguous shares
-  void run(int64_t tasks, const std::function<void(int64_t, int64_t)>& fn) {
-    std::unique_lock<std::mutex> busy(busy_, std::try_to_lock);
-    const int64_t parts = static_cast<int64_t>(threads_.size()) + 1;
-    if (!busy.owns_lock() || parts == 1 || tasks < 2) {
-      fn(0, tasks);
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = &fn, tasks_ = tasks, parts_ = parts, pending_ = parts - 1, ++round_;
-    }
-    wake_.notify_all();
-    fn(0, tasks / parts);
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return pending_ == 0; });
-  }
-
- private:
-  void loop(unsigned index) {
-    uint64_t seen = 0;
-    for (;;) {
-      std::unique_lock<std::mutex> lock(mutex_);
-      wake_.wait(lock, [&] { return stop_ || round_ != seen; });
-      if (stop_) return;
-      seen = round_;
-      const auto* fn = fn_;
-      const int64_t first = tasks_ * index / parts_, last = tasks_ * (index + 1) / parts_;
-      lock.unlock();
-      (*fn)(first, last);
-      lock.lock();
-      if (--pending_ == 0) done_.notify_one();
-    }
-  }
-
-  std::vector<std::thread> threads_;
-  std::mutex mutex_, busy_;
-  std::condition_variable wake_, done_;
-  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
-  int64_t tasks_ = 0, parts_ = 1, pending_ = 0;
-  uint64_t round_ = 0;
-  bool stop_ = false;
-};
-
-inline Helpers& helpers() {
-  static Helpers instance;
-  return instance;
+  auto call = [](void* data, size_t i) {
+    (*static_cast<const std::function<void(int64_t, int64_t)>*>(data))(static_cast<int64_t>(i),
+                                                                       static_cast<int64_t>(i) + 1);
+  };
+  check(api, api.KernelContextParallelFor(context, call, static_cast<size_t>(tasks), 0,
+                                          const_cast<std::function<void(int64_t, int64_t)>*>(&fn)));
 }
 
 // The ops of the library (one file each), registered by register.cc.

@@ -1,9 +1,11 @@
-// The part of ONNX Runtime's C ABI that a custom-op library uses: API version 13.
+// The part of ONNX Runtime's C ABI that a custom-op library uses.
 //
 // ONNX Runtime's Python wheel ships libonnxruntime but not its C headers, so this file declares
 // what tandem's CPU kernels call, written from the published API (onnxruntime_c_api.h). The ABI is
-// stable: the function table only ever grows at its end, so a library that asks for version 13
-// runs on every later runtime (1.32 here). Function-table entries are named by their slot.
+// stable: the function table only ever grows at its end, so a library that asks for API version 17
+// (ONNX Runtime 1.17, for KernelContext_ParallelFor; tandem needs >= 1.31) runs on every later
+// runtime. Function-table entries are named by their slot (their order in the header); the custom
+// op description keeps its version-13 layout, which later runtimes still read.
 #pragma once
 
 #include <cstddef>
@@ -19,7 +21,8 @@ struct OrtTensorTypeAndShapeInfo;
 struct OrtSessionOptions;
 struct OrtCustomOpDomain;
 
-constexpr uint32_t kOrtApiVersion = 13;
+constexpr uint32_t kOrtApiVersion = 17;        // the function table asked for
+constexpr uint32_t kOrtCustomOpVersion = 13;    // the OrtCustomOp layout below
 
 struct OrtApiBase {
   const void* (*GetApi)(uint32_t version);
@@ -108,6 +111,12 @@ class OrtApiTable {
     return at<const char* (*)(const OrtStatus*)>(2)(status);
   }
   void ReleaseStatus(OrtStatus* status) const { at<void (*)(OrtStatus*)>(93)(status); }
+  // fn(data, i) for i in [0, total) on the session's intra-op thread pool, in batches
+  OrtStatus* KernelContextParallelFor(const OrtKernelContext* context, void (*fn)(void*, size_t), size_t total,
+                                      size_t batches, void* data) const {
+    return at<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(274)(
+        context, fn, total, batches, data);
+  }
   void ReleaseTensorTypeAndShapeInfo(OrtTensorTypeAndShapeInfo* info) const {
     at<void (*)(OrtTensorTypeAndShapeInfo*)>(99)(info);
   }

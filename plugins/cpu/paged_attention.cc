@@ -128,7 +128,7 @@ struct Kernel {
         }
       }
     };
-    helpers().run(B * hkv, heads);
+    parallel_for(api, context, B * hkv, heads);
   }
 };
 
@@ -155,7 +155,7 @@ void op_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 }  // namespace
 
 const OrtCustomOp kPagedAttention = {
-    kOrtApiVersion, op_create,     op_name,      op_provider,   op_input_type,     op_input_count,
+    kOrtCustomOpVersion, op_create,     op_name,      op_provider,   op_input_type,     op_input_count,
     op_output_type, op_output_count, op_compute, op_destroy, op_characteristic, op_characteristic,
     op_input_memory,
 };
