@@ -277,3 +277,20 @@ def test_attention_kernel_refuses_a_page_outside_the_cache(library):
     with pytest.raises(Exception, match="a block table names a page outside the cache"):
         sess.run(None, {**f, "tables": np.full_like(f["tables"], 99)})
     assert sess.run(None, f)[0].shape == f["q"].shape
+
+
+def test_a_library_that_does_not_load_here_serves_the_lowered_graphs(engine_dirs, library, tmp_path, monkeypatch,
+                                                                     caplog):
+    """Every graph falls back together (the target step and the verify must compute alike), with a
+    warning that says why."""
+    assert onnxruntime_backend._load_error(library) is None
+    junk = tmp_path / "junk.so"
+    junk.write_bytes(b"not a shared library")
+    assert onnxruntime_backend._load_error(junk)
+    engine_dir = engine_dirs["qwen3_5_mtp3"]
+    files = sorted({r["file"] for r in read_manifest(engine_dir)["engines"]})
+    assert set(onnxruntime_backend.serving_files(engine_dir, files).values()) == {optimized_name(f) for f in files}
+    monkeypatch.setattr(onnxruntime_backend, "_load_error", lambda path: "undefined symbol: _ZSt28__throw")
+    with caplog.at_level("WARNING"):
+        assert onnxruntime_backend.serving_files(engine_dir, files) == {f: f for f in files}
+    assert "CPU kernel library does not load: undefined symbol" in caplog.text

@@ -18,6 +18,7 @@ the library is not loaded.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -318,14 +319,29 @@ def open_served(engine_dir: Path, served: str, threads: int | None = None, profi
                    kernels=_kernels_of(engine_dir) if optimized else None)
 
 
+@functools.lru_cache(maxsize=8)
+def _load_error(library: Path) -> str | None:
+    """Why ONNX Runtime cannot load the kernel library here (a C++ runtime older than the build
+    machine's, say); None where it loads."""
+    try:
+        ort.SessionOptions().register_custom_ops_library(str(library))
+    except Exception as e:  # noqa: BLE001 (ONNX Runtime raises its own Fail / RuntimeError types)
+        return str(e).splitlines()[0][:300]
+    return None
+
+
 def serving_files(engine_dir: Path, files: list[str]) -> dict[str, str]:
     """Engine file -> the file its session opens: the saved optimized graph when the manifest names
     one and it was made by this ONNX Runtime on a CPU like this one, else the lowered graph (the
-    optimizer runs at load: slower, never wrong)."""
+    optimizer runs at load: slower, never wrong). Also the lowered graphs where the dir's CPU kernel
+    library does not load here (all of them: the target step and the verify must compute alike)."""
     manifest = read_manifest(engine_dir)
     built, here = manifest.get("versions", {}), versions()
     differs = [f"{k} {built.get(k)} -> {here[k]}" for k in ("onnxruntime", "cpu") if built.get(k) != here[k]]
     saved = {f for f in files if optimized_name(f) in manifest["files"]}
+    kernels = _kernels_of(engine_dir)
+    if saved and not differs and kernels is not None and (error := _load_error(kernels)):
+        differs = [f"its CPU kernel library does not load: {error}"]
     if differs and saved:
         log.warning("%s: its optimized graphs were saved for another runtime or CPU (%s); optimizing the lowered "
                     "graphs at load instead. Rebuild the engine dir here to load faster.", engine_dir,
