@@ -161,7 +161,6 @@ struct Kernel {
 };
 
 const char* op_name(const OrtCustomOp*) { return "GatedDeltaNet"; }
-const char* op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 int op_input_type(const OrtCustomOp*, size_t index) { return index >= 6 ? kTensorInt64 : kTensorFloat; }
 size_t op_input_count(const OrtCustomOp*) { return 8; }
 int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
@@ -170,7 +169,6 @@ int op_input_characteristic(const OrtCustomOp*, size_t) { return kInputOutputReq
 int op_output_characteristic(const OrtCustomOp*, size_t index) {
   return index == 0 ? kInputOutputRequired : kInputOutputOptional;
 }
-int op_input_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
 
 void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
   OrtApiTable table(api);
@@ -178,15 +176,14 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   check(table, table.KernelInfoGetAttributeFloat(info, "scale", &scale));
   return new Kernel{table, scale, optional_int(table, info, "emit_output", 1) != 0};
 }
-void op_compute(void* kernel, OrtKernelContext* context) { static_cast<Kernel*>(kernel)->compute(context); }
-void op_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
 }  // namespace
 
 const OrtCustomOp kGatedDeltaNet = {
-    kOrtCustomOpVersion, op_create,     op_name,      op_provider,   op_input_type,           op_input_count,
-    op_output_type, op_output_count, op_compute, op_destroy, op_input_characteristic, op_output_characteristic,
-    op_input_memory,
+    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
+    op_input_type, op_input_count, op_output_type, op_output_count,
+    kernel_compute<Kernel>, kernel_destroy<Kernel>,
+    op_input_characteristic, op_output_characteristic, default_memory,
 };
 
 }  // namespace tandem

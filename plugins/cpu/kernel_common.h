@@ -96,6 +96,14 @@ inline void parallel_for(const OrtApiTable& api, OrtKernelContext* context, int6
                                           const_cast<std::function<void(int64_t, int64_t)>*>(&fn)));
 }
 
+// Callbacks every op of the library shares (K: its kernel type, with compute(context)).
+template <typename K>
+void kernel_compute(void* kernel, OrtKernelContext* context) { static_cast<K*>(kernel)->compute(context); }
+template <typename K>
+void kernel_destroy(void* kernel) { delete static_cast<K*>(kernel); }
+inline const char* cpu_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+inline int default_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
+
 // The ops of the library (one file each), registered by register.cc.
 extern const OrtCustomOp kGatedDeltaNet;
 extern const OrtCustomOp kPagedAttention;

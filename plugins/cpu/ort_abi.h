@@ -62,7 +62,9 @@ class OrtApiTable {
  public:
   explicit OrtApiTable(const void* table) : slots_(static_cast<const void* const*>(table)) {}
 
-  OrtStatus* CreateStatus(int code, const char* msg) const { return at<OrtStatus* (*)(int, const char*)>(0)(code, msg); }
+  OrtStatus* CreateStatus(int code, const char* msg) const {
+    return at<OrtStatus* (*)(int, const char*)>(0)(code, msg);
+  }
   OrtStatus* CreateCustomOpDomain(const char* name, OrtCustomOpDomain** out) const {
     return at<OrtStatus* (*)(const char*, OrtCustomOpDomain**)>(26)(name, out);
   }

@@ -133,13 +133,11 @@ struct Kernel {
 };
 
 const char* op_name(const OrtCustomOp*) { return "PagedAttention"; }
-const char* op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 int op_input_type(const OrtCustomOp*, size_t index) { return index >= 5 ? kTensorInt64 : kTensorFloat; }
 size_t op_input_count(const OrtCustomOp*) { return 7; }
 int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
 size_t op_output_count(const OrtCustomOp*) { return 1; }
 int op_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
-int op_input_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
 
 void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
   OrtApiTable table(api);
@@ -149,15 +147,14 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   check(table, table.KernelInfoGetAttributeInt64(info, "sliding_window", &window));
   return new Kernel{table, scale, window};
 }
-void op_compute(void* kernel, OrtKernelContext* context) { static_cast<Kernel*>(kernel)->compute(context); }
-void op_destroy(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
 }  // namespace
 
 const OrtCustomOp kPagedAttention = {
-    kOrtCustomOpVersion, op_create,     op_name,      op_provider,   op_input_type,     op_input_count,
-    op_output_type, op_output_count, op_compute, op_destroy, op_characteristic, op_characteristic,
-    op_input_memory,
+    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
+    op_input_type, op_input_count, op_output_type, op_output_count,
+    kernel_compute<Kernel>, kernel_destroy<Kernel>,
+    op_characteristic, op_characteristic, default_memory,
 };
 
 }  // namespace tandem

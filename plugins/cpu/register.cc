@@ -7,7 +7,8 @@ extern "C" __attribute__((visibility("default")))
 OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
   const void* table = base->GetApi(kOrtApiVersion);
   if (table == nullptr) {   // an ONNX Runtime older than 1.17: say so through the oldest table
-    return tandem::OrtApiTable(base->GetApi(1)).CreateStatus(kOrtFail, "tandem's CPU kernels need ONNX Runtime >= 1.17");
+    const tandem::OrtApiTable oldest(base->GetApi(1));
+    return oldest.CreateStatus(kOrtFail, "tandem's CPU kernels need ONNX Runtime >= 1.17");
   }
   tandem::OrtApiTable api(table);
   // made once and kept for the process (sessions point at it; they open in several threads at
