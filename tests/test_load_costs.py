@@ -13,7 +13,7 @@ import pytest
 from onnx import helper
 
 from tandem.checkpoint import open_checkpoint
-from tandem.engines.backends import onnxruntime_backend, onnxruntime_optimized
+from tandem.engines.backends import onnxruntime_backend, onnxruntime_kernel_files, onnxruntime_optimized
 from tandem.engines.backends.onnxruntime_optimized import OPTIMIZED_WEIGHTS, optimized_name
 from tandem.engines.buckets import plan
 from tandem.engines.builder import BuildError, build_engines
@@ -121,7 +121,7 @@ def test_the_build_verifies_the_saved_graphs_it_serves(tiny_root, tmp_path, monk
             model.graph.node.append(helper.make_node("Mul", [out.name + "/unscaled", "/test/scale"], [out.name]))
             onnx.save(model, str(path))
 
-    monkeypatch.setattr(onnxruntime_backend, "save_optimized", wrong)
+    monkeypatch.setattr(onnxruntime_kernel_files, "save_optimized", wrong)
     with pytest.raises(BuildError, match="disagree with the un-lowered graphs"):
         build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "out", SMALL, show_progress=False)
 

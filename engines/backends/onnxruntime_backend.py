@@ -18,10 +18,8 @@ the library is not loaded.
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import shutil
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -30,13 +28,14 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from tandem.engines.backends import onnxruntime_kernel_files as kernel_files
 from tandem.engines.backends.common import link_or_copy
 from tandem.engines.backends.memory import HostMemory, Transfers
-from tandem.engines.backends.onnxruntime_optimized import cpu_signature, exact_copy, optimized_name, save_optimized
+from tandem.engines.backends.onnxruntime_kernel_files import save_served_graphs
+from tandem.engines.backends.onnxruntime_optimized import cpu_signature, exact_copy, optimized_name
 from tandem.engines.buckets import Bucket
 from tandem.engines.manifest import read_manifest
 from tandem.engines.verification import timed
-from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
 from tandem.export.exporter import WEIGHTS_FILE
 from tandem.export.lowering import lower_for_onnxruntime
 from tandem.plugins import cpu_kernels
@@ -74,26 +73,8 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, opt
         files[bucket.name] = (name, 0)
         if progress:
             progress.step(bucket.name)
-    kernels = cpu_kernels.library()
-    variants = {}
-    try:
-        if kernels is not None:    # the CPU provider's graphs: Gated DeltaNet and attention on tandem's kernels
-            for name, (graph, rows) in graphs.items():
-                model = onnx.load(str(export_dir / f"{graph}.onnx"), load_external_data=False)
-                variant = lower_for_onnxruntime(model, rows=rows, cpu_kernels=True)
-                if any(n.domain == CPU_DOMAIN for n in variant.graph.node):
-                    variants[name] = out_dir / f".kernels-{name}"
-                    onnx.save(variant, str(variants[name]))
-        library = out_dir / cpu_kernels.LIBRARY_FILE
-        library.unlink(missing_ok=True)          # a reused dir's: this build decides anew
-        if variants:
-            shutil.copyfile(kernels, library)    # the engine dir carries what its graphs load
-        # every file, reused ones too: optimized.bin is written afresh, never shared with a previous build
-        save_optimized(out_dir, sorted(graphs), lambda level: _options(level, kernels=library if variants else None),
-                       sources=variants)
-    finally:
-        for path in variants.values():
-            path.unlink(missing_ok=True)
+    # every file, reused ones too: optimized.bin is written afresh, never shared with a previous build
+    save_served_graphs(export_dir, out_dir, graphs, lambda level, kernels: _options(level, kernels=kernels))
     return files
 
 
@@ -199,7 +180,7 @@ class Checker:
 
     def __init__(self, engine_dir: Path, export_dir: Path):
         self.engine_dir, self.export_dir = engine_dir, export_dir
-        self.kernels = _kernels_of(engine_dir)
+        self.kernels = kernel_files.engine_library(engine_dir)
         self.runner = ReferenceRunner(self.kernels)
 
     def run(self, bucket: Bucket, engine: tuple[str, int], feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:
@@ -303,31 +284,13 @@ class HostRunner:
         return binding.run
 
 
-def _kernels_of(engine_dir: Path) -> Path | None:
-    """The engine dir's copy of tandem's CPU kernel library, which its optimized graphs use; None
-    where it has none."""
-    path = engine_dir / cpu_kernels.LIBRARY_FILE
-    return path if path.is_file() else None
-
-
 def open_served(engine_dir: Path, served: str, threads: int | None = None, profile_prefix: str | None = None):
     """The session of `served` (an engine file or its saved optimized graph, as serving_files
     chose), opened as the pipeline opens it: an optimized graph with optimisation off and the engine
     dir's kernel library."""
     optimized = served.endswith(".opt.onnx")
     return session(engine_dir / served, threads, profile_prefix, optimized=optimized,
-                   kernels=_kernels_of(engine_dir) if optimized else None)
-
-
-@functools.lru_cache(maxsize=8)
-def _load_error(library: Path) -> str | None:
-    """Why ONNX Runtime cannot load the kernel library here (a C++ runtime older than the build
-    machine's, say); None where it loads."""
-    try:
-        ort.SessionOptions().register_custom_ops_library(str(library))
-    except Exception as e:  # noqa: BLE001 (ONNX Runtime raises its own Fail / RuntimeError types)
-        return str(e).splitlines()[0][:300]
-    return None
+                   kernels=kernel_files.engine_library(engine_dir) if optimized else None)
 
 
 def serving_files(engine_dir: Path, files: list[str]) -> dict[str, str]:
@@ -339,8 +302,8 @@ def serving_files(engine_dir: Path, files: list[str]) -> dict[str, str]:
     built, here = manifest.get("versions", {}), versions()
     differs = [f"{k} {built.get(k)} -> {here[k]}" for k in ("onnxruntime", "cpu") if built.get(k) != here[k]]
     saved = {f for f in files if optimized_name(f) in manifest["files"]}
-    kernels = _kernels_of(engine_dir)
-    if saved and not differs and kernels is not None and (error := _load_error(kernels)):
+    kernels = kernel_files.engine_library(engine_dir)
+    if saved and not differs and kernels is not None and (error := kernel_files.load_error(kernels)):
         differs = [f"its CPU kernel library does not load: {error}"]
     if differs and saved:
         log.warning("%s: its optimized graphs were saved for another runtime or CPU (%s); optimizing the lowered "

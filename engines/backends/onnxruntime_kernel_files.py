@@ -1,0 +1,63 @@
+"""The engine dir's side of tandem's CPU kernels (plugins/cpu_kernels.py): which graphs the build
+optimizes for the CPU provider, the library the dir carries, and whether it loads here.
+
+    engine dir/
+      <graph>.onnx        lowered graph: ONNX Runtime's kernels (the CUDA provider's input, the fallback)
+      <graph>.opt.onnx    optimized from a second lowering on tandem's kernels, where one applies
+      cpu_kernels.so      the library those graphs load (only where some graph uses it)
+"""
+
+from __future__ import annotations
+
+import functools
+import shutil
+from pathlib import Path
+
+import onnx
+import onnxruntime as ort
+
+from tandem.engines.backends.onnxruntime_optimized import save_optimized
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
+from tandem.export.lowering import lower_for_onnxruntime
+from tandem.plugins import cpu_kernels
+
+
+def save_served_graphs(export_dir: Path, out_dir: Path, graphs: dict[str, tuple[str, int | None]], options) -> None:
+    """The saved optimized graph of every engine file (graphs: file -> (exported graph, rows)):
+    optimized from the lowering on tandem's kernels where the library compiles here and the graph
+    has an op it lowers, else from the engine file itself. options(level, kernels) -> SessionOptions."""
+    kernels, variants = cpu_kernels.library(), {}
+    try:
+        if kernels is not None:
+            for name, (graph, rows) in graphs.items():
+                model = onnx.load(str(export_dir / f"{graph}.onnx"), load_external_data=False)
+                variant = lower_for_onnxruntime(model, rows=rows, cpu_kernels=True)
+                if any(n.domain == CPU_DOMAIN for n in variant.graph.node):
+                    variants[name] = out_dir / f".kernels-{name}"
+                    onnx.save(variant, str(variants[name]))
+        library = out_dir / cpu_kernels.LIBRARY_FILE
+        library.unlink(missing_ok=True)          # a reused dir's: this build decides anew
+        if variants:
+            shutil.copyfile(kernels, library)    # the engine dir carries what its graphs load
+        save_optimized(out_dir, sorted(graphs), lambda level: options(level, library if variants else None),
+                       sources=variants)
+    finally:
+        for path in variants.values():
+            path.unlink(missing_ok=True)
+
+
+def engine_library(engine_dir: Path) -> Path | None:
+    """The engine dir's copy of the kernel library, which its optimized graphs use; None where it has none."""
+    path = engine_dir / cpu_kernels.LIBRARY_FILE
+    return path if path.is_file() else None
+
+
+@functools.lru_cache(maxsize=8)
+def load_error(library: Path) -> str | None:
+    """Why ONNX Runtime cannot load the kernel library here (a C++ runtime older than the build
+    machine's, say); None where it loads."""
+    try:
+        ort.SessionOptions().register_custom_ops_library(str(library))
+    except Exception as e:  # noqa: BLE001 (ONNX Runtime raises its own Fail / RuntimeError types)
+        return str(e).splitlines()[0][:300]
+    return None
