@@ -71,16 +71,21 @@ def _library() -> Path | None:
         log.warning("no C++ compiler (set $CXX, or install g++): tandem's CPU kernels are not built, and the "
                     "engines use ONNX Runtime's own (slower) kernels instead")
         return None
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
-        built = Path(scratch) / LIBRARY_FILE
-        cmd = [compiler, *_flags(), "-o", str(built), *(str(SOURCE_DIR / s) for s in SOURCES)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode != 0:
-            log.warning("tandem's CPU kernels did not compile (%s); the engines use ONNX Runtime's own kernels "
-                        "instead:\n%s", " ".join(cmd), done.stderr[-2000:])
-            return None
-        os.replace(built, target)       # atomic: a concurrent build finds the whole file or none
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=".build-") as scratch:
+            built = Path(scratch) / LIBRARY_FILE
+            cmd = [compiler, *_flags(), "-o", str(built), *(str(SOURCE_DIR / s) for s in SOURCES)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                log.warning("tandem's CPU kernels did not compile (%s); the engines use ONNX Runtime's own kernels "
+                            "instead:\n%s", " ".join(cmd), done.stderr[-2000:])
+                return None
+            os.replace(built, target)       # atomic: a concurrent build finds the whole file or none
+    except OSError as e:                    # no writable cache (set $TANDEM_KERNEL_CACHE)
+        log.warning("tandem's CPU kernels cannot be built in %s (%s; set $TANDEM_KERNEL_CACHE to a writable folder); "
+                    "the engines use ONNX Runtime's own kernels instead", target.parent, e)
+        return None
     return target
 
 

@@ -294,3 +294,18 @@ def test_a_library_that_does_not_load_here_serves_the_lowered_graphs(engine_dirs
     with caplog.at_level("WARNING"):
         assert onnxruntime_backend.serving_files(engine_dir, files) == {f: f for f in files}
     assert "CPU kernel library does not load: undefined symbol" in caplog.text
+
+
+def test_an_unwritable_kernel_cache_or_a_broken_compiler_builds_nothing_and_says_why(tmp_path, monkeypatch, caplog):
+    """Either way library() is None (the build then serves ONNX Runtime's kernels), with a warning."""
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "file" / "cache"))
+    (tmp_path / "file").write_text("not a folder")
+    with caplog.at_level("WARNING"):
+        assert cpu_kernels._library.__wrapped__() is None
+    assert "cannot be built" in caplog.text and "TANDEM_KERNEL_CACHE" in caplog.text
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("CXX", "false")          # a "compiler" that fails
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: "/bin/false" if name == "false" else None)
+    with caplog.at_level("WARNING"):
+        assert cpu_kernels._library.__wrapped__() is None
+    assert "did not compile" in caplog.text
