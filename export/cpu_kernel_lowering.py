@@ -41,16 +41,13 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
     and row-state GatherNDs it makes dead."""
     graph = model.graph
     producers = {o: n for n in graph.node for o in n.output}
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
+    picks = gated_deltanet.row_state_picks(graph)
     outputs = {o.name for o in graph.output}
     read = outputs.union(*(_reads(n) for n in graph.node))      # every name read, subgraphs included
     nodes, lowered, replays, gathers = [], 0, {}, set()
     for node in graph.node:
         if node.domain == TANDEM_DOMAIN and node.op_type == gated_deltanet.OP_TYPE:
-            new, replay = _kernel_nodes(node, producers, readers, outputs, read)
+            new, replay = _kernel_nodes(node, producers, picks, read)
             gathers.add(node.input[5])
             nodes.extend(new)
             if replay is not None:
@@ -88,7 +85,7 @@ def lower_attention_to_kernel(model: onnx.ModelProto, dense: set[str]) -> set[st
     return done
 
 
-def _kernel_nodes(node: onnx.NodeProto, producers: dict, readers: dict, outputs: set, read: set):
+def _kernel_nodes(node: onnx.NodeProto, producers: dict, picks: set[str], read: set[str]):
     """(nodes replacing `node`, replay(gather) -> nodes for its row-state picks, or None)."""
     q, k, v, g, beta, s0, rows = node.input
     scale = next(a.f for a in node.attribute if a.name == "scale")
@@ -101,7 +98,7 @@ def _kernel_nodes(node: onnx.NodeProto, producers: dict, readers: dict, outputs:
         pool = s0
         slots = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(s0, 0, 1), [0]), b.const(1, np.int64))
     emits = len(node.output) == 3 and node.output[2] != ""
-    picked = emits and node.output[2] not in outputs and _only_picks(readers.get(node.output[2], []), node.output[2])
+    picked = emits and node.output[2] in picks
     # a final state nothing reads (a verify's, whose picks replay the rows) stays in the kernel's scratch
     final = node.output[1] if node.output[1] in read else ""
     kernel_outputs = [node.output[0], final] + ([node.output[2]] if emits and not picked else [])
@@ -123,12 +120,6 @@ def _kernel_nodes(node: onnx.NodeProto, producers: dict, readers: dict, outputs:
         return r.nodes
 
     return b.nodes, replay
-
-
-def _only_picks(users: list[onnx.NodeProto], row_states: str) -> bool:
-    """Whether every reader of `row_states` is GatherND(row_states, a [B, 1], batch_dims=1)."""
-    return bool(users) and all(u.op_type == "GatherND" and u.input[0] == row_states
-                               and any(a.name == "batch_dims" and a.i == 1 for a in u.attribute) for u in users)
 
 
 def _without_unread(nodes: list[onnx.NodeProto], states: set[str], outputs: set[str]) -> list[onnx.NodeProto]:

@@ -47,11 +47,12 @@ def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None, cpu_k
     out = onnx.ModelProto()
     out.CopyFrom(model)
     nodes, masks = [], {}    # masks: the state_rows mask per (state_rows, graph pass), shared by the layers
-    lowered = lower_gdn_to_kernel(out) if cpu_kernels else 0
+    if cpu_kernels:
+        lower_gdn_to_kernel(out)
     dense = dense_attention_nodes(out)
     if cpu_kernels:
         dense -= lower_attention_to_kernel(out, dense)
-    picks = _row_state_picks(out.graph)
+    picks = gated_deltanet.row_state_picks(out.graph)
     replays = {}             # row_states tensor -> its node's replay (inputs packed for LinearAttention)
     for node in out.graph.node:
         if node.domain == TANDEM_DOMAIN and node.op_type == gated_deltanet.OP_TYPE:
@@ -62,22 +63,19 @@ def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None, cpu_k
                 nodes.extend(lowered_nodes)
                 if emits_rows:
                     replays[node.output[2]] = replay
-                lowered += 1
                 continue
         if node.op_type == "GatherND" and node.input[0] in picks and node.input[0] in replays:
             nodes.extend(replays[node.input[0]](node))
             continue
         nodes.append(node)
-    kernel_attention = any(n.op_type == "PagedAttention" for n in nodes)
-    nodes, dense = lower_dense_attention(nodes, dense, static_pool_dims(out.graph), query_heads(model))
-    dense += kernel_attention
+    nodes, _ = lower_dense_attention(nodes, dense, static_pool_dims(out.graph), query_heads(model))
     del out.graph.node[:]
     out.graph.node.extend(nodes)
     _alias_shared_dequantize_inputs(out.graph)
-    if lowered and not any(o.domain == MS_DOMAIN for o in out.opset_import):
+    if any(n.domain == MS_DOMAIN for n in nodes) and not any(o.domain == MS_DOMAIN for o in out.opset_import):
         out.opset_import.append(helper.make_opsetid(MS_DOMAIN, 1))
-    for op, count in ((gated_deltanet.OP_TYPE, lowered), (paged_sparse_attention.OP_TYPE, dense)):
-        if count and not any(n.op_type == op and n.domain == TANDEM_DOMAIN for n in out.graph.node):
+    for op in (gated_deltanet.OP_TYPE, paged_sparse_attention.OP_TYPE):   # functions no node calls any more
+        if not any(n.op_type == op and n.domain == TANDEM_DOMAIN for n in out.graph.node):
             keep = [f for f in out.functions if f.name != op]
             del out.functions[:]
             out.functions.extend(keep)
@@ -107,25 +105,6 @@ def _alias_shared_dequantize_inputs(graph: onnx.GraphProto) -> None:
                 alias.name = f"{name}#{uses[name]}"
                 graph.initializer.append(alias)
                 node.input[i] = alias.name
-
-
-def _row_state_picks(graph: onnx.GraphProto) -> set[str]:
-    """The row_states tensors read only by GatherND at one row per batch row (indices [B, 1],
-    batch_dims 1: the verify body's pick at the accepted row), and by nothing else."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for node in graph.node:
-        for name in node.input:
-            readers.setdefault(name, []).append(node)
-    outputs = {o.name for o in graph.output}
-    picks = set()
-    for node in graph.node:
-        if node.domain == TANDEM_DOMAIN and node.op_type == gated_deltanet.OP_TYPE and len(node.output) == 3:
-            users = readers.get(node.output[2], [])
-            if users and node.output[2] not in outputs and all(
-                    u.op_type == "GatherND" and u.input[0] == node.output[2]
-                    and any(a.name == "batch_dims" and a.i == 1 for a in u.attribute) for u in users):
-                picks.add(node.output[2])
-    return picks
 
 
 def _lower_gdn(node: onnx.NodeProto, unroll: int | None, masks: dict):

@@ -28,6 +28,7 @@ Padding rows (g = 0, beta = 0) leave both forms' state unchanged.
 from __future__ import annotations
 
 import numpy as np
+import onnx
 from onnx import TensorProto, helper
 
 from tandem.export.builder import OPSET, TANDEM_DOMAIN, GraphBuilder
@@ -160,3 +161,23 @@ def _chunked_function(chunk: int):
     return helper.make_function(TANDEM_DOMAIN, OP_TYPE, ["query", "key", "value", "decay", "beta", "initial_state",
                                                          "state_rows"], ["output", "final_state"], b.nodes,
                                 [helper.make_opsetid("", OPSET)], attributes=list(ATTRIBUTES))
+
+
+def row_state_picks(graph: onnx.GraphProto) -> set[str]:
+    """The row_states tensors read only by GatherND at one row per batch row (indices [B, 1],
+    batch_dims 1: the verify body's pick at the accepted row), and by nothing else: a lowering may
+    replay the rows up to that one instead of keeping every row's state."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    outputs = {o.name for o in graph.output}
+    picks = set()
+    for node in graph.node:
+        if node.domain == TANDEM_DOMAIN and node.op_type == OP_TYPE and len(node.output) == 3:
+            users = readers.get(node.output[2], [])
+            if users and node.output[2] not in outputs and all(
+                    u.op_type == "GatherND" and u.input[0] == node.output[2]
+                    and any(a.name == "batch_dims" and a.i == 1 for a in u.attribute) for u in users):
+                picks.add(node.output[2])
+    return picks

@@ -137,7 +137,8 @@ struct Kernel {
     const RowFn run_row = row_for(dv);
     // (sequence, head) pairs are independent: ONNX Runtime's thread pool shares them out
     auto heads = [&](int64_t first, int64_t last) {
-      std::vector<float> scratch(final_state == nullptr ? state : 0);
+      thread_local std::vector<float> scratch;   // per pool thread, kept across calls: no allocation per task
+      if (final_state == nullptr) scratch.resize(static_cast<size_t>(state));
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / hv, h = task % hv, n = rows[b];
         float* s = final_state != nullptr ? final_state + (b * hv + h) * state : scratch.data();

@@ -92,7 +92,7 @@ struct Kernel {
     float* out = output(api, context, 0, {B, W, hq, dv});
     const int64_t G = hq / hkv;
     auto heads = [&](int64_t first, int64_t last) {
-      std::vector<float> scores, acc;
+      thread_local std::vector<float> scores, acc;   // per pool thread, kept across calls
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / hkv, h = task % hkv, n_ctx = ctx[b];
         auto key_at = [&](int64_t j) {
