@@ -1,7 +1,8 @@
 """Decode speed with speculative decoding off and on (ONNX Runtime CPU).
 
     .venv/bin/python bench/pipeline.py [--kinds qwen3_5_mtp3,qwen3_5_150m] [--acceptance 0.7] [--workdir DIR]
-                                       [--dtype float32|float16] [--fixed-width]
+                                       [--dtype float32|float16] [--weights float|int8|int4] [--fixed-width]
+                                       [--tokens N]
     .venv/bin/python bench/pipeline.py --kinds models/tandem-tiny-code --acceptance model --dtype float16
 
 Random weights accept nothing, so speculative runs use the documented synthetic-acceptance aid
@@ -71,24 +72,30 @@ def main() -> None:
     parser.add_argument("--acceptance", default="0.7", help="synthetic acceptance in [0, 1], or 'model'")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--dtype", default="float32", help="engine dtype: float32 or float16")
+    parser.add_argument("--weights", default="float", help="linear layers: float (the dtype), int8 or int4")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--fixed-width", action="store_true", help="adaptive width off: every round drafts k")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="new tokens per sequence (default 48 for 150M kinds, else 96); the adaptive width "
+                             "settles over the warm-up request, which is as long")
     args = parser.parse_args()
     acceptance = None if args.acceptance == "model" else float(args.acceptance)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bench-"))
-    print(f"machine: {machine()}; acceptance {args.acceptance}, k = {args.k}, dtype {args.dtype}")
+    print(f"machine: {machine()}; acceptance {args.acceptance}, k = {args.k}, dtype {args.dtype}, "
+          f"weights {args.weights}")
     for kind in args.kinds.split(","):
         src = Path(kind) if Path(kind).is_dir() else work / kind
         if not (src / "config.json").exists():
             write_tiny_checkpoint(src, kind, dtype="bfloat16" if "150m" in kind else "float32")
         kind = src.name
-        engines = work / f"{kind}-engines-k{args.k}-{args.dtype}"
+        engines = work / f"{kind}-engines-k{args.k}-{args.dtype}-{args.weights}"
         built = build_engines(src, engines, BuildOptions(batch_sizes=(1, 8), spec_k=args.k, prefill_chunk=64,
-                                                         max_seq_len=1024, dtype=args.dtype), show_progress=False)
-        print(f"\n{kind} ({args.dtype}): build {built.status} in {built.seconds:.1f} s, engine dir "
-              f"{built.size_bytes / 2**20:.1f} MiB")
-        max_tokens = 48 if "150m" in kind else 96
+                                                         max_seq_len=1024, dtype=args.dtype, weights=args.weights),
+                              show_progress=False)
+        print(f"\n{kind} ({args.dtype}, {args.weights} weights): build {built.status} in {built.seconds:.1f} s, "
+              f"engine dir {built.size_bytes / 2**20:.1f} MiB")
+        max_tokens = args.tokens or (48 if "150m" in kind else 96)
         print(f"{kind}:  batch | off tok/s  t_decode ms host% | on tok/s  t_round ms host%  accept_len | "
               f"speedup  bound  speedup/bound")
         for batch in (1, 8):

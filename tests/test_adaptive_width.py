@@ -48,6 +48,22 @@ def test_never_accepted_turns_drafting_off_then_probes_with_growing_gaps():
     assert widths.count(1) >= 0.95 * len(widths)
 
 
+def test_steady_acceptance_below_paying_backs_off_its_probes():
+    # 8 sequences, each draft accepted with probability 0.7 (a noisy 0.7 per probe), rounds as dear
+    # as on int4 engines at batch 8 (a width-2 round ~1.9 plain steps): off is best. A probe that
+    # sees more acceptance than estimated by chance must not bring the next one forward, or the
+    # bucket probes every probe_every rounds forever.
+    rng = np.random.default_rng(0)
+
+    def accepted(r, d):
+        return [int(np.argmin(np.append(rng.random(d) < 0.7, False))) for _ in range(8)]
+    ctl = WidthController([2, 3, 4], [8])
+    widths = simulate(ctl, 600, accepted, batch=8, cost={1: 1.0, 2: 1.9, 3: 2.8, 4: 3.9})
+    assert ctl.choice(8) == 1
+    probes = [i for i, w in enumerate(widths) if i > 100 and w > 1]
+    assert len(probes) <= 8 and np.diff(probes).min() >= 2 * ctl.policy.probe_every
+
+
 def test_always_accepted_climbs_from_off_to_the_widest():
     ctl = WidthController([2, 3, 4], [1], start={1: 1})
     widths = simulate(ctl, 60, lambda r, d: [d])
