@@ -148,7 +148,7 @@ class WidthController:
         that saw a position never drafted before accepted) is followed by another soon (no back-off):
         old evidence of a bad position fades only where it is drafted. A probe that merely saw more
         than the estimate (half of them do, by chance, when acceptance holds still) backs off as
-        usual: resetting on those kept a batch-8 int4 bucket probing every 8 rounds, 0.95x plain."""
+        usual: resetting on those kept a batch-8 int4 bucket probing every 8-9 rounds for long stretches."""
         n = sum(d > i for d in drafted)
         hits = sum(a > i for d, a in zip(drafted, accepted) if d > i)
         if not n or not hits:
