@@ -4,6 +4,9 @@ plugins/cpu_kernels.py), in the domain `ai.tandem.cpu`:
     ai.tandem::GatedDeltaNet                      -> ai.tandem.cpu::GatedDeltaNet   (below)
     ai.tandem::PagedSparseAttention, dense, fp32  -> ai.tandem.cpu::PagedAttention  (same inputs
         but `selected`; reads the committed K/V through the block table where it lies, no copies)
+    com.microsoft::MatMulNBits, 4 bits, level 4   -> ai.tandem.cpu::MatMulNBits     (same inputs and
+        math; in the saved optimized graph, after ONNX Runtime's optimizer made it from
+        DequantizeLinear + MatMul: plugins/cpu/matmul_nbits.cc)
 
     GatedDeltaNet(q, k, v, g, beta, Gather(pool, slots), rows)
         -> ai.tandem.cpu::GatedDeltaNet(q, k, v, g, beta, pool, slots, rows)
@@ -30,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import helper
 
-from tandem.export.builder import TANDEM_DOMAIN, GraphBuilder
+from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
 from tandem.export.ops import gated_deltanet
 
 CPU_DOMAIN = "ai.tandem.cpu"
@@ -83,6 +86,42 @@ def lower_attention_to_kernel(model: onnx.ModelProto, dense: set[str]) -> set[st
     if done and not any(o.domain == CPU_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
     return done
+
+
+def lower_matmul_nbits_to_kernel(model: onnx.ModelProto) -> bool:
+    """Rewrite in place the 4-bit MatMulNBits of an optimized graph that compute with int8
+    activations (accuracy level 4) and whose blocks the kernel reads (a power of two >= 32 inputs,
+    float32 scales, no g_idx or bias); returns whether any was. 8-bit ones keep ONNX Runtime's
+    kernel, which was faster (docs/performance.md)."""
+    f32 = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
+    done = False
+    for node in model.graph.node:
+        if node.domain != MS_DOMAIN or node.op_type != "MatMulNBits":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        block = attrs.get("block_size", 0)
+        if attrs.get("bits") == 4 and attrs.get("accuracy_level") == 4 and len(node.input) <= 4 \
+                and block >= 32 and not block & (block - 1) and attrs["K"] % block == 0 and node.input[2] in f32:
+            kept = [a for a in node.attribute if a.name in ("K", "N", "bits", "block_size")]
+            del node.attribute[:]
+            node.attribute.extend(kept)
+            node.domain = CPU_DOMAIN
+            done = True
+    if done and not any(o.domain == CPU_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    return done
+
+
+def exact_matmul_nbits(model: onnx.ModelProto) -> None:
+    """The inverse for the build's verification: every MatMulNBits (ONNX Runtime's or the kernel's)
+    as ONNX Runtime's at accuracy level 0, dequantized weights in float32."""
+    for node in model.graph.node:
+        if node.op_type != "MatMulNBits" or node.domain not in (MS_DOMAIN, CPU_DOMAIN):
+            continue
+        node.domain = MS_DOMAIN
+        kept = [a for a in node.attribute if a.name != "accuracy_level"]
+        del node.attribute[:]
+        node.attribute.extend([*kept, helper.make_attribute("accuracy_level", 0)])
 
 
 def _kernel_nodes(node: onnx.NodeProto, producers: dict, picks: set[str], read: set[str]):

@@ -109,8 +109,8 @@ def test_the_build_verifies_the_saved_graphs_it_serves(tiny_root, tmp_path, monk
     fails the build's verification."""
     real = onnxruntime_optimized.save_optimized
 
-    def wrong(folder, files, options, progress=None, sources=None):
-        real(folder, files, options, progress, sources)
+    def wrong(folder, files, options, progress=None, sources=None, rewrite=None):
+        rewritten = real(folder, files, options, progress, sources, rewrite)
         for file in files:
             path = folder / optimized_name(file)
             model = onnx.load(str(path), load_external_data=False)
@@ -120,6 +120,7 @@ def test_the_build_verifies_the_saved_graphs_it_serves(tiny_root, tmp_path, monk
             model.graph.initializer.append(onnx.numpy_helper.from_array(np.array(1.5, np.float32), "/test/scale"))
             model.graph.node.append(helper.make_node("Mul", [out.name + "/unscaled", "/test/scale"], [out.name]))
             onnx.save(model, str(path))
+        return rewritten
 
     monkeypatch.setattr(onnxruntime_kernel_files, "save_optimized", wrong)
     with pytest.raises(BuildError, match="disagree with the un-lowered graphs"):

@@ -3,7 +3,8 @@ optimizes for the CPU provider, the library the dir carries, and whether it load
 
     engine dir/
       <graph>.onnx        lowered graph: ONNX Runtime's kernels (the CUDA provider's input, the fallback)
-      <graph>.opt.onnx    optimized from a second lowering on tandem's kernels, where one applies
+      <graph>.opt.onnx    optimized from a second lowering on tandem's kernels, where one applies;
+                          its 4-bit MatMulNBits on tandem's int4 kernel, where it runs fast here
       cpu_kernels.so      the library those graphs load (only where some graph uses it)
 """
 
@@ -17,7 +18,7 @@ import onnx
 import onnxruntime as ort
 
 from tandem.engines.backends.onnxruntime_optimized import save_optimized
-from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, lower_matmul_nbits_to_kernel
 from tandem.export.lowering import lower_for_onnxruntime
 from tandem.plugins import cpu_kernels
 
@@ -25,8 +26,11 @@ from tandem.plugins import cpu_kernels
 def save_served_graphs(export_dir: Path, out_dir: Path, graphs: dict[str, tuple[str, int | None]], options) -> None:
     """The saved optimized graph of every engine file (graphs: file -> (exported graph, rows)):
     optimized from the lowering on tandem's kernels where the library compiles here and the graph
-    has an op it lowers, else from the engine file itself. options(level, kernels) -> SessionOptions."""
+    has an op it lowers, else from the engine file itself; then its 4-bit MatMulNBits (which the
+    optimizer makes) on tandem's kernel where that runs fast here. options(level, kernels) ->
+    SessionOptions."""
     kernels, variants = cpu_kernels.library(), {}
+    int4 = kernels is not None and cpu_kernels.int4_matmul()
     try:
         if kernels is not None:
             for name, (graph, rows) in graphs.items():
@@ -37,10 +41,12 @@ def save_served_graphs(export_dir: Path, out_dir: Path, graphs: dict[str, tuple[
                     onnx.save(variant, str(variants[name]))
         library = out_dir / cpu_kernels.LIBRARY_FILE
         library.unlink(missing_ok=True)          # a reused dir's: this build decides anew
-        if variants:
+        if variants or int4:
             shutil.copyfile(kernels, library)    # the engine dir carries what its graphs load
-        save_optimized(out_dir, sorted(graphs), lambda level: options(level, library if variants else None),
-                       sources=variants)
+        rewritten = save_optimized(out_dir, sorted(graphs), lambda level: options(level, library if variants else None),
+                                   sources=variants, rewrite=lower_matmul_nbits_to_kernel if int4 else None)
+        if not variants and not rewritten:
+            library.unlink(missing_ok=True)
     finally:
         for path in variants.values():
             path.unlink(missing_ok=True)

@@ -27,6 +27,7 @@ from pathlib import Path
 import onnx
 import onnxruntime as ort
 
+from tandem.export.cpu_kernel_lowering import exact_matmul_nbits
 from tandem.export.exporter import WEIGHTS_FILE
 
 OPTIMIZED_WEIGHTS = "optimized.bin"
@@ -57,13 +58,15 @@ def cpu_signature() -> str:
     return f"{platform.machine()}:{','.join(sorted(flags & set(_CPU_FLAGS)))}"
 
 
-def save_optimized(folder: Path, files: list[str], options, progress=None, sources: dict[str, Path] | None = None
-                   ) -> None:
+def save_optimized(folder: Path, files: list[str], options, progress=None, sources: dict[str, Path] | None = None,
+                   rewrite=None) -> set[str]:
     """Write `optimized_name(f)` for each engine file `f` in `folder`, its tensors in weights.bin
     (unchanged ones) or optimized.bin. `options(level)` gives the serving SessionOptions.
     `sources`: engine file -> the graph to optimize in its place (a lowering for the CPU provider
-    only, in `folder`, with the same weights), where it is not the engine file itself."""
-    sources = sources or {}
+    only, in `folder`, with the same weights), where it is not the engine file itself.
+    `rewrite(model) -> bool`: a change to each optimizer output before it is saved (nodes the
+    optimizer made, to tandem's kernels); returns the engine files it changed."""
+    sources, rewritten = sources or {}, set()
     store = _OptimizedWeights(folder)
     try:
         for name in files:
@@ -77,25 +80,24 @@ def save_optimized(folder: Path, files: list[str], options, progress=None, sourc
                                               str(_EXTERNAL_MIN_BYTES))
                 ort.InferenceSession(str(sources.get(name, folder / name)), opts, providers=["CPUExecutionProvider"])
                 model = onnx.load(str(saved), load_external_data=False)
+                if rewrite is not None and rewrite(model):
+                    rewritten.add(name)
                 store.rehome(model, onnx.load(str(folder / name), load_external_data=False), saved.parent / "data.bin")
                 onnx.save(model, str(folder / optimized_name(name)))
             if progress:
                 progress.step(optimized_name(name))
     finally:
         store.close()
+    return rewritten
 
 
 def exact_copy(path: Path) -> Path:
-    """A sibling of the optimized graph `path` whose MatMulNBits compute in float32 (accuracy level
-    0) instead of int8 activations: the build verifies the saved graph with it (the level is fixed
-    in the saved nodes, so the session option the lowered graphs use has no effect here). The
-    caller deletes it once its session is open."""
+    """A sibling of the optimized graph `path` whose MatMulNBits (ONNX Runtime's, or tandem's int4
+    kernel) compute in float32 (accuracy level 0) instead of int8 activations: the build verifies
+    the saved graph with it (the level is fixed in the saved nodes, so the session option the
+    lowered graphs use has no effect here). The caller deletes it once its session is open."""
     model = onnx.load(str(path), load_external_data=False)
-    for node in model.graph.node:
-        if node.op_type == "MatMulNBits":
-            for attr in node.attribute:
-                if attr.name == "accuracy_level":
-                    attr.i = 0
+    exact_matmul_nbits(model)
     copy = path.with_name(f".tandem-exact-{path.name}")
     onnx.save(model, str(copy))
     return copy

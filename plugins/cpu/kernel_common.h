@@ -52,6 +52,22 @@ T* input(const OrtApiTable& api, OrtKernelContext* context, size_t index, std::v
   return static_cast<T*>(data);
 }
 
+// An optional input's data, or null where the node omits it.
+template <typename T>
+T* optional_input(const OrtApiTable& api, OrtKernelContext* context, size_t index, std::vector<int64_t>* dims) {
+  size_t n = 0;
+  check(api, api.KernelContextGetInputCount(context, &n));
+  const OrtValue* value = nullptr;
+  if (index < n) check(api, api.KernelContextGetInput(context, index, &value));
+  return value == nullptr ? nullptr : input<T>(api, context, index, dims);
+}
+
+inline int64_t numel(const std::vector<int64_t>& dims) {
+  int64_t n = 1;
+  for (int64_t d : dims) n *= d;
+  return n;
+}
+
 // The output's buffer; null for an optional output the node omits ("" as its name).
 inline float* output(const OrtApiTable& api, OrtKernelContext* context, size_t index,
                      const std::vector<int64_t>& dims, bool optional = false) {
@@ -107,5 +123,6 @@ inline int default_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTy
 // The ops of the library (one file each), registered by register.cc.
 extern const OrtCustomOp kGatedDeltaNet;
 extern const OrtCustomOp kPagedAttention;
+extern const OrtCustomOp kMatMulNBits;
 
 }  // namespace tandem

@@ -31,6 +31,7 @@ struct OrtApiBase {
 
 // ONNXTensorElementDataType values used here
 constexpr int kTensorFloat = 1;
+constexpr int kTensorUInt8 = 2;
 constexpr int kTensorInt64 = 7;
 constexpr int kOrtFail = 1;
 constexpr int kInputOutputRequired = 0;

@@ -1,0 +1,196 @@
+// ai.tandem.cpu::MatMulNBits: weight-only int4 / int8 matmul with int8 activations, the op
+// com.microsoft::MatMulNBits computes at accuracy level 4, as one ONNX Runtime CPU kernel.
+//
+// Inputs   A [..., K] float32; B [N, nb, bs * bits / 8] uint8 (nb = K / bs blocks of bs inputs per
+//          output column); scales [N * nb] float32; zero_points (optional) uint8, 4 bits:
+//          [N * ceil(nb / 2)] two per byte (block 2i low nibble), 8 bits: [N * nb]; absent: 2^(bits-1)
+// Output   [..., N]
+// Attrs    K, N, bits (4 or 8), block_size (a multiple of 32)
+//
+// 4-bit blocks hold input 2j in byte j's low nibble and 2j + 1 in its high one; 8-bit ones a byte
+// per input. Weight w[n, k] = scale[n, b] (q[n, k] - zero[n, b]), b = k / bs. Each row of A is
+// quantized per group of 32 inputs, as llama.cpp's Q8_0 and MLAS's int8 compute do:
+//     a = max |x|;  sx = a / 127;  xq = round_half_even(x * (127 / a)) in [-127, 127]
+// and with dot_g the exact integer sum of q xq over group g, and C_b = sum_{g in b} sx_g sum(xq_g):
+//     y[n] = sum_g scale[n, b(g)] sx_g dot_g  -  sum_b scale[n, b] zero[n, b] C_b
+// Why a kernel: on int4 engines MLAS's MatMulNBits is compute-bound (the 150M model's 49 matmuls
+// read at 18.7 GB/s where float ones read at 27), most of all with the few rows of a verify. This
+// one (AVX-512 VNNI, matmul_nbits_avx512.cc) made the 150M int4 verify 1.04 / 1.11 / 1.15x faster
+// at 2 / 3 / 4 rows and the batch-8 step 1.09x; batch 1 is even (docs/performance.md). Its int8
+// path was slower than MLAS's, so only 4-bit nodes are lowered to it
+// (engines/backends/onnxruntime_kernel_files.py). Every row runs the same instructions in the same
+// order whatever the call's rows, so a verify row equals a decode step bit for bit. CPUs without
+// AVX-512 VNNI run the portable loop (the same quantized activations, float sums in another order);
+// tandem lowers to this op only where the fast path runs.
+
+#include <cmath>
+#include <vector>
+
+#include "kernel_common.h"
+#include "matmul_nbits.h"
+
+namespace tandem {
+namespace {
+
+void expect_mm(bool ok, const char* what) { expect(ok, "MatMulNBits", what); }
+
+}  // namespace
+
+void QuantizedRows::shape(const MatMulNBitsCall& call) {
+  groups = call.K / kGroup;
+  step_groups = call.bits == 8 ? 2 : 4;
+  steps = (groups + step_groups - 1) / step_groups;
+  row_bytes = steps * step_groups * kGroup;
+  blocks_padded = (call.blocks + 15) / 16 * 16;
+  q.assign(static_cast<size_t>(call.M * row_bytes), 0);
+  sx.resize(static_cast<size_t>(call.M * groups));
+  sums.resize(sx.size());
+  sx_lanes.resize(static_cast<size_t>(call.M * steps * 16));
+  c.assign(static_cast<size_t>(call.M * blocks_padded), 0.0f);
+  const int64_t window_steps = 16 / step_groups, per_block = call.block_size / kGroup;
+  lane_block.resize(static_cast<size_t>(window_steps * 16));
+  for (int64_t j = 0; j < window_steps; ++j) {
+    for (int i = 0; i < 16; ++i) lane_block[j * 16 + i] = static_cast<int32_t>((j * step_groups + i / (16 / step_groups)) / per_block);
+  }
+}
+
+// C_b and the lane scales: the same scalar code behind both kernels
+void QuantizedRows::finish(const MatMulNBitsCall& call, bool lanes) {
+  const int64_t per_block = call.block_size / kGroup;
+  for (int64_t m = 0; m < call.M; ++m) {
+    const float* s = sx.data() + m * groups;
+    for (int64_t g = 0; g < groups; ++g) c[m * blocks_padded + g / per_block] += s[g] * static_cast<float>(sums[m * groups + g]);
+    if (!lanes) continue;
+    for (int64_t j = 0; j < steps; ++j) {
+      float* l = sx_lanes.data() + (m * steps + j) * 16;
+      for (int i = 0; i < 16; ++i) {   // lane i sums group j * step_groups + i / (16 / step_groups)
+        const int64_t g = j * step_groups + i / (16 / step_groups);
+        l[i] = g < groups ? s[g] : 0.0f;
+      }
+    }
+  }
+}
+
+void quantize_portable(const MatMulNBitsCall& call, QuantizedRows* rows) {
+  rows->shape(call);
+  for (int64_t m = 0; m < call.M; ++m) {
+    for (int64_t g = 0; g < rows->groups; ++g) {
+      const float* x = call.A + m * call.K + g * kGroup;
+      float amax = 0.0f;
+      for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(x[i]));
+      const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t sum = 0;
+      for (int i = 0; i < kGroup; ++i) {
+        const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv));   // half to even, as vcvtps2dq
+        rows->q[m * rows->row_bytes + g * kGroup + i] = static_cast<int8_t>(std::clamp(v, -127, 127));
+        sum += std::clamp(v, -127, 127);
+      }
+      rows->sx[m * rows->groups + g] = amax / 127.0f;
+      rows->sums[m * rows->groups + g] = sum;
+    }
+  }
+  rows->finish(call, false);
+}
+
+namespace {
+
+// The portable kernel: columns [n0, n1) of every row, sums in group order.
+void columns_portable(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t n0, int64_t n1) {
+  const int64_t G = c.K / kGroup, per_block = c.block_size / kGroup, blob = c.block_size * c.bits / 8;
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* sw = c.scales + n * c.blocks;
+    for (int64_t m = 0; m < c.M; ++m) {
+      const int8_t* xq = a.q.data() + m * a.row_bytes;
+      float acc = 0.0f, corr = 0.0f;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t b = g / per_block;
+        const uint8_t* w = c.B + (n * c.blocks + b) * blob + (g % per_block) * kGroup * c.bits / 8;
+        int32_t dot = 0;
+        for (int i = 0; i < kGroup; ++i) {
+          const int q = c.bits == 8 ? w[i] : (i % 2 == 0 ? w[i / 2] & 15 : w[i / 2] >> 4);
+          dot += q * xq[g * kGroup + i];      // natural order: quantize_portable writes it so
+        }
+        acc += static_cast<float>(dot) * (sw[b] * a.sx[m * a.groups + g]);
+      }
+      for (int64_t b = 0; b < c.blocks; ++b) corr += sw[b] * c.zero(n, b) * a.c[m * a.blocks_padded + b];
+      c.y[m * c.N + n] = acc - corr;
+    }
+  }
+}
+
+struct Kernel {
+  OrtApiTable api;
+  int64_t K, N, bits, block_size;
+  bool fast;     // AVX-512 VNNI here
+
+  void compute(OrtKernelContext* context) const {
+    std::vector<int64_t> ad, bd, sd, zd;
+    const float* A = input<float>(api, context, 0, &ad);
+    const uint8_t* B = input<uint8_t>(api, context, 1, &bd);
+    const float* scales = input<float>(api, context, 2, &sd);
+    const uint8_t* zeros = optional_input<uint8_t>(api, context, 3, &zd);
+    const int64_t blocks = K / block_size, blob = block_size * bits / 8;
+    expect_mm(!ad.empty() && ad.back() == K, "A's last dimension is not the node's K");
+    expect_mm(bd == std::vector<int64_t>({N, blocks, blob}), "B is not [N, K / block_size, block_size * bits / 8]");
+    expect_mm(numel(sd) == N * blocks, "scales do not hold N * K / block_size values");
+    const int64_t zero_bytes = bits == 4 ? N * ((blocks + 1) / 2) : N * blocks;
+    expect_mm(zeros == nullptr || numel(zd) == zero_bytes, "zero_points do not hold one per block");
+    std::vector<int64_t> yd(ad);
+    yd.back() = N;
+    float* y = output(api, context, 0, yd);
+    MatMulNBitsCall call{A, B, scales, zeros, y, numel(ad) / K, K, N, bits, block_size, blocks};
+    if (call.M == 0) return;
+    thread_local QuantizedRows scratch;        // the calling thread's, kept across calls
+    QuantizedRows& rows = scratch;             // (the pool threads see this one, not their own)
+    if (fast) {
+      quantize_avx512(call, &rows);
+    } else {
+      quantize_portable(call, &rows);
+    }
+    // column chunks are independent: ONNX Runtime's pool shares them out (each streams its weights)
+    constexpr int64_t kColumns = 16;
+    auto chunk = [&](int64_t first, int64_t last) {
+      const int64_t n0 = first * kColumns, n1 = std::min(N, last * kColumns);
+      if (fast) {
+        columns_avx512(call, rows, n0, n1);
+      } else {
+        columns_portable(call, rows, n0, n1);
+      }
+    };
+    parallel_for(api, context, (N + kColumns - 1) / kColumns, chunk);
+  }
+};
+
+const char* op_name(const OrtCustomOp*) { return "MatMulNBits"; }
+int op_input_type(const OrtCustomOp*, size_t index) { return index == 1 || index == 3 ? kTensorUInt8 : kTensorFloat; }
+size_t op_input_count(const OrtCustomOp*) { return 4; }
+int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
+size_t op_output_count(const OrtCustomOp*) { return 1; }
+int op_input_characteristic(const OrtCustomOp*, size_t index) {
+  return index == 3 ? kInputOutputOptional : kInputOutputRequired;
+}
+int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+
+void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
+  OrtApiTable table(api);
+  int64_t K = 0, N = 0, bits = 0, block_size = 0;
+  check(table, table.KernelInfoGetAttributeInt64(info, "K", &K));
+  check(table, table.KernelInfoGetAttributeInt64(info, "N", &N));
+  check(table, table.KernelInfoGetAttributeInt64(info, "bits", &bits));
+  check(table, table.KernelInfoGetAttributeInt64(info, "block_size", &block_size));
+  expect_mm(bits == 4 || bits == 8, "bits must be 4 or 8");
+  expect_mm(block_size >= kGroup && block_size % kGroup == 0, "block_size must be a multiple of 32");
+  expect_mm(K > 0 && N > 0 && K % block_size == 0, "K must be a positive multiple of block_size");
+  return new Kernel{table, K, N, bits, block_size, avx512_vnni()};
+}
+
+}  // namespace
+
+const OrtCustomOp kMatMulNBits = {
+    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
+    op_input_type, op_input_count, op_output_type, op_output_count,
+    kernel_compute<Kernel>, kernel_destroy<Kernel>,
+    op_input_characteristic, op_output_characteristic, default_memory,
+};
+
+}  // namespace tandem

@@ -1,0 +1,158 @@
+"""tandem's int4 / int8 matmul kernel (plugins/cpu/matmul_nbits*.cc) against a numpy reference of
+its math (the same int8 activations, exact integer dots, float64 sums), both of its kernels (AVX-512
+VNNI and the portable loop), row invariance bit for bit, bad inputs, and the build's lowering of
+4-bit MatMulNBits to it (export/cpu_kernel_lowering.py) with the exact copy the verification uses."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tandem.engines.backends import onnxruntime_backend
+from tandem.engines.backends.onnxruntime_optimized import exact_copy
+from tandem.engines.builder import build_engines
+from tandem.export.builder import MS_DOMAIN
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, lower_matmul_nbits_to_kernel
+from tandem.plugins import cpu_kernels
+
+from .test_load_costs import SMALL
+
+# (K, N, bits, block_size, zero points): odd group counts (K 96: 3 groups), blocks of 2 groups,
+# N not a multiple of the kernel's 4 or 16 columns, 8 bits with and without zero points
+CASES = [(96, 40, 4, 32, True), (96, 37, 4, 32, False), (256, 70, 4, 64, True), (128, 33, 4, 128, True),
+         (96, 40, 8, 32, False), (256, 19, 8, 64, True)]
+
+
+@pytest.fixture(scope="module")
+def library():
+    path = cpu_kernels.library()
+    assert path is not None, "the CPU kernels did not compile (a C++ compiler is part of the test setup)"
+    return path
+
+
+def _packed(rng, K, N, bits, bs, zero_points):
+    """Random weights in MatMulNBits' layout: (q [N, K], scales [N, nb], zeros [N, nb], B, packed zeros)."""
+    nb = K // bs
+    q = rng.integers(0, 2**bits, size=(N, K)).astype(np.uint8)
+    scales = (rng.random((N, nb)) * 0.02 + 0.001).astype(np.float32)
+    zeros = rng.integers(0, 2**bits, size=(N, nb)).astype(np.uint8) if zero_points else None
+    if bits == 8:
+        return q, scales, zeros, q.reshape(N, nb, bs), None if zeros is None else zeros.reshape(-1)
+    B = (q[:, 0::2] | (q[:, 1::2] << 4)).reshape(N, nb, bs // 2)        # input 2j low nibble, 2j + 1 high
+    packed = None
+    if zeros is not None:
+        padded = np.zeros((N, (nb + 1) // 2 * 2), np.uint8)
+        padded[:, :nb] = zeros
+        packed = (padded[:, 0::2] | (padded[:, 1::2] << 4)).reshape(-1)  # block 2i low nibble
+    return q, scales, zeros, B, packed
+
+
+def _model(K, N, bits, bs, B, scales, zeros, domain=CPU_DOMAIN, a_shape=("M", "K")) -> onnx.ModelProto:
+    inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales.reshape(-1), "scales")]
+    if zeros is not None:
+        inits.append(numpy_helper.from_array(zeros, "zeros"))
+    attrs = dict(K=K, N=N, bits=bits, block_size=bs, **({"accuracy_level": 4} if domain == MS_DOMAIN else {}))
+    node = helper.make_node("MatMulNBits", ["A"] + [t.name for t in inits], ["Y"], domain=domain, **attrs)
+    g = helper.make_graph([node], "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, list(a_shape))],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["M", N])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)])
+    m.ir_version = 10
+    return m
+
+
+def _reference(A, q, scales, zeros, bits, bs) -> np.ndarray:
+    """The op's math: A quantized per group of 32 (round half to even of x * 127 / max |x|), exact
+    integer dots with the weights less their zero points, scaled in float64."""
+    M, K = A.shape
+    groups = A.reshape(M, K // 32, 32)
+    amax = np.abs(groups).max(axis=2, keepdims=True)
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    xq = np.rint(groups * inv).astype(np.int64).reshape(M, K)
+    sx = (amax / np.float32(127)).astype(np.float32)[:, :, 0].astype(np.float64)        # [M, K / 32]
+    z = np.full(scales.shape, 2 ** (bits - 1)) if zeros is None else zeros
+    w = q.astype(np.int64) - np.repeat(z.astype(np.int64), bs, axis=1)                  # [N, K]
+    dots = np.einsum("mgi,ngi->mng", xq.reshape(M, -1, 32), w.reshape(w.shape[0], -1, 32))   # exact
+    ws = np.repeat(scales.astype(np.float64), bs // 32, axis=1)                          # [N, K / 32]
+    return np.einsum("mng,ng,mg->mn", dots.astype(np.float64), ws, sx)
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+@pytest.mark.parametrize("K,N,bits,bs,zero_points", CASES, ids=[f"K{c[0]}-N{c[1]}-{c[2]}bit-b{c[3]}-z{int(c[4])}"
+                                                                 for c in CASES])
+def test_kernel_equals_its_math(library, monkeypatch, portable, K, N, bits, bs, zero_points):
+    if not portable and not cpu_kernels.int4_matmul():
+        pytest.skip("no AVX-512 VNNI here: only the portable kernel runs")
+    if portable:
+        monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1")    # read when the session makes the kernel
+    rng = np.random.default_rng(K + N + bits)
+    q, scales, zeros, B, packed = _packed(rng, K, N, bits, bs, zero_points)
+    sess = onnxruntime_backend.session(_model(K, N, bits, bs, B, scales, packed), kernels=library)
+    A = rng.standard_normal((9, K)).astype(np.float32)
+    A[3] = 0.0                                                      # an all-zero row: scale 0
+    y = sess.run(None, {"A": A})[0]
+    ref = _reference(A, q, scales, zeros, bits, bs)
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    # rows of a call equal single-row calls bit for bit (tiles of 4 rows and their remainders)
+    for m in range(9):
+        assert np.array_equal(sess.run(None, {"A": A[m : m + 1]})[0][0], y[m])
+
+
+def test_kernel_is_as_close_to_float_weights_as_onnxruntimes(library):
+    """The same activation quantization as MLAS's at block 32: the error against float32 weights is
+    the same to three digits."""
+    rng = np.random.default_rng(1)
+    K, N = 256, 96
+    q, scales, zeros, B, packed = _packed(rng, K, N, 4, 32, True)
+    A = rng.standard_normal((4, K)).astype(np.float32)
+    exact = A.astype(np.float64) @ ((q.astype(np.float64) - np.repeat(zeros, 32, axis=1))
+                                    * np.repeat(scales, 32, axis=1)).T
+    ours = onnxruntime_backend.session(_model(K, N, 4, 32, B, scales, packed), kernels=library).run(None, {"A": A})[0]
+    mlas = onnxruntime_backend.session(_model(K, N, 4, 32, B, scales, packed, MS_DOMAIN)).run(None, {"A": A})[0]
+    err = [np.abs(y - exact).max() / np.abs(exact).max() for y in (ours, mlas)]
+    assert err[0] < 2e-2 and abs(err[0] - err[1]) <= 1e-3 * err[1] + 1e-7
+
+
+def test_bad_weights_fail_that_call_with_a_clear_error(library):
+    rng = np.random.default_rng(2)
+    q, scales, zeros, B, packed = _packed(rng, 96, 40, 4, 32, True)
+    bad = _model(96, 40, 4, 32, B[:, :2], scales, packed)          # B holds 2 of the 3 blocks
+    with pytest.raises(Exception, match="B is not"):
+        onnxruntime_backend.session(bad, kernels=library).run(None, {"A": np.ones((1, 96), np.float32)})
+    good = onnxruntime_backend.session(_model(96, 40, 4, 32, B, scales, packed, a_shape=("M", "any")),
+                                       kernels=library)
+    with pytest.raises(Exception, match="last dimension is not the node's K"):
+        good.run(None, {"A": np.ones((1, 64), np.float32)})
+    assert good.run(None, {"A": np.ones((2, 96), np.float32)})[0].shape == (2, 40)   # the next call works
+
+
+def test_lowering_takes_4bit_level4_nodes_and_the_exact_copy_undoes_it(tmp_path):
+    rng = np.random.default_rng(3)
+    models = {}
+    for name, bits in (("int4", 4), ("int8", 8)):
+        q, scales, zeros, B, packed = _packed(rng, 96, 40, bits, 32, bits == 4)
+        models[name] = _model(96, 40, bits, 32, B, scales, packed, MS_DOMAIN)
+    assert lower_matmul_nbits_to_kernel(models["int4"])
+    assert not lower_matmul_nbits_to_kernel(models["int8"])         # ONNX Runtime's 8-bit kernel was faster
+    node = models["int4"].graph.node[0]
+    assert node.domain == CPU_DOMAIN and {a.name for a in node.attribute} == {"K", "N", "bits", "block_size"}
+    path = tmp_path / "g.opt.onnx"
+    onnx.save(models["int4"], str(path))
+    copy = onnx.load(str(exact_copy(path)))
+    attrs = {a.name: a.i for a in copy.graph.node[0].attribute}
+    assert copy.graph.node[0].domain == MS_DOMAIN and attrs["accuracy_level"] == 0 and attrs["bits"] == 4
+
+
+def test_int4_engine_dir_serves_its_matmuls_on_the_kernel(tiny_root, tmp_path):
+    """Built where the fast kernel runs: every 4-bit MatMulNBits of every saved graph is the
+    kernel's, the dir carries the library, and the build's verification passed."""
+    if not cpu_kernels.int4_matmul():
+        pytest.skip("no AVX-512 VNNI here: the build keeps ONNX Runtime's MatMulNBits")
+    out = tmp_path / "w4"
+    build_engines(tiny_root / "qwen3_5_mtp1", out, SMALL.__class__(**{**SMALL.__dict__, "weights": "int4"}),
+                  show_progress=False)
+    assert (out / cpu_kernels.LIBRARY_FILE).is_file()
+    for path in out.glob("*.opt.onnx"):
+        kinds = {(n.domain, n.op_type) for n in onnx.load(str(path), load_external_data=False).graph.node}
+        assert (CPU_DOMAIN, "MatMulNBits") in kinds and (MS_DOMAIN, "MatMulNBits") not in kinds, path.name
