@@ -5,7 +5,7 @@
 //          output column); scales [N * nb] float32; zero_points (optional) uint8, 4 bits:
 //          [N * ceil(nb / 2)] two per byte (block 2i low nibble), 8 bits: [N * nb]; absent: 2^(bits-1)
 // Output   [..., N]
-// Attrs    K, N, bits (4 or 8), block_size (a multiple of 32)
+// Attrs    K, N, bits (4 or 8), block_size (a power of two >= 32)
 //
 // 4-bit blocks hold input 2j in byte j's low nibble and 2j + 1 in its high one; 8-bit ones a byte
 // per input. Weight w[n, k] = scale[n, b] (q[n, k] - zero[n, b]), b = k / bs. Each row of A is
@@ -50,7 +50,9 @@ void QuantizedRows::shape(const MatMulNBitsCall& call) {
   const int64_t window_steps = 16 / step_groups, per_block = call.block_size / kGroup;
   lane_block.resize(static_cast<size_t>(window_steps * 16));
   for (int64_t j = 0; j < window_steps; ++j) {
-    for (int i = 0; i < 16; ++i) lane_block[j * 16 + i] = static_cast<int32_t>((j * step_groups + i / (16 / step_groups)) / per_block);
+    for (int i = 0; i < 16; ++i) {
+      lane_block[j * 16 + i] = static_cast<int32_t>((j * step_groups + i / (16 / step_groups)) / per_block);
+    }
   }
 }
 
@@ -59,7 +61,9 @@ void QuantizedRows::finish(const MatMulNBitsCall& call, bool lanes) {
   const int64_t per_block = call.block_size / kGroup;
   for (int64_t m = 0; m < call.M; ++m) {
     const float* s = sx.data() + m * groups;
-    for (int64_t g = 0; g < groups; ++g) c[m * blocks_padded + g / per_block] += s[g] * static_cast<float>(sums[m * groups + g]);
+    for (int64_t g = 0; g < groups; ++g) {
+      c[m * blocks_padded + g / per_block] += s[g] * static_cast<float>(sums[m * groups + g]);
+    }
     if (!lanes) continue;
     for (int64_t j = 0; j < steps; ++j) {
       float* l = sx_lanes.data() + (m * steps + j) * 16;
@@ -179,7 +183,7 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   check(table, table.KernelInfoGetAttributeInt64(info, "bits", &bits));
   check(table, table.KernelInfoGetAttributeInt64(info, "block_size", &block_size));
   expect_mm(bits == 4 || bits == 8, "bits must be 4 or 8");
-  expect_mm(block_size >= kGroup && block_size % kGroup == 0, "block_size must be a multiple of 32");
+  expect_mm(block_size >= kGroup && (block_size & (block_size - 1)) == 0, "block_size must be a power of two >= 32");
   expect_mm(K > 0 && N > 0 && K % block_size == 0, "K must be a positive multiple of block_size");
   return new Kernel{table, K, N, bits, block_size, avx512_vnni()};
 }

@@ -74,7 +74,8 @@ TANDEM_AVX512 inline __m128 sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
   const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
   const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
                                  _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));   // per block: a0..a3
-  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(t), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1)));
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(t), 1));
+  const __m256 half = _mm256_add_ps(_mm512_castps512_ps256(t), upper);
   return _mm_add_ps(_mm256_castps256_ps128(half), _mm256_extractf128_ps(half, 1));
 }
 
@@ -122,7 +123,8 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
     for (int r = 0; r < R; ++r) {
       const int8_t* x = a.q.data() + (m0 + r) * a.row_bytes + j * kStepGroups * kGroup;
       const __m512i x0 = _mm512_loadu_si512(x);
-      const __m512 sx = fused ? _mm512_setzero_ps() : _mm512_loadu_ps(a.sx_lanes.data() + ((m0 + r) * a.steps + j) * 16);
+      const __m512 sx = fused ? _mm512_setzero_ps()       // (unused: the window holds the products)
+                              : _mm512_loadu_ps(a.sx_lanes.data() + ((m0 + r) * a.steps + j) * 16);
       for (int col = 0; col < C; ++col) {
         __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[col], x0);
         if (BITS == 4) dot = _mm512_dpbusd_epi32(dot, hi[col], _mm512_loadu_si512(x + 64));
