@@ -108,8 +108,8 @@ def teacher_forced(llm: LLM, windows: np.ndarray) -> tuple[np.ndarray, np.ndarra
     index: dict[str, int] = {}
     real = llm.runner.target_step
 
-    def record(rows):
-        outs = real(rows)
+    def record(rows, **kwargs):
+        outs = real(rows, **kwargs)
         by_slot = {s.slot: s for s in llm.scheduler.running}
         for r, logits in zip(rows, outs.arrays[c.LOGITS]):
             w, a, k = index[by_slot[r.slot].request_id], r.context, len(r.ids)
