@@ -48,6 +48,9 @@ void QuantizedRows::shape(const MatMulNBitsCall& call) {
   sx_lanes.resize(static_cast<size_t>(call.M * steps * 16));
   c.assign(static_cast<size_t>(call.M * blocks_padded), 0.0f);
   const int64_t window_steps = 16 / step_groups, per_block = call.block_size / kGroup;
+  if (lane_block_steps == step_groups && lane_block_per_block == per_block) return;   // as the last call's
+  lane_block_steps = step_groups;
+  lane_block_per_block = per_block;
   lane_block.resize(static_cast<size_t>(window_steps * 16));
   for (int64_t j = 0; j < window_steps; ++j) {
     for (int i = 0; i < 16; ++i) {

@@ -39,6 +39,7 @@ struct QuantizedRows {
   // [16 / step_groups, 16]: the block (within a window of 16 groups) of the group each lane of a
   // window's step sums: indices into that window's block scales (AVX-512)
   std::vector<int32_t> lane_block;
+  int64_t lane_block_steps = 0, lane_block_per_block = 0;   // what lane_block was made for
 
   void shape(const MatMulNBitsCall& call);      // sizes the buffers (kept across calls: no allocation)
   void finish(const MatMulNBitsCall& call, bool lanes);   // c (and sx_lanes) from sx and sums
