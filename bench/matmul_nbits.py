@@ -1,0 +1,98 @@
+"""tandem's int4 / int8 matmul kernel (ai.tandem.cpu::MatMulNBits) against ONNX Runtime's (MLAS),
+node by node, with weights streamed from memory as in a decode step.
+
+    .venv/bin/python bench/matmul_nbits.py [--shapes 768x3088,1024x768,768x4096,2048x768,768x32000]
+                                           [--bits 4] [--rows 1 4] [--mib 48] [--rounds 7]
+
+Per K x N shape: a graph of as many such nodes as make --mib MiB of packed weights (each its own
+random weights, so they come from memory, not the caches: the engine's 49 matmuls of the 150M
+int4 model are 72 MiB), every node reading the same input rows; once with tandem's op, once with
+ONNX Runtime's at accuracy level 4 (int8 activations: the same math). Both run on the process-wide
+thread pool the engines use, timed alternately --rounds times (5 runs each, best kept: the machine
+is shared). Prints ms per graph, the packed weights' GB/s and MLAS / tandem (> 1: tandem faster).
+The engine-level figures (`bench/engine_ab.py`, docs/performance.md) are what decided the lowering.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import machine  # noqa: E402
+from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
+from tandem.export.builder import MS_DOMAIN  # noqa: E402
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN  # noqa: E402
+from tandem.plugins import cpu_kernels  # noqa: E402
+
+BLOCK = 32
+
+
+def graph(domain: str, K: int, N: int, bits: int, nodes: int, seed: int = 0):
+    """`nodes` MatMulNBits over the same input A [M, K], each with its own random weights in
+    MatMulNBits' layout (4 bits: asymmetric with zero points, as tandem's int4; 8 bits: none)."""
+    rng = np.random.default_rng(seed)
+    nb, inits, ops, outs = K // BLOCK, [], [], []
+    for i in range(nodes):
+        q = rng.integers(0, 2**bits, size=(N, nb, BLOCK), dtype=np.uint8)
+        packed = q if bits == 8 else (q[..., 0::2] | (q[..., 1::2] << 4))
+        inits += [numpy_helper.from_array(packed, f"B{i}"),
+                  numpy_helper.from_array(rng.random(N * nb, dtype=np.float32) * 0.02, f"s{i}")]
+        ins = ["A", f"B{i}", f"s{i}"]
+        if bits == 4:
+            inits.append(numpy_helper.from_array(rng.integers(0, 256, N * ((nb + 1) // 2), dtype=np.uint8), f"z{i}"))
+            ins.append(f"z{i}")
+        extra = {"accuracy_level": 4} if domain == MS_DOMAIN else {}
+        ops.append(helper.make_node("MatMulNBits", ins, [f"Y{i}"], domain=domain, K=K, N=N, bits=bits,
+                                    block_size=BLOCK, **extra))
+        outs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", N]))
+    g = helper.make_graph(ops, "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", K])], outs, inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)])
+    model.ir_version = 10
+    return model, nodes * N * nb * BLOCK * bits // 8
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="768x3088,1024x768,768x4096,2048x768,768x32000")
+    parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--mib", type=float, default=48.0)
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    library = cpu_kernels.library()
+    if library is None:
+        raise SystemExit("tandem's CPU kernels are not built here (no C++ compiler, or TANDEM_CPU_KERNELS=0)")
+    fast = cpu_kernels.int4_matmul()
+    print(f"{machine()}; {args.bits}-bit, block {BLOCK}; tandem's kernel: "
+          f"{'AVX-512 VNNI' if fast else 'portable loop (the build would not use it here)'}")
+    for shape in args.shapes.split(","):
+        K, N = (int(v) for v in shape.split("x"))
+        per_node = N * K * args.bits // 8
+        nodes = max(1, round(args.mib * 2**20 / per_node))
+        ours, nbytes = graph(CPU_DOMAIN, K, N, args.bits, nodes)
+        theirs, _ = graph(MS_DOMAIN, K, N, args.bits, nodes)
+        sessions = {"tandem": session(ours, kernels=library), "mlas": session(theirs)}
+        for rows in args.rows:
+            a = {"A": np.random.default_rng(1).standard_normal((rows, K)).astype(np.float32)}
+            best = dict.fromkeys(sessions, float("inf"))
+            for r in range(args.rounds):
+                for name in (sessions if r % 2 else reversed(list(sessions))):
+                    sessions[name].run(None, a)
+                    t = time.perf_counter()
+                    for _ in range(5):
+                        sessions[name].run(None, a)
+                    best[name] = min(best[name], (time.perf_counter() - t) / 5)
+            print(f"  K {K} x N {N}, {nodes} nodes ({nbytes / 2**20:.0f} MiB), {rows} row(s): "
+                  f"tandem {best['tandem'] * 1e3:.2f} ms ({nbytes / best['tandem'] / 1e9:.1f} GB/s), "
+                  f"mlas {best['mlas'] * 1e3:.2f} ms ({nbytes / best['mlas'] / 1e9:.1f} GB/s), "
+                  f"mlas / tandem {best['mlas'] / best['tandem']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
