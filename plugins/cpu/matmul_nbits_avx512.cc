@@ -64,7 +64,11 @@ TANDEM_AVX512 inline __m512 block_zeros(const MatMulNBitsCall& c, int64_t n, int
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(nibbles));
 }
 
-constexpr int64_t kPrefetchColumns = 8;   // two tiles ahead (4 and 16 measured slower)
+// Software prefetch, into L2 (_MM_HINT_T1), of the weights, scales and zero points 32 columns (8
+// tiles) ahead. Into L1 (T0) the 2048 x 768 layers streamed at 0.6-0.8x MLAS on one thread, into L2
+// at 1.2-1.5x; 8 and 16 columns ahead were 1.14-1.20x and 1.03x slower at batch 1 in the engine,
+// 64 1.02x slower; the scales' own prefetch gave 1.09x (bench/matmul_nbits.py, bench/engine_ab.py).
+constexpr int64_t kPrefetchColumns = 32;
 
 inline __mmask16 first16(int64_t n) { return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
 
@@ -93,6 +97,15 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
     for (int r = 0; r < R; ++r) acc[col][r] = _mm512_setzero_ps();
   }
   __m512 window[C];
+  {   // the scales and zero points of the tiles ahead: streams of their own
+    const char* ahead = reinterpret_cast<const char*>(c.scales + (n0 + kPrefetchColumns) * c.blocks);
+    for (int64_t at = 0; at < C * c.blocks * 4; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T1);
+    if (c.zeros != nullptr) {
+      const int64_t row = BITS == 8 ? c.blocks : (c.blocks + 1) / 2;
+      const char* zeros = reinterpret_cast<const char*>(c.zeros + (n0 + kPrefetchColumns) * row);
+      for (int64_t at = 0; at < C * row; at += 64) _mm_prefetch(zeros + at, _MM_HINT_T1);
+    }
+  }
   for (int64_t j = 0; j < a.steps; ++j) {
     const int64_t w = j % kWindowSteps, left = a.groups - j * kStepGroups;
     if (w == 0) {   // the block scales of the next 16 groups
@@ -110,8 +123,8 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
     for (int col = 0; col < C; ++col) {
       const uint8_t* column = c.B + (n0 + col) * column_bytes;
       // DRAM latency is hidden by asking now for the weights of the tiles ahead (the hardware
-      // prefetcher alone left the loads and the arithmetic nearly serial: 18 vs 28 GB/s in cache)
-      _mm_prefetch(reinterpret_cast<const char*>(column + kPrefetchColumns * column_bytes + j * 64), _MM_HINT_T0);
+      // prefetcher alone left the loads and the arithmetic nearly one after the other)
+      _mm_prefetch(reinterpret_cast<const char*>(column + kPrefetchColumns * column_bytes + j * 64), _MM_HINT_T1);
       if (left >= kStepGroups) {
         step_weights<BITS>(_mm512_loadu_si512(column + j * 64), &lo[col], &hi[col]);
       } else {   // the last groups: no read past the column
