@@ -15,9 +15,9 @@
 //     y[n] = sum_g scale[n, b(g)] sx_g dot_g  -  sum_b scale[n, b] zero[n, b] C_b
 // Why a kernel: on int4 engines MLAS's MatMulNBits is compute-bound (the 150M model's 49 matmuls
 // read at 18.7 GB/s where float ones read at 27), most of all with the few rows of a verify. This
-// one (AVX-512 VNNI, matmul_nbits_avx512.cc) made the 150M int4 verify 1.04 / 1.11 / 1.15x faster
-// at 2 / 3 / 4 rows and the batch-8 step 1.09x; batch 1 is even (docs/performance.md). Its int8
-// path was slower than MLAS's, so only 4-bit nodes are lowered to it
+// one (AVX-512 VNNI, matmul_nbits_avx512.cc) made the 150M int4 target step 1.20x faster at batch 1
+// and 1.10x at batch 8, its verify 1.09-1.15x (docs/performance.md). Its int8 path was slower than
+// MLAS's at batch 8, so only 4-bit nodes are lowered to it
 // (engines/backends/onnxruntime_kernel_files.py). Every row runs the same instructions in the same
 // order whatever the call's rows, so a verify row equals a decode step bit for bit. CPUs without
 // AVX-512 VNNI run the portable loop (the same quantized activations, float sums in another order);
