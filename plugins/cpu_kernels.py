@@ -53,6 +53,14 @@ def digest() -> str:
     return h.hexdigest()[:16]
 
 
+def version() -> str:
+    """The backend's record of the kernels (engines/backends/onnxruntime_backend.versions): digest(),
+    marked where the build leaves int4 matmuls to ONNX Runtime on a CPU that could run tandem's
+    (TANDEM_CPU_KERNELS_PORTABLE=1 changes what the build makes, not the library), so that either
+    change rebuilds an engine dir instead of reusing it."""
+    return digest() if int4_matmul() or not enabled() else f"{digest()}-portable"
+
+
 def enabled() -> bool:
     return os.environ.get("TANDEM_CPU_KERNELS", "1") != "0"
 

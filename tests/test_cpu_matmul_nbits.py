@@ -144,6 +144,16 @@ def test_lowering_takes_4bit_level4_nodes_and_the_exact_copy_undoes_it(tmp_path)
     assert copy.graph.node[0].domain == MS_DOMAIN and attrs["accuracy_level"] == 0 and attrs["bits"] == 4
 
 
+def test_leaving_int4_to_onnxruntime_is_part_of_the_backends_versions(monkeypatch):
+    """TANDEM_CPU_KERNELS_PORTABLE=1 changes what the build makes (MLAS's int4 matmuls), not the
+    library: the versions must differ, or a later build would reuse the other kind of dir."""
+    if not cpu_kernels.int4_matmul():
+        pytest.skip("no AVX-512 VNNI here: the build never moves int4 matmuls")
+    before = onnxruntime_backend.versions()["cpu_kernels"]
+    monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1")
+    assert onnxruntime_backend.versions()["cpu_kernels"] == f"{before}-portable"
+
+
 def test_int4_engine_dir_serves_its_matmuls_on_the_kernel(tiny_root, tmp_path):
     """Built where the fast kernel runs: every 4-bit MatMulNBits of every saved graph is the
     kernel's, the dir carries the library, and the build's verification passed."""

@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 def versions() -> dict[str, str]:
     """What the engines depend on; "cpu" because the saved optimized graphs do."""
     return {"onnxruntime": ort.__version__, "onnx": onnx.__version__, "numpy": np.__version__, "cpu": cpu_signature(),
-            "cpu_kernels": cpu_kernels.digest()}
+            "cpu_kernels": cpu_kernels.version()}
 
 
 def engine_file(bucket: Bucket) -> str:
