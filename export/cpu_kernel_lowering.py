@@ -92,7 +92,7 @@ def lower_matmul_nbits_to_kernel(model: onnx.ModelProto) -> bool:
     """Rewrite in place the 4-bit MatMulNBits of an optimized graph that compute with int8
     activations (accuracy level 4) and whose blocks the kernel reads (a power of two >= 32 inputs,
     float32 scales, no g_idx or bias); returns whether any was. 8-bit ones keep ONNX Runtime's
-    kernel (the kernel's int8 path lost at batch 8: docs/performance.md)."""
+    kernel (the kernel's int8 path lost on the batch-8 verify: docs/performance.md)."""
     f32 = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
     done = False
     for node in model.graph.node:

@@ -17,7 +17,7 @@
 // read at 18.7 GB/s where float ones read at 27), most of all with the few rows of a verify. This
 // one (AVX-512 VNNI, matmul_nbits_avx512.cc) made the 150M int4 target step 1.20x faster at batch 1
 // and 1.10x at batch 8, its verify 1.09-1.15x (docs/performance.md). Its int8 path was slower than
-// MLAS's at batch 8, so only 4-bit nodes are lowered to it
+// MLAS's on the batch-8 verify (32 rows), so only 4-bit nodes are lowered to it
 // (engines/backends/onnxruntime_kernel_files.py). Every row runs the same instructions in the same
 // order whatever the call's rows, so a verify row equals a decode step bit for bit. CPUs without
 // AVX-512 VNNI run the portable loop (the same quantized activations, float sums in another order);
@@ -38,7 +38,7 @@ void expect_mm(bool ok, const char* what) { expect(ok, "MatMulNBits", what); }
 
 void QuantizedRows::shape(const MatMulNBitsCall& call) {
   groups = call.K / kGroup;
-  step_groups = call.bits == 8 ? 2 : 4;
+  step_groups = 4;
   steps = (groups + step_groups - 1) / step_groups;
   row_bytes = steps * step_groups * kGroup;
   blocks_padded = (call.blocks + 15) / 16 * 16;

@@ -28,7 +28,7 @@ struct MatMulNBitsCall {
 
 // A's rows quantized per group of 32: xq in the layout the kernel reads, the scale sx per group,
 // and per block C_b = sum over its groups of sx_g * sum(xq_g), zero past the last block.
-// The AVX-512 kernel works in steps of 64 weight bytes: 2 groups of 8-bit weights, 4 of 4-bit ones.
+// The AVX-512 kernel works in steps of 4 groups (64 bytes of 4-bit weights, 128 of 8-bit ones).
 struct QuantizedRows {
   int64_t groups = 0, step_groups = 0, steps = 0, row_bytes = 0, blocks_padded = 0;
   std::vector<int8_t> q;           // [M, row_bytes]: steps * step_groups * 32 (missing last groups: zeros)

@@ -1,14 +1,15 @@
 // ai.tandem.cpu::MatMulNBits' AVX-512 VNNI kernel (the op and its math: matmul_nbits.cc).
 //
-// The kernel works in steps of 64 weight bytes. vpdpbusd multiplies unsigned weights by the row's
-// signed activations and sums each 4 adjacent products into one of 16 int32 lanes; their float
-// conversion times (weight scale x activation scale) of the lane's group goes into a float
-// accumulator per (row, column). Layouts of one step, in 16-byte lanes:
-//     8 bits   weights [g0 | g0 | g1 | g1] as stored              activations the same inputs
-//     4 bits   weights [g0 | g1 | g2 | g3], 16 bytes per group, split into low nibbles (even
-//              inputs) and high nibbles (odd inputs); activations [evens of g0..g3 | odds of g0..g3]
-//              (128 bytes): two vpdpbusd into the same lanes, lane i sums group i / 4
-// so weights are not moved but by the nibble split; activations are reordered once per row instead.
+// The kernel works in steps of 4 groups (128 inputs). vpdpbusd multiplies unsigned weights by the
+// row's signed activations and sums each 4 adjacent products into one of 16 int32 lanes; two of
+// them put group g's products in lanes 4g..4g+3, whose float conversion times (weight scale x
+// activation scale) of the group goes into a float accumulator per (row, column). A step's two
+// weight vectors, in 16-byte lanes:
+//     4 bits   64 bytes [g0 | g1 | g2 | g3] split into low nibbles (even inputs) and high nibbles
+//              (odd inputs); activations [evens of g0..g3 | odds of g0..g3] (128 bytes)
+//     8 bits   128 bytes [g0 | g1 | g2 | g3] (32 each) recombined, a qword permute each, into their
+//              first and second halves; activations [first 16 of g0..g3 | last 16 of g0..g3]
+// so weights move only in registers; activations are reordered once per row instead.
 // Four columns go together (one activation load, four independent accumulations) over up to 4
 // rows (verify rows reuse the weights from registers). Compiled for AVX-512 with function
 // attributes and chosen at run time (avx512_vnni()), so the library still loads, and runs the
@@ -38,16 +39,25 @@ bool avx512_vnni() {
 
 namespace {
 
-// a step's 64 weight bytes: 4 bits -> (low nibbles, high nibbles), 8 bits -> (bytes, unused)
+// step j's weights of one column as the two vectors vpdpbusd takes (`left`: groups left, < 4 in
+// the last step, whose missing groups read as zeros and nothing past the column)
 template <int BITS>
-TANDEM_AVX512 inline void step_weights(__m512i bytes, __m512i* lo, __m512i* hi) {
-  if (BITS == 8) {
-    *lo = bytes;
+TANDEM_AVX512 inline void step_weights(const uint8_t* column, int64_t j, int64_t left, __m512i* lo, __m512i* hi) {
+  if (BITS == 4) {
+    const uint8_t* w = column + j * 64;
+    const __m512i bytes = left >= 4 ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8((1ull << (left * 16)) - 1, w);
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    *lo = _mm512_and_si512(bytes, nibble);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
     return;
   }
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  *lo = _mm512_and_si512(bytes, nibble);
-  *hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+  const uint8_t* w = column + j * 128;
+  const auto bytes = [](int64_t groups) { return groups >= 2 ? ~0ull : groups == 1 ? 0xFFFFFFFFull : 0ull; };
+  const __m512i g01 = left >= 4 ? _mm512_loadu_si512(w) : _mm512_maskz_loadu_epi8(bytes(left), w);
+  const __m512i g23 = left >= 4 ? _mm512_loadu_si512(w + 64) : _mm512_maskz_loadu_epi8(bytes(left - 2), w + 64);
+  // qwords 0-7 of g01, 8-15 of g23: first halves of g0..g3, then their second halves
+  *lo = _mm512_permutex2var_epi64(g01, _mm512_setr_epi64(0, 1, 4, 5, 8, 9, 12, 13), g23);
+  *hi = _mm512_permutex2var_epi64(g01, _mm512_setr_epi64(2, 3, 6, 7, 10, 11, 14, 15), g23);
 }
 
 // the zero points of blocks [b, b + 16) of column n (lanes past the last block: anything finite)
@@ -89,7 +99,7 @@ TANDEM_AVX512 inline __m128 sums4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 // scales once per window (the same products the other rows take lane by lane).
 template <int BITS, int C, int R>
 TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t n0, int64_t m0) {
-  constexpr int64_t kStepGroups = BITS == 8 ? 2 : 4, kWindowSteps = 16 / kStepGroups;
+  constexpr int64_t kStepGroups = 4, kWindowSteps = 16 / kStepGroups;
   const int64_t per_block = c.block_size / kGroup, column_bytes = c.blocks * c.block_size * BITS / 8;
   const bool fused = R == 1 && per_block == 1;
   __m512 acc[C][R];
@@ -124,13 +134,10 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
       const uint8_t* column = c.B + (n0 + col) * column_bytes;
       // DRAM latency is hidden by asking now for the weights of the tiles ahead (the hardware
       // prefetcher alone left the loads and the arithmetic nearly one after the other)
-      _mm_prefetch(reinterpret_cast<const char*>(column + kPrefetchColumns * column_bytes + j * 64), _MM_HINT_T1);
-      if (left >= kStepGroups) {
-        step_weights<BITS>(_mm512_loadu_si512(column + j * 64), &lo[col], &hi[col]);
-      } else {   // the last groups: no read past the column
-        step_weights<BITS>(_mm512_maskz_loadu_epi8((1ull << (left * kGroup * BITS / 8)) - 1, column + j * 64),
-                           &lo[col], &hi[col]);
-      }
+      const char* ahead = reinterpret_cast<const char*>(column + kPrefetchColumns * column_bytes + j * 2 * BITS * 8);
+      _mm_prefetch(ahead, _MM_HINT_T1);
+      if (BITS == 8) _mm_prefetch(ahead + 64, _MM_HINT_T1);
+      step_weights<BITS>(column, j, left, &lo[col], &hi[col]);
       ws[col] = _mm512_permutexvar_ps(lanes, window[col]);
     }
     for (int r = 0; r < R; ++r) {
@@ -139,8 +146,8 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
       const __m512 sx = fused ? _mm512_setzero_ps()       // (unused: the window holds the products)
                               : _mm512_loadu_ps(a.sx_lanes.data() + ((m0 + r) * a.steps + j) * 16);
       for (int col = 0; col < C; ++col) {
-        __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[col], x0);
-        if (BITS == 4) dot = _mm512_dpbusd_epi32(dot, hi[col], _mm512_loadu_si512(x + 64));
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[col], x0), hi[col],
+                                                _mm512_loadu_si512(x + 64));
         const __m512 scale = fused ? ws[col] : _mm512_mul_ps(ws[col], sx);
         acc[col][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scale, acc[col][r]);
       }
@@ -198,14 +205,14 @@ TANDEM_AVX512 void quantize_avx512(const MatMulNBitsCall& call, QuantizedRows* r
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
       const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
       const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      // 8 bits: step g / 2 holds the group's 32 inputs at (g % 2) * 32; 4 bits: step g / 4 holds its
-      // 16 even inputs at (g % 4) * 16 and its 16 odd ones 64 bytes further
-      int8_t* step = rows->q.data() + m * rows->row_bytes + (g / rows->step_groups) * rows->step_groups * kGroup;
+      // step g / 4 holds the group's 16 inputs of the first weight vector at (g % 4) * 16 and its
+      // 16 of the second 64 bytes further: 4 bits the even and the odd inputs, 8 bits the first
+      // and the last 16
+      int8_t* step = rows->q.data() + m * rows->row_bytes + (g / 4) * 4 * kGroup + (g % 4) * 16;
       const __m512i first = call.bits == 8 ? qlo : _mm512_permutex2var_epi32(qlo, evens, qhi);
       const __m512i second = call.bits == 8 ? qhi : _mm512_permutex2var_epi32(qlo, odds, qhi);
-      const int64_t at = call.bits == 8 ? (g % 2) * 32 : (g % 4) * 16, next = call.bits == 8 ? 16 : 64;
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(step + at), _mm512_cvtsepi32_epi8(first));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(step + at + next), _mm512_cvtsepi32_epi8(second));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(step), _mm512_cvtsepi32_epi8(first));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(step + 64), _mm512_cvtsepi32_epi8(second));
       rows->sx[m * rows->groups + g] = amax / 127.0f;
       rows->sums[m * rows->groups + g] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
     }
