@@ -5,7 +5,9 @@
 
 Decoding at batch 1 reads every weight of the target step once per token, so weight bytes x tokens/s
 is the bandwidth decoding achieves; the bound is what one large fp32 GEMV reaches in ONNX Runtime on
-all threads (a [1, K] x [K, N] MatMul over a `--gemv-mib` weight, far larger than the caches). Per
+all threads (a [1, K] x [K, N] MatMul over a `--gemv-mib` weight, far larger than the caches): the
+faster of ONNX Runtime's MatMul and, where the build uses it here, tandem's (ai.tandem.cpu::MatMul
+over the weight panels; it streams faster than MLAS, so the bound is the better of the two). Per
 engine dir: the target step's weight bytes per token (initializers read by its MatMuls, Convs and
 MatMulNBits; those only gathered from, the embedding table, count one row), decode tokens/s (plain
 greedy, batch 1, prompt 32, prefill excluded), and achieved / bound. GEMV and decode alternate
@@ -30,8 +32,10 @@ from onnx import TensorProto, helper, numpy_helper
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine  # noqa: E402
 from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, weight_panels  # noqa: E402
 from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
+from tandem.plugins import cpu_kernels  # noqa: E402
 
 _SIZES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.UINT8: 1, TensorProto.INT8: 1,
           TensorProto.UINT4: 0.5, TensorProto.INT4: 0.5, TensorProto.INT64: 8, TensorProto.INT32: 4}
@@ -54,18 +58,20 @@ def weight_bytes_per_token(engine_dir: Path) -> float:
     return total
 
 
-def gemv_bandwidth(mib: int, calls: int = 30) -> float:
-    """Bytes/s one [1, K] x [K, N] float32 MatMul reads, median over `calls` calls after warm-up."""
+def gemv_bandwidth(mib: int, calls: int = 30, kernels: Path | None = None) -> float:
+    """Bytes/s one [1, K] x [K, N] float32 MatMul reads, median over `calls` calls after warm-up:
+    ONNX Runtime's, or with `kernels` (the library) tandem's over the same weights as panels."""
     k = 4096
     n = mib * 2**20 // (4 * k)
     w = np.random.default_rng(0).standard_normal((k, n), dtype=np.float32)
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"])], "gemv",
+    attrs, opsets = ({"domain": CPU_DOMAIN, "N": n}, [helper.make_opsetid(CPU_DOMAIN, 1)]) if kernels else ({}, [])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], **attrs)], "gemv",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
-                              [numpy_helper.from_array(w, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+                              [numpy_helper.from_array(weight_panels(w) if kernels else w, "w")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), *opsets])
     model.ir_version = 10
-    sess = session(model)
+    sess = session(model, kernels=kernels)
     x = {"x": np.ones((1, k), np.float32)}
     for _ in range(3):
         sess.run(None, x)
@@ -98,9 +104,13 @@ def main() -> None:
     print(f"machine: {machine()}; onnxruntime {ort.__version__}; plain decoding, batch 1, {args.tokens} tokens")
     ratios = {d: [] for d in llms}
     rows = {d: [] for d in llms}
-    bounds = []
+    bounds, gemvs = [], {"onnxruntime": [], "tandem": []}
+    kernels = cpu_kernels.library() if cpu_kernels.f32_matmul() else None
     for _ in range(args.rounds):
-        bound = gemv_bandwidth(args.gemv_mib)
+        gemvs["onnxruntime"].append(gemv_bandwidth(args.gemv_mib))
+        if kernels is not None:
+            gemvs["tandem"].append(gemv_bandwidth(args.gemv_mib, kernels=kernels))
+        bound = max(g[-1] for g in gemvs.values() if g)
         bounds.append(bound)
         for d, llm in llms.items():
             speed = decode_speed(llm, args.tokens)
@@ -108,7 +118,8 @@ def main() -> None:
             rows[d].append(speed)
             ratios[d].append(achieved / bound)
     print(f"GEMV bound: {statistics.median(bounds) / 1e9:.1f} GB/s (median of {args.rounds}; "
-          f"{min(bounds) / 1e9:.1f}-{max(bounds) / 1e9:.1f})")
+          f"{min(bounds) / 1e9:.1f}-{max(bounds) / 1e9:.1f}); " + ", ".join(
+              f"{name}'s GEMV {statistics.median(g) / 1e9:.1f}" for name, g in gemvs.items() if g))
     print("engine dir | weight MiB per token | tokens/s | bound tokens/s | achieved / bound")
     for d in llms:
         per_token = weight_bytes_per_token(d)

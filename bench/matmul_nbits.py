@@ -1,15 +1,18 @@
-"""tandem's int4 / int8 matmul kernel (ai.tandem.cpu::MatMulNBits) against ONNX Runtime's (MLAS),
-node by node, with weights streamed from memory as in a decode step.
+"""tandem's int4 / int8 matmul kernel (ai.tandem.cpu::MatMulNBits) and its float32 one
+(ai.tandem.cpu::MatMul, --bits 32) against ONNX Runtime's (MLAS), node by node, with weights
+streamed from memory as in a decode step.
 
     .venv/bin/python bench/matmul_nbits.py [--shapes 768x3088,1024x768,768x4096,2048x768,768x32000]
-                                           [--bits 4] [--rows 1 4] [--mib 48] [--rounds 7]
+                                           [--bits 4|8|32] [--rows 1 4] [--mib 48] [--rounds 7]
 
 Per K x N shape: a graph of as many such nodes as make --mib MiB of packed weights (each its own
 random weights, so they come from memory, not the caches: the engine's 49 matmuls of the 150M
 int4 model are 72 MiB), every node reading the same input rows; once with tandem's op, once with
-ONNX Runtime's at accuracy level 4 (int8 activations: the same math). Both run on the process-wide
-thread pool the engines use, timed alternately --rounds times (5 runs each, best kept: the machine
-is shared). Prints ms per graph, the packed weights' GB/s and MLAS / tandem (> 1: tandem faster).
+ONNX Runtime's at accuracy level 4 (int8 activations: the same math); with --bits 32 float32
+MatMuls, tandem's reading the weight panels the build writes, ONNX Runtime's its own packed copy.
+Both run on the process-wide thread pool the engines use, timed alternately --rounds times (5 runs
+each, best kept: the machine is shared). Prints ms per graph, the packed weights' GB/s and
+MLAS / tandem (> 1: tandem faster).
 The engine-level figures (`bench/engine_ab.py`, docs/performance.md) are what decided the lowering.
 """
 
@@ -27,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine  # noqa: E402
 from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
 from tandem.export.builder import MS_DOMAIN  # noqa: E402
-from tandem.export.cpu_kernel_lowering import CPU_DOMAIN  # noqa: E402
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, weight_panels  # noqa: E402
 from tandem.plugins import cpu_kernels  # noqa: E402
 
 BLOCK = 32
@@ -57,10 +60,27 @@ def graph(domain: str, K: int, N: int, bits: int, nodes: int, seed: int = 0):
     return model, nodes * N * nb * BLOCK * bits // 8
 
 
+def float_graph(domain: str, K: int, N: int, nodes: int, seed: int = 0):
+    """`nodes` float32 MatMuls over the same input A [M, K], each with its own random weights:
+    ONNX Runtime's (domain "") or tandem's (its B the weight panels)."""
+    rng = np.random.default_rng(seed)
+    inits, ops, outs = [], [], []
+    for i in range(nodes):
+        w = rng.standard_normal((K, N), dtype=np.float32) * 0.02
+        inits.append(numpy_helper.from_array(weight_panels(w) if domain else w, f"B{i}"))
+        ops.append(helper.make_node("MatMul", ["A", f"B{i}"], [f"Y{i}"], domain=domain, **({"N": N} if domain else {})))
+        outs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", N]))
+    g = helper.make_graph(ops, "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", K])], outs, inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)] + ([helper.make_opsetid(domain, 1)]
+                                                                                 if domain else []))
+    model.ir_version = 10
+    return model, nodes * K * N * 4
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="768x3088,1024x768,768x4096,2048x768,768x32000")
-    parser.add_argument("--bits", type=int, default=4, choices=(4, 8))
+    parser.add_argument("--bits", type=int, default=4, choices=(4, 8, 32))
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--mib", type=float, default=48.0)
     parser.add_argument("--rounds", type=int, default=7)
@@ -68,15 +88,18 @@ def main() -> None:
     library = cpu_kernels.library()
     if library is None:
         raise SystemExit("tandem's CPU kernels are not built here (no C++ compiler, or TANDEM_CPU_KERNELS=0)")
-    fast = cpu_kernels.int4_matmul()
+    fast = cpu_kernels.f32_matmul() if args.bits == 32 else cpu_kernels.int4_matmul()
     print(f"{machine()}; {args.bits}-bit, block {BLOCK}; tandem's kernel: "
-          f"{'AVX-512 VNNI' if fast else 'portable loop (the build would not use it here)'}")
+          f"{'AVX-512' if fast else 'portable loop (the build would not use it here)'}")
     for shape in args.shapes.split(","):
         K, N = (int(v) for v in shape.split("x"))
         per_node = N * K * args.bits // 8
         nodes = max(1, round(args.mib * 2**20 / per_node))
-        ours, nbytes = graph(CPU_DOMAIN, K, N, args.bits, nodes)
-        theirs, _ = graph(MS_DOMAIN, K, N, args.bits, nodes)
+        if args.bits == 32:
+            (ours, nbytes), (theirs, _) = float_graph(CPU_DOMAIN, K, N, nodes), float_graph("", K, N, nodes)
+        else:
+            ours, nbytes = graph(CPU_DOMAIN, K, N, args.bits, nodes)
+            theirs, _ = graph(MS_DOMAIN, K, N, args.bits, nodes)
         sessions = {"tandem": session(ours, kernels=library), "mlas": session(theirs)}
         for rows in args.rows:
             a = {"A": np.random.default_rng(1).standard_normal((rows, K)).astype(np.float32)}

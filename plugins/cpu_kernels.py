@@ -32,7 +32,8 @@ from pathlib import Path
 from tandem.engines.backends.onnxruntime_optimized import cpu_signature
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
-SOURCES = ("gated_deltanet.cc", "paged_attention.cc", "matmul_nbits.cc", "matmul_nbits_avx512.cc", "register.cc")
+SOURCES = ("gated_deltanet.cc", "paged_attention.cc", "matmul_nbits.cc", "matmul_nbits_avx512.cc", "matmul_f32.cc",
+           "register.cc")
 HEADERS = ("ort_abi.h", "kernel_common.h", "matmul_nbits.h")
 # what the int4 matmul kernel's fast path (matmul_nbits_avx512.cc) needs, as /proc/cpuinfo names them
 _VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -55,10 +56,11 @@ def digest() -> str:
 
 def version() -> str:
     """The backend's record of the kernels (engines/backends/onnxruntime_backend.versions): digest(),
-    marked where the build leaves int4 matmuls to ONNX Runtime on a CPU that could run tandem's
+    marked where the build leaves matmuls to ONNX Runtime on a CPU that could run tandem's
     (TANDEM_CPU_KERNELS_PORTABLE=1 changes what the build makes, not the library), so that either
     change rebuilds an engine dir instead of reusing it."""
-    return digest() if int4_matmul() or not enabled() else f"{digest()}-portable"
+    forced = enabled() and os.environ.get("TANDEM_CPU_KERNELS_PORTABLE") == "1" and "avx512f" in _flags_here()
+    return f"{digest()}-portable" if forced else digest()
 
 
 def enabled() -> bool:
@@ -69,8 +71,22 @@ def int4_matmul() -> bool:
     """Whether the library's int4 matmul runs its AVX-512 VNNI kernel here (the build lowers 4-bit
     MatMulNBits to it only then: the portable loop is slower than ONNX Runtime's).
     TANDEM_CPU_KERNELS_PORTABLE=1 makes the library run its portable loops, and so turns this off."""
-    flags = set(cpu_signature().split(":")[-1].split(","))
-    return enabled() and os.environ.get("TANDEM_CPU_KERNELS_PORTABLE") != "1" and _VNNI_FLAGS <= flags
+    return _fast() and _VNNI_FLAGS <= _flags_here()
+
+
+def f32_matmul() -> bool:
+    """Whether the library's float32 matmul (plugins/cpu/matmul_f32.cc) runs its AVX-512 kernel
+    here: the build lowers constant-weight MatMuls to it only then (and not with
+    TANDEM_CPU_KERNELS_PORTABLE=1)."""
+    return _fast() and "avx512f" in _flags_here()
+
+
+def _fast() -> bool:
+    return enabled() and os.environ.get("TANDEM_CPU_KERNELS_PORTABLE") != "1"
+
+
+def _flags_here() -> set[str]:
+    return set(cpu_signature().split(":")[-1].split(","))
 
 
 def library() -> Path | None:

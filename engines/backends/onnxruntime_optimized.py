@@ -6,7 +6,8 @@
                                 load opens it with optimisation off
       weights.bin               every tensor the optimizer left unchanged (all of a float build)
       optimized.bin             tensors the optimizer made (MatMulNBits' packed int8 / int4
-                                weights), each distinct one once, shared by every .opt.onnx
+                                weights) or a rewrite added (tandem's float matmuls' weight
+                                panels), each distinct one once, shared by every .opt.onnx
 
 Measured on the shipped model (2 cores): a session on a lowered graph took ~400 ms to create,
 on its saved optimized graph 50-140 ms. The optimizer's output depends on the ONNX Runtime
@@ -24,8 +25,10 @@ import platform
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnxruntime as ort
+from onnx import helper, numpy_helper
 
 from tandem.export.cpu_kernel_lowering import exact_matmul_nbits
 from tandem.export.exporter import WEIGHTS_FILE
@@ -64,8 +67,9 @@ def save_optimized(folder: Path, files: list[str], options, progress=None, sourc
     (unchanged ones) or optimized.bin. `options(level)` gives the serving SessionOptions.
     `sources`: engine file -> the graph to optimize in its place (a lowering for the CPU provider
     only, in `folder`, with the same weights), where it is not the engine file itself.
-    `rewrite(model) -> bool`: a change to each optimizer output before it is saved (nodes the
-    optimizer made, to tandem's kernels); returns the engine files it changed."""
+    `rewrite(model, tensors) -> bool`: a change to each optimizer output before it is saved (nodes
+    to tandem's kernels), with `tensors` to read its initializers and add new ones
+    (_GraphTensors); returns the engine files it changed."""
     sources, rewritten = sources or {}, set()
     store = _OptimizedWeights(folder)
     try:
@@ -80,7 +84,7 @@ def save_optimized(folder: Path, files: list[str], options, progress=None, sourc
                                               str(_EXTERNAL_MIN_BYTES))
                 ort.InferenceSession(str(sources.get(name, folder / name)), opts, providers=["CPUExecutionProvider"])
                 model = onnx.load(str(saved), load_external_data=False)
-                if rewrite is not None and rewrite(model):
+                if rewrite is not None and rewrite(model, _GraphTensors(saved.parent, store)):
                     rewritten.add(name)
                 store.rehome(model, onnx.load(str(folder / name), load_external_data=False), saved.parent / "data.bin")
                 onnx.save(model, str(folder / optimized_name(name)))
@@ -122,6 +126,32 @@ def _read(f, offset: int, length: int) -> bytes:
     return f.read(length)
 
 
+class _GraphTensors:
+    """A rewrite's access to the tensors of one optimizer output (saved in `folder`, external data
+    relative to it): array() reads one; add() writes a new one into optimized.bin at once (so a
+    graph's new tensors are never all in memory together) and returns it, pointing there."""
+
+    def __init__(self, folder: Path, store: _OptimizedWeights):
+        self.folder, self.store = folder, store
+
+    def array(self, tensor: onnx.TensorProto) -> np.ndarray:
+        ref = _external(tensor)
+        if ref is None:
+            return numpy_helper.to_array(tensor)
+        location, offset, length = ref
+        with open(self.folder / location, "rb") as f:
+            blob = _read(f, offset, length)
+        dtype = helper.tensor_dtype_to_np_dtype(tensor.data_type)
+        return np.frombuffer(blob, dtype=dtype).reshape(tuple(tensor.dims))
+
+    def add(self, name: str, array: np.ndarray) -> onnx.TensorProto:
+        blob = np.ascontiguousarray(array).tobytes()
+        tensor = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape)
+        tensor.data_location = onnx.TensorProto.EXTERNAL
+        _point(tensor, OPTIMIZED_WEIGHTS, self.store.append(blob), len(blob))
+        return tensor
+
+
 class _OptimizedWeights:
     """Points each external tensor of a saved graph at weights.bin where the lowered graph has a
     tensor of the same name and bytes there, else at optimized.bin (appended once per content).
@@ -137,7 +167,7 @@ class _OptimizedWeights:
 
     def rehome(self, model: onnx.ModelProto, lowered: onnx.ModelProto, data_path: Path) -> None:
         known = {t.name: ref for t in lowered.graph.initializer if (ref := _external(t))}
-        tensors = [(t, ref) for t in model.graph.initializer if (ref := _external(t))]
+        tensors = [(t, ref) for t in model.graph.initializer if (ref := _external(t)) and ref[0] != OPTIMIZED_WEIGHTS]
         if not tensors:
             return
         with open(data_path, "rb") as data:
@@ -148,9 +178,9 @@ class _OptimizedWeights:
                         and _read(self.weights, same[1], length) == blob:
                     _point(tensor, WEIGHTS_FILE, same[1], length)
                 else:
-                    _point(tensor, OPTIMIZED_WEIGHTS, self._append(blob), length)
+                    _point(tensor, OPTIMIZED_WEIGHTS, self.append(blob), length)
 
-    def _append(self, blob: bytes) -> int:
+    def append(self, blob: bytes) -> int:
         digest = hashlib.sha256(blob).hexdigest()
         if digest not in self._offsets:
             pad = -self._size % _ALIGN

@@ -124,5 +124,6 @@ inline int default_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTy
 extern const OrtCustomOp kGatedDeltaNet;
 extern const OrtCustomOp kPagedAttention;
 extern const OrtCustomOp kMatMulNBits;
+extern const OrtCustomOp kMatMul;
 
 }  // namespace tandem

@@ -1,0 +1,187 @@
+// ai.tandem.cpu::MatMul: y = A W for float32 A [..., K] and a constant W [K, N], stored as column
+// panels, read where they lie (the engine dir's mapped optimized.bin), as one ONNX Runtime CPU kernel.
+//
+// Inputs   A [..., K] float32; B [ceil(N / 16), K, 16] float32: panel p holds columns 16p..16p+15 of
+//          W, row after row (columns past N are zeros): B[p, k, j] = W[k, 16 p + j]
+// Output   [..., N]
+// Attrs    N
+//
+// Why: ONNX Runtime's MatMul packs its own copy of every constant W per session at load (MLAS's
+// panels: 0.83 s and +461 MiB per 150M float target-step session). The build writes the panels
+// once instead (export/cpu_kernel_lowering.lower_matmul_to_kernel), so sessions share the mapped
+// file; each panel is one contiguous stream, which the hardware prefetchers follow (software
+// prefetch 16 or 32 rows ahead measured no better), and the kernel streamed the 150M model's layer
+// shapes 1.0-1.5x faster than MLAS at 1-8 rows and even with it at 128 (bench/matmul_nbits.py
+// --bits 32; docs/performance.md).
+//
+// Math, per output element: one fma chain over k = 0..K-1 in order, from 0:
+//     acc = fma(A[m, k], W[k, n], acc);   y[m, n] = acc
+// The same chain whatever the call's rows or the tile the element falls in, so a verify row equals
+// a decode step bit for bit, and the portable loop (std::fma, same order) equals the AVX-512 kernel
+// bit for bit.
+//
+// Tiles: R rows (up to 8) x V panels, R * V <= 16 accumulators in registers; each k loads row k of
+// the V panels once for the R rows. Chunks of 4 panels are shared out on ONNX Runtime's pool; rows go
+// in blocks of 8 inside a chunk (its panels come from L2 again for each block).
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "kernel_common.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define TANDEM_AVX512F __attribute__((target("avx512f")))
+#endif
+
+namespace tandem {
+namespace {
+
+constexpr int64_t kLanes = 16;          // columns per panel
+constexpr int64_t kChunkPanels = 4;     // panels per task of the pool
+
+struct Call {
+  const float* A;   // [M, K]
+  const float* B;   // [P, K, 16]
+  float* y;         // [M, N]
+  int64_t M, K, N;
+};
+
+// Panels [p0, p1) of every row, lane by lane: the chains the AVX-512 kernel runs, in its order.
+void panels_portable(const Call& c, int64_t p0, int64_t p1) {
+  for (int64_t m = 0; m < c.M; ++m) {
+    const float* a = c.A + m * c.K;
+    for (int64_t p = p0; p < p1; ++p) {
+      float acc[kLanes] = {};
+      const float* b = c.B + p * c.K * kLanes;
+      for (int64_t k = 0; k < c.K; ++k) {
+        for (int64_t j = 0; j < kLanes; ++j) acc[j] = std::fma(a[k], b[k * kLanes + j], acc[j]);
+      }
+      const int64_t n0 = p * kLanes, lanes = std::min(kLanes, c.N - n0);
+      std::memcpy(c.y + m * c.N + n0, acc, static_cast<size_t>(lanes) * sizeof(float));
+    }
+  }
+}
+
+#ifdef TANDEM_AVX512F
+
+// y[m0 .. m0 + R, 16 p0 .. 16 (p0 + V)), the last panel's store masked to `tail`
+template <int R, int V>
+TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0, __mmask16 tail) {
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r) {
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  }
+  const int64_t panel = c.K * kLanes;
+  const float* b = c.B + p0 * panel;
+  const float* a = c.A + m0 * c.K;
+  for (int64_t k = 0; k < c.K; ++k, b += kLanes) {
+    __m512 w[V];
+    for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_ps(b + v * panel);
+    for (int r = 0; r < R; ++r) {
+      const __m512 x = _mm512_set1_ps(a[r * c.K + k]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(x, w[v], acc[r][v]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* y = c.y + (m0 + r) * c.N + p0 * kLanes;
+    for (int v = 0; v < V - 1; ++v) _mm512_storeu_ps(y + v * kLanes, acc[r][v]);
+    _mm512_mask_storeu_ps(y + (V - 1) * kLanes, tail, acc[r][V - 1]);
+  }
+}
+
+// rows [m0, m0 + R) of panels [p0, p1), V at a time (fewer for the last ones: the same chains)
+template <int R, int V>
+TANDEM_AVX512F void rows_of(const Call& c, int64_t m0, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; p += V) {
+    const int64_t panels = std::min<int64_t>(V, p1 - p), last = c.N - (p + panels - 1) * kLanes;
+    const __mmask16 tail = static_cast<__mmask16>(last >= kLanes ? 0xFFFF : (1u << last) - 1);
+    switch (panels) {
+      case 1: tile<R, 1>(c, m0, p, tail); break;
+      case 2: tile<R, (V >= 2 ? 2 : V)>(c, m0, p, tail); break;
+      case 3: tile<R, (V >= 3 ? 3 : V)>(c, m0, p, tail); break;
+      default: tile<R, V>(c, m0, p, tail); break;
+    }
+  }
+}
+
+TANDEM_AVX512F void panels_avx512(const Call& c, int64_t p0, int64_t p1) {
+  int64_t m = 0;
+  for (; m + 8 <= c.M; m += 8) rows_of<8, 2>(c, m, p0, p1);
+  switch (c.M - m) {
+    case 7: rows_of<7, 2>(c, m, p0, p1); break;
+    case 6: rows_of<6, 2>(c, m, p0, p1); break;
+    case 5: rows_of<5, 2>(c, m, p0, p1); break;
+    case 4: rows_of<4, 4>(c, m, p0, p1); break;
+    case 3: rows_of<3, 4>(c, m, p0, p1); break;
+    case 2: rows_of<2, 4>(c, m, p0, p1); break;
+    case 1: rows_of<1, 4>(c, m, p0, p1); break;
+    default: break;
+  }
+}
+
+// the AVX-512 kernel runs here (and TANDEM_CPU_KERNELS_PORTABLE is not 1)
+bool avx512f() {
+  const char* portable = std::getenv("TANDEM_CPU_KERNELS_PORTABLE");
+  if (portable != nullptr && std::strcmp(portable, "1") == 0) return false;
+  return __builtin_cpu_supports("avx512f");
+}
+
+#else
+
+void panels_avx512(const Call& c, int64_t p0, int64_t p1) { panels_portable(c, p0, p1); }
+bool avx512f() { return false; }
+
+#endif
+
+struct Kernel {
+  OrtApiTable api;
+  int64_t N;
+  bool fast;
+
+  void compute(OrtKernelContext* context) const {
+    std::vector<int64_t> ad, bd;
+    const float* A = input<float>(api, context, 0, &ad);
+    const float* B = input<float>(api, context, 1, &bd);
+    const int64_t P = (N + kLanes - 1) / kLanes;
+    expect(bd.size() == 3 && bd[0] == P && bd[2] == kLanes, "MatMul", "B is not panels [ceil(N / 16), K, 16]");
+    expect(!ad.empty() && ad.back() == bd[1], "MatMul", "A's last dimension is not B's K");
+    std::vector<int64_t> yd(ad);
+    yd.back() = N;
+    float* y = output(api, context, 0, yd);
+    const Call call{A, B, y, numel(yd) / N, bd[1], N};
+    if (numel(yd) == 0) return;
+    auto chunk = [&](int64_t first, int64_t last) {
+      const int64_t p0 = first * kChunkPanels, p1 = std::min(P, last * kChunkPanels);
+      fast ? panels_avx512(call, p0, p1) : panels_portable(call, p0, p1);
+    };
+    parallel_for(api, context, (P + kChunkPanels - 1) / kChunkPanels, chunk);
+  }
+};
+
+const char* op_name(const OrtCustomOp*) { return "MatMul"; }
+int op_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
+size_t op_input_count(const OrtCustomOp*) { return 2; }
+size_t op_output_count(const OrtCustomOp*) { return 1; }
+int op_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+
+void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
+  OrtApiTable table(api);
+  int64_t N = 0;
+  check(table, table.KernelInfoGetAttributeInt64(info, "N", &N));
+  expect(N > 0, "MatMul", "N must be positive");
+  return new Kernel{table, N, avx512f()};
+}
+
+}  // namespace
+
+const OrtCustomOp kMatMul = {
+    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
+    op_type, op_input_count, op_type, op_output_count,
+    kernel_compute<Kernel>, kernel_destroy<Kernel>,
+    op_characteristic, op_characteristic, default_memory,
+};
+
+}  // namespace tandem

@@ -1,0 +1,160 @@
+"""tandem's float32 matmul kernel (plugins/cpu/matmul_f32.cc): the panel layout against numpy, both
+kernels (AVX-512 and the portable loop) bit for bit against each other and within float32 rounding
+of a float64 product, row invariance bit for bit, bad inputs, and the build's lowering of
+constant-weight MatMuls to it (export/cpu_kernel_lowering.lower_matmul_to_kernel)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tandem.engines.backends import onnxruntime_backend
+from tandem.engines.backends.onnxruntime_optimized import OPTIMIZED_WEIGHTS
+from tandem.engines.builder import build_engines
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, lower_matmul_to_kernel, weight_panels
+from tandem.plugins import cpu_kernels
+
+from .test_load_costs import SMALL
+
+# (K, N): one input, N a multiple of 16 or not, several chunks of 4 panels, a last chunk of 1-3
+CASES = [(1, 5), (37, 16), (64, 33), (200, 70), (96, 129), (130, 200)]
+
+
+@pytest.fixture(scope="module")
+def library():
+    path = cpu_kernels.library()
+    assert path is not None, "the CPU kernels did not compile (a C++ compiler is part of the test setup)"
+    return path
+
+
+def _kernel_model(W: np.ndarray, a_shape=("M", "K")) -> onnx.ModelProto:
+    node = helper.make_node("MatMul", ["A", "B"], ["Y"], domain=CPU_DOMAIN, N=W.shape[1])
+    g = helper.make_graph([node], "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, list(a_shape))],
+                          [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(weight_panels(W), "B")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(CPU_DOMAIN, 1)])
+    m.ir_version = 10
+    return m
+
+
+def _run(library, W, A, monkeypatch=None, portable=False):
+    if monkeypatch is not None:
+        monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1" if portable else "0")   # read when the kernel is made
+    return onnxruntime_backend.session(_kernel_model(W), kernels=library).run(None, {"A": A})[0]
+
+
+def test_weight_panels_hold_16_columns_row_after_row():
+    W = np.arange(3 * 37, dtype=np.float32).reshape(3, 37)
+    B = weight_panels(W)
+    assert B.shape == (3, 3, 16) and B.flags.c_contiguous
+    for p in range(3):
+        for k in range(3):
+            for j in range(16):
+                assert B[p, k, j] == (W[k, 16 * p + j] if 16 * p + j < 37 else 0.0)
+
+
+@pytest.mark.parametrize("K,N", CASES, ids=[f"K{k}-N{n}" for k, n in CASES])
+def test_both_kernels_equal_each_other_and_the_product(library, monkeypatch, K, N):
+    fast_here = cpu_kernels.f32_matmul()                          # (before the portable switch below)
+    rng = np.random.default_rng(K * 1000 + N)
+    W = rng.standard_normal((K, N)).astype(np.float32)
+    A = rng.standard_normal((11, K)).astype(np.float32)          # a tile of 8 rows and one of 3
+    A[4] = 0.0
+    portable = _run(library, W, A, monkeypatch, portable=True)
+    exact = A.astype(np.float64) @ W.astype(np.float64)
+    scale = np.abs(A).astype(np.float64) @ np.abs(W).astype(np.float64)   # the rounding's own bound
+    assert np.all(np.abs(portable - exact) <= 1e-6 * K * scale + 1e-30)
+    assert not np.any(portable[4])
+    if not fast_here:
+        pytest.skip("no AVX-512 here: only the portable kernel runs")
+    fast = _run(library, W, A, monkeypatch)
+    assert np.array_equal(fast, portable)                          # the same fma chains, bit for bit
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+def test_a_rows_result_does_not_depend_on_the_calls_rows(library, monkeypatch, portable):
+    """Tiles of 8, 5-7, 4, 2-3 and 1 rows run other register blocks: every row of a call equals the
+    same row alone, bit for bit (a verify row equals a decode step)."""
+    if not portable and not cpu_kernels.f32_matmul():
+        pytest.skip("no AVX-512 here")
+    monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1" if portable else "0")
+    rng = np.random.default_rng(7)
+    W = rng.standard_normal((300, 150)).astype(np.float32)
+    sess = onnxruntime_backend.session(_kernel_model(W), kernels=library)
+    A = rng.standard_normal((13, 300)).astype(np.float32)
+    for rows in (13, 7, 5, 4, 3, 2):
+        y = sess.run(None, {"A": A[:rows]})[0]
+        for m in range(rows):
+            assert np.array_equal(sess.run(None, {"A": A[m : m + 1]})[0][0], y[m]), (rows, m)
+    ranked = onnxruntime_backend.session(_kernel_model(W, a_shape=("B", "T", 300)), kernels=library)
+    batched = ranked.run(None, {"A": A[:12].reshape(3, 4, 300)})[0]   # [B, T, K] as the graphs call it
+    assert batched.shape == (3, 4, 150) and np.array_equal(batched.reshape(12, 150), sess.run(None, {"A": A[:12]})[0])
+
+
+def test_bad_inputs_fail_that_call_with_a_clear_error(library):
+    W = np.ones((8, 20), np.float32)
+    bad = _kernel_model(W)
+    bad.graph.node[0].attribute[0].i = 40                            # N that the panels do not hold
+    with pytest.raises(Exception, match="B is not panels"):
+        onnxruntime_backend.session(bad, kernels=library).run(None, {"A": np.ones((1, 8), np.float32)})
+    good = onnxruntime_backend.session(_kernel_model(W, a_shape=("M", "any")), kernels=library)
+    with pytest.raises(Exception, match="A's last dimension is not B's K"):
+        good.run(None, {"A": np.ones((1, 9), np.float32)})
+    assert np.array_equal(good.run(None, {"A": np.ones((2, 8), np.float32)})[0], np.full((2, 20), 8, np.float32))
+
+
+class _Tensors:
+    """The saved graph's tensor store as lower_matmul_to_kernel sees it, in memory."""
+
+    def array(self, tensor):
+        return numpy_helper.to_array(tensor)
+
+    def add(self, name, array):
+        return numpy_helper.from_array(array, name)
+
+
+def test_lowering_takes_constant_float_weights_and_drops_the_ones_left_unread(library):
+    rng = np.random.default_rng(3)
+    W1, W2 = (rng.standard_normal((24, 40)).astype(np.float32) for _ in range(2))
+    nodes = [helper.make_node("MatMul", ["A", "W1"], ["Y1"]),          # constant: lowered, W1 dropped
+             helper.make_node("MatMul", ["A", "W2"], ["Y2"]),          # constant, W2 also gathered: kept
+             helper.make_node("Gather", ["W2", "idx"], ["G"]),
+             helper.make_node("MatMul", ["Y1", "X"], ["Y3"])]          # B an input: ONNX Runtime's
+    inits = [numpy_helper.from_array(W1, "W1"), numpy_helper.from_array(W2, "W2"),
+             numpy_helper.from_array(np.array([1], np.int64), "idx")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", 24]),
+                                       helper.make_tensor_value_info("X", TensorProto.FLOAT, [40, 5])],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("Y2", "G", "Y3")],
+                          inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    feeds = {"A": rng.standard_normal((3, 24)).astype(np.float32), "X": rng.standard_normal((40, 5)).astype(np.float32)}
+    expected = onnxruntime_backend.session(model).run(None, feeds)
+    assert lower_matmul_to_kernel(model, _Tensors())
+    kinds = [(n.domain, n.op_type) for n in model.graph.node]
+    assert kinds == [(CPU_DOMAIN, "MatMul"), (CPU_DOMAIN, "MatMul"), ("", "Gather"), ("", "MatMul")]
+    assert {t.name for t in model.graph.initializer} == {"W2", "idx", "W1/panels", "W2/panels"}
+    got = onnxruntime_backend.session(model, kernels=library).run(None, feeds)
+    for e, o in zip(expected, got):
+        assert np.allclose(e, o, rtol=1e-5, atol=1e-5)
+    assert not lower_matmul_to_kernel(model, _Tensors())             # nothing left to lower
+
+
+def test_float_engine_dir_serves_its_matmuls_on_the_kernel(tiny_root, tmp_path):
+    """Built where the AVX-512 kernel runs: no saved graph keeps a constant-weight MatMul of ONNX
+    Runtime's, the panels are in optimized.bin (the lowered graphs keep weights.bin's), the dir
+    carries the library, and the build's verification passed."""
+    if not cpu_kernels.f32_matmul():
+        pytest.skip("no AVX-512 here: the build keeps ONNX Runtime's MatMul")
+    out = build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "f32", SMALL, show_progress=False).engine_dir
+    assert (out / cpu_kernels.LIBRARY_FILE).is_file() and (out / OPTIMIZED_WEIGHTS).is_file()
+    for path in out.glob("*.opt.onnx"):
+        model = onnx.load(str(path), load_external_data=False)
+        inits = {t.name for t in model.graph.initializer}
+        ours = [n for n in model.graph.node if (n.domain, n.op_type) == (CPU_DOMAIN, "MatMul")]
+        assert ours and not [n for n in model.graph.node if n.op_type == "MatMul" and n.domain == ""
+                             and n.input[1] in inits], path.name
+        lowered = onnx.load(str(out / path.name.replace(".opt.onnx", ".onnx")), load_external_data=False)
+        assert not any(n.domain == CPU_DOMAIN and n.op_type == "MatMul" for n in lowered.graph.node)
