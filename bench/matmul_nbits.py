@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine  # noqa: E402
 from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
 from tandem.export.builder import MS_DOMAIN  # noqa: E402
-from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, weight_panels  # noqa: E402
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN  # noqa: E402
+from tandem.export.cpu_matmul_lowering import weight_panels  # noqa: E402
 from tandem.plugins import cpu_kernels  # noqa: E402
 
 BLOCK = 32

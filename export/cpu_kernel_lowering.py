@@ -7,9 +7,7 @@ plugins/cpu_kernels.py), in the domain `ai.tandem.cpu`:
     com.microsoft::MatMulNBits, 4 bits, level 4   -> ai.tandem.cpu::MatMulNBits     (same inputs and
         math; in the saved optimized graph, after ONNX Runtime's optimizer made it from
         DequantizeLinear + MatMul: plugins/cpu/matmul_nbits.cc)
-    MatMul(A, W) with W a float32 [K, N] constant  -> ai.tandem.cpu::MatMul(A, weight_panels(W))
-        (in the saved optimized graph; the panels are written once into optimized.bin, where
-        every session maps them instead of packing its own copy: plugins/cpu/matmul_f32.cc)
+    MatMul(A, W) with W a float32 [K, N] constant  -> ai.tandem.cpu::MatMul (export/cpu_matmul_lowering.py)
 
     GatedDeltaNet(q, k, v, g, beta, Gather(pool, slots), rows)
         -> ai.tandem.cpu::GatedDeltaNet(q, k, v, g, beta, pool, slots, rows)
@@ -49,7 +47,7 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
     producers = {o: n for n in graph.node for o in n.output}
     picks = gated_deltanet.row_state_picks(graph)
     outputs = {o.name for o in graph.output}
-    read = outputs.union(*(_reads(n) for n in graph.node))      # every name read, subgraphs included
+    read = outputs.union(*(names_read(n) for n in graph.node))      # every name read, subgraphs included
     nodes, lowered, replays, gathers = [], 0, {}, set()
     for node in graph.node:
         if node.domain == TANDEM_DOMAIN and node.op_type == gated_deltanet.OP_TYPE:
@@ -115,47 +113,6 @@ def lower_matmul_nbits_to_kernel(model: onnx.ModelProto) -> bool:
     return done
 
 
-PANEL = 16   # columns per panel of ai.tandem.cpu::MatMul's B
-
-
-def weight_panels(w: np.ndarray) -> np.ndarray:
-    """W [K, N] as ai.tandem.cpu::MatMul's B: [ceil(N / 16), K, 16], panel p holding columns
-    16p..16p+15 row after row (columns past N zeros), so each panel is one contiguous stream."""
-    k, n = w.shape
-    padded = np.zeros((k, -(-n // PANEL) * PANEL), np.float32)
-    padded[:, :n] = w
-    return np.ascontiguousarray(padded.reshape(k, -1, PANEL).transpose(1, 0, 2))
-
-
-def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
-    """Rewrite in place every MatMul of an optimized graph whose B is a float32 [K, N] initializer
-    (A's last dimension K): its B becomes `weight_panels(B)`, added through `tensors` (the saved
-    graph's tensor store: array(tensor) -> ndarray, add(name, array) -> TensorProto written once);
-    a W nothing else reads leaves the graph. Returns whether any node was rewritten."""
-    graph = model.graph
-    inits = {t.name: t for t in graph.initializer}
-    done = []
-    for node in graph.node:
-        w = inits.get(node.input[1]) if node.op_type == "MatMul" and node.domain in ("", "ai.onnx") else None
-        if w is None or w.data_type != onnx.TensorProto.FLOAT or len(w.dims) != 2 or 0 in w.dims:
-            continue
-        name = f"{w.name}/panels"
-        if name not in inits:
-            inits[name] = tensors.add(name, weight_panels(tensors.array(w)))
-            graph.initializer.append(inits[name])
-        node.input[1] = name
-        node.domain = CPU_DOMAIN
-        node.attribute.extend([helper.make_attribute("N", int(w.dims[1]))])
-        done.append(w.name)
-    read = {o.name for o in graph.output}.union(*(_reads(n) for n in graph.node))
-    unread = [t for t in graph.initializer if t.name in done and t.name not in read]
-    for tensor in unread:
-        graph.initializer.remove(tensor)
-    if done and not any(o.domain == CPU_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
-    return bool(done)
-
-
 def exact_matmul_nbits(model: onnx.ModelProto) -> None:
     """The inverse for the build's verification: every MatMulNBits (ONNX Runtime's or the kernel's)
     as ONNX Runtime's at accuracy level 0, dequantized weights in float32."""
@@ -210,15 +167,15 @@ def _without_unread(nodes: list[onnx.NodeProto], states: set[str], outputs: set[
     pools) that nothing reads any more, in this graph or in a subgraph of it."""
     read = set(outputs)
     for node in nodes:
-        read.update(_reads(node))
+        read.update(names_read(node))
     return [n for n in nodes if not (set(n.output) & states) or read & set(n.output)]
 
 
-def _reads(node: onnx.NodeProto) -> set[str]:
+def names_read(node: onnx.NodeProto) -> set[str]:
     """The names a node reads: its inputs and those its subgraphs (If, Loop, Scan bodies) read."""
     names = set(node.input)
     for attr in node.attribute:
         for g in ([attr.g] if attr.type == onnx.AttributeProto.GRAPH else list(attr.graphs)):
             for inner in g.node:
-                names.update(_reads(inner))
+                names.update(names_read(inner))
     return names

@@ -1,7 +1,7 @@
 """tandem's float32 matmul kernel (plugins/cpu/matmul_f32.cc): the panel layout against numpy, both
 kernels (AVX-512 and the portable loop) bit for bit against each other and within float32 rounding
 of a float64 product, row invariance bit for bit, bad inputs, and the build's lowering of
-constant-weight MatMuls to it (export/cpu_kernel_lowering.lower_matmul_to_kernel)."""
+constant-weight MatMuls to it (export/cpu_matmul_lowering.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 from tandem.engines.backends import onnxruntime_backend
 from tandem.engines.backends.onnxruntime_optimized import OPTIMIZED_WEIGHTS
 from tandem.engines.builder import build_engines
-from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, lower_matmul_to_kernel, weight_panels
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
+from tandem.export.cpu_matmul_lowering import lower_matmul_to_kernel, weight_panels
 from tandem.plugins import cpu_kernels
 
 from .test_load_costs import SMALL
@@ -158,3 +159,86 @@ def test_float_engine_dir_serves_its_matmuls_on_the_kernel(tiny_root, tmp_path):
                              and n.input[1] in inits], path.name
         lowered = onnx.load(str(out / path.name.replace(".opt.onnx", ".onnx")), load_external_data=False)
         assert not any(n.domain == CPU_DOMAIN and n.op_type == "MatMul" for n in lowered.graph.node)
+
+
+def _fused_model(W, residual: bool, epsilon: float = 1e-6) -> onnx.ModelProto:
+    """One kernel node with the RMS norm folded (W given already scaled) and optionally a residual."""
+    ins = ["A", "B"] + (["R"] if residual else [])
+    node = helper.make_node("MatMul", ins, ["Y"], domain=CPU_DOMAIN, N=W.shape[1], rms_norm=1, epsilon=epsilon)
+    inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", W.shape[0]])]
+    if residual:
+        inputs.append(helper.make_tensor_value_info("R", TensorProto.FLOAT, ["M", "any"]))   # checked by the kernel
+    g = helper.make_graph([node], "mm", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(weight_panels(W), "B")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(CPU_DOMAIN, 1)])
+    m.ir_version = 10
+    return m
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["norm", "norm+residual"])
+def test_rms_norm_and_residual_are_the_norm_the_product_and_the_add(library, monkeypatch, residual):
+    """y = A / rms(A) . W + R against float64, both kernels bit for bit, every row as if alone."""
+    fast_here = cpu_kernels.f32_matmul()
+    rng = np.random.default_rng(11)
+    K, N, eps = 70, 45, 1e-6
+    W = rng.standard_normal((K, N)).astype(np.float32)
+    A = (rng.standard_normal((11, K)) * 3).astype(np.float32)
+    feeds = {"A": A, **({"R": rng.standard_normal((11, N)).astype(np.float32)} if residual else {})}
+    a64 = A.astype(np.float64)
+    exact = (a64 / np.sqrt((a64**2).mean(axis=1, keepdims=True) + eps)) @ W.astype(np.float64)
+    if residual:
+        exact += feeds["R"]
+    results = {}
+    for portable in ([True, False] if fast_here else [True]):
+        monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1" if portable else "0")
+        sess = onnxruntime_backend.session(_fused_model(W, residual, eps), kernels=library)
+        y = results[portable] = sess.run(None, feeds)[0]
+        assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
+        for m in (0, 5, 10):
+            alone = {k: v[m : m + 1] for k, v in feeds.items()}
+            assert np.array_equal(sess.run(None, alone)[0][0], y[m])
+    if fast_here:
+        assert np.array_equal(results[True], results[False])
+    if residual:                                                        # a residual of another shape: a clear error
+        with pytest.raises(Exception, match="residual's shape"):
+            sess.run(None, {"A": A, "R": feeds["R"][:, :40]})
+
+
+def test_lowering_folds_norms_only_matmuls_read_and_fuses_residual_adds(library):
+    """RMSNormalization(X) read by two MatMuls folds into both; a norm something else reads stays;
+    a product only an Add of a computed tensor reads takes it as residual, placed where the Add was
+    (its residual is computed after the matmul); a product read twice keeps its Add."""
+    rng = np.random.default_rng(5)
+    K, N = 32, 32
+    s1, s2 = (rng.random(K).astype(np.float32) + 0.5 for _ in range(2))
+    W1, W2, W3 = (rng.standard_normal((K, N)).astype(np.float32) for _ in range(3))
+    nodes = [helper.make_node("RMSNormalization", ["X", "s1"], ["n1"], epsilon=1e-6),
+             helper.make_node("MatMul", ["n1", "W1"], ["p1"]),
+             helper.make_node("MatMul", ["n1", "W2"], ["p2"]),
+             helper.make_node("Mul", ["X", "X"], ["R"]),              # the residual, after p1's matmul
+             helper.make_node("Add", ["R", "p1"], ["y1"]),            # fused into p1's matmul
+             helper.make_node("Add", ["p2", "X"], ["y2"]),            # p2 is read twice: not fused
+             helper.make_node("RMSNormalization", ["y1", "s2"], ["n2"], epsilon=1e-6),
+             helper.make_node("MatMul", ["n2", "W3"], ["p3"]),
+             helper.make_node("Mul", ["n2", "p3"], ["y3"])]           # n2 read by a Mul: not folded
+    inits = [numpy_helper.from_array(a, n) for a, n in ((s1, "s1"), (s2, "s2"), (W1, "W1"), (W2, "W2"), (W3, "W3"))]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", K])],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y2", "p2", "y3")],
+                          inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23)])
+    model.ir_version = 10
+    feeds = {"X": rng.standard_normal((5, K)).astype(np.float32)}
+    expected = onnxruntime_backend.session(model).run(None, feeds)
+    assert lower_matmul_to_kernel(model, _Tensors())
+    kinds = [(n.op_type, n.domain) for n in model.graph.node]
+    assert kinds.count(("RMSNormalization", "")) == 1 and kinds.count(("Add", "")) == 1
+    fused = [n for n in model.graph.node if n.domain == CPU_DOMAIN and len(n.input) == 3]
+    assert [n.output[0] for n in fused] == ["y1"] and fused[0].input[0] == "X"
+    seen = {"X"} | {t.name for t in model.graph.initializer}
+    for node in model.graph.node:                                      # still topologically sorted
+        assert set(node.input) <= seen, node.name
+        seen.update(node.output)
+    assert {"s1", "W1", "W2", "W3"}.isdisjoint(t.name for t in model.graph.initializer)
+    got = onnxruntime_backend.session(model, kernels=library).run(None, feeds)
+    for e, o in zip(expected, got):
+        np.testing.assert_allclose(o, e, rtol=1e-4, atol=1e-4)

@@ -20,7 +20,8 @@ import onnx
 import onnxruntime as ort
 
 from tandem.engines.backends.onnxruntime_optimized import save_optimized
-from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, lower_matmul_nbits_to_kernel, lower_matmul_to_kernel
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, lower_matmul_nbits_to_kernel
+from tandem.export.cpu_matmul_lowering import lower_matmul_to_kernel
 from tandem.export.lowering import lower_for_onnxruntime
 from tandem.plugins import cpu_kernels
 

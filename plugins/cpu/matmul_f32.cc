@@ -2,20 +2,27 @@
 // panels, read where they lie (the engine dir's mapped optimized.bin), as one ONNX Runtime CPU kernel.
 //
 // Inputs   A [..., K] float32; B [ceil(N / 16), K, 16] float32: panel p holds columns 16p..16p+15 of
-//          W, row after row (columns past N are zeros): B[p, k, j] = W[k, 16 p + j]
+//          W, row after row (columns past N are zeros): B[p, k, j] = W[k, 16 p + j];
+//          residual (optional) [..., N] float32, added to the product
 // Output   [..., N]
-// Attrs    N
+// Attrs    N; rms_norm (0 or 1), epsilon: with rms_norm each row of A is RMS-normalized first, its
+//          scale folded into W by the build (W = diag(scale) W0): y = r A W + residual with
+//          r = 1 / sqrt(sum_k A[m, k]^2 / K + epsilon): the RMSNormalization before a matmul and the
+//          residual Add after it, as one node (export/cpu_kernel_lowering.py fuses them)
 //
 // Why: ONNX Runtime's MatMul packs its own copy of every constant W per session at load (MLAS's
 // panels: 0.83 s and +461 MiB per 150M float target-step session). The build writes the panels
-// once instead (export/cpu_kernel_lowering.lower_matmul_to_kernel), so sessions share the mapped
+// once instead (export/cpu_matmul_lowering.py), so sessions share the mapped
 // file; each panel is one contiguous stream, which the hardware prefetchers follow (software
 // prefetch 16 or 32 rows ahead measured no better), and the kernel streamed the 150M model's layer
 // shapes 1.0-1.5x faster than MLAS at 1-8 rows and even with it at 128 (bench/matmul_nbits.py
 // --bits 32; docs/performance.md).
 //
 // Math, per output element: one fma chain over k = 0..K-1 in order, from 0:
-//     acc = fma(A[m, k], W[k, n], acc);   y[m, n] = acc
+//     acc = fma(A[m, k], W[k, n], acc);   y[m, n] = acc  (rms_norm: acc r; residual: + res, as
+//     fma(acc, r, res) with both)
+// and per row, with rms_norm, the sum of squares in 16 lanes (lane k % 16, fma in k order), the lanes
+// added 0..15, r = 1 / sqrt(sum / K + epsilon).
 // The same chain whatever the call's rows or the tile the element falls in, so a verify row equals
 // a decode step bit for bit, and the portable loop (std::fma, same order) equals the AVX-512 kernel
 // bit for bit.
@@ -43,11 +50,30 @@ constexpr int64_t kLanes = 16;          // columns per panel
 constexpr int64_t kChunkPanels = 4;     // panels per task of the pool
 
 struct Call {
-  const float* A;   // [M, K]
-  const float* B;   // [P, K, 16]
-  float* y;         // [M, N]
+  const float* A;          // [M, K]
+  const float* B;          // [P, K, 16]
+  const float* residual;   // [M, N] or null
+  const float* r;          // [M] row scales (rms_norm) or null
+  float* y;                // [M, N]
   int64_t M, K, N;
+
+  // the epilogue of both kernels, element by element
+  float finish(float acc, int64_t m, int64_t n) const {
+    if (r != nullptr) return residual != nullptr ? std::fma(acc, r[m], residual[m * N + n]) : acc * r[m];
+    return residual != nullptr ? acc + residual[m * N + n] : acc;
+  }
 };
+
+// Row scales 1 / sqrt(mean(A[m]^2) + epsilon) (the sums in 16 lanes: the same order as the AVX-512 one).
+void row_scales(const float* A, int64_t M, int64_t K, float epsilon, float* r) {
+  for (int64_t m = 0; m < M; ++m) {
+    float lanes[16] = {};
+    for (int64_t k = 0; k < K; ++k) lanes[k % 16] = std::fma(A[m * K + k], A[m * K + k], lanes[k % 16]);
+    float sum = 0.0f;
+    for (float v : lanes) sum += v;
+    r[m] = 1.0f / std::sqrt(sum / static_cast<float>(K) + epsilon);
+  }
+}
 
 // Panels [p0, p1) of every row, lane by lane: the chains the AVX-512 kernel runs, in its order.
 void panels_portable(const Call& c, int64_t p0, int64_t p1) {
@@ -60,7 +86,7 @@ void panels_portable(const Call& c, int64_t p0, int64_t p1) {
         for (int64_t j = 0; j < kLanes; ++j) acc[j] = std::fma(a[k], b[k * kLanes + j], acc[j]);
       }
       const int64_t n0 = p * kLanes, lanes = std::min(kLanes, c.N - n0);
-      std::memcpy(c.y + m * c.N + n0, acc, static_cast<size_t>(lanes) * sizeof(float));
+      for (int64_t j = 0; j < lanes; ++j) c.y[m * c.N + n0 + j] = c.finish(acc[j], m, n0 + j);
     }
   }
 }
@@ -86,9 +112,37 @@ TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0, __mmask16 tail) 
     }
   }
   for (int r = 0; r < R; ++r) {
-    float* y = c.y + (m0 + r) * c.N + p0 * kLanes;
-    for (int v = 0; v < V - 1; ++v) _mm512_storeu_ps(y + v * kLanes, acc[r][v]);
-    _mm512_mask_storeu_ps(y + (V - 1) * kLanes, tail, acc[r][V - 1]);
+    const int64_t at = (m0 + r) * c.N + p0 * kLanes;
+    const __m512 scale = _mm512_set1_ps(c.r != nullptr ? c.r[m0 + r] : 1.0f);
+    for (int v = 0; v < V; ++v) {
+      const __mmask16 mask = v == V - 1 ? tail : 0xFFFF;
+      __m512 out = acc[r][v];
+      if (c.r != nullptr && c.residual != nullptr) {
+        out = _mm512_fmadd_ps(out, scale, _mm512_maskz_loadu_ps(mask, c.residual + at + v * kLanes));
+      } else if (c.r != nullptr) {
+        out = _mm512_mul_ps(out, scale);
+      } else if (c.residual != nullptr) {
+        out = _mm512_add_ps(out, _mm512_maskz_loadu_ps(mask, c.residual + at + v * kLanes));
+      }
+      _mm512_mask_storeu_ps(c.y + at + v * kLanes, mask, out);
+    }
+  }
+}
+
+// row_scales' AVX-512 form: lane k % 16 of a vector fma in k order (a masked tail adds exact zeros)
+TANDEM_AVX512F void row_scales_avx512(const float* A, int64_t M, int64_t K, float epsilon, float* r) {
+  for (int64_t m = 0; m < M; ++m) {
+    __m512 sq = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __m512 x = _mm512_maskz_loadu_ps(mask, A + m * K + k);
+      sq = _mm512_fmadd_ps(x, x, sq);
+    }
+    float lanes[16];
+    _mm512_storeu_ps(lanes, sq);
+    float sum = 0.0f;
+    for (float v : lanes) sum += v;
+    r[m] = 1.0f / std::sqrt(sum / static_cast<float>(K) + epsilon);
   }
 }
 
@@ -132,6 +186,7 @@ bool avx512f() {
 #else
 
 void panels_avx512(const Call& c, int64_t p0, int64_t p1) { panels_portable(c, p0, p1); }
+void row_scales_avx512(const float* A, int64_t M, int64_t K, float epsilon, float* r) { row_scales(A, M, K, epsilon, r); }
 bool avx512f() { return false; }
 
 #endif
@@ -139,19 +194,29 @@ bool avx512f() { return false; }
 struct Kernel {
   OrtApiTable api;
   int64_t N;
+  bool rms_norm;
+  float epsilon;
   bool fast;
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> ad, bd;
+    std::vector<int64_t> ad, bd, rd;
     const float* A = input<float>(api, context, 0, &ad);
     const float* B = input<float>(api, context, 1, &bd);
+    const float* residual = optional_input<float>(api, context, 2, &rd);
     const int64_t P = (N + kLanes - 1) / kLanes;
     expect(bd.size() == 3 && bd[0] == P && bd[2] == kLanes, "MatMul", "B is not panels [ceil(N / 16), K, 16]");
     expect(!ad.empty() && ad.back() == bd[1], "MatMul", "A's last dimension is not B's K");
     std::vector<int64_t> yd(ad);
     yd.back() = N;
+    expect(residual == nullptr || rd == yd, "MatMul", "the residual's shape is not the output's [..., N]");
     float* y = output(api, context, 0, yd);
-    const Call call{A, B, y, numel(yd) / N, bd[1], N};
+    const int64_t M = numel(yd) / N;
+    thread_local std::vector<float> scales;    // the calling thread's, kept across calls
+    if (rms_norm) {
+      scales.resize(static_cast<size_t>(M));
+      fast ? row_scales_avx512(A, M, bd[1], epsilon, scales.data()) : row_scales(A, M, bd[1], epsilon, scales.data());
+    }
+    const Call call{A, B, residual, rms_norm ? scales.data() : nullptr, y, M, bd[1], N};
     if (numel(yd) == 0) return;
     auto chunk = [&](int64_t first, int64_t last) {
       const int64_t p0 = first * kChunkPanels, p1 = std::min(P, last * kChunkPanels);
@@ -163,16 +228,22 @@ struct Kernel {
 
 const char* op_name(const OrtCustomOp*) { return "MatMul"; }
 int op_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 2; }
+size_t op_input_count(const OrtCustomOp*) { return 3; }
 size_t op_output_count(const OrtCustomOp*) { return 1; }
-int op_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+int op_input_characteristic(const OrtCustomOp*, size_t index) {
+  return index == 2 ? kInputOutputOptional : kInputOutputRequired;
+}
+int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
 
 void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
   OrtApiTable table(api);
   int64_t N = 0;
   check(table, table.KernelInfoGetAttributeInt64(info, "N", &N));
   expect(N > 0, "MatMul", "N must be positive");
-  return new Kernel{table, N, avx512f()};
+  float epsilon = 0.0f;
+  const bool rms_norm = optional_int(table, info, "rms_norm", 0) != 0;
+  if (rms_norm) check(table, table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon));
+  return new Kernel{table, N, rms_norm, epsilon, avx512f()};
 }
 
 }  // namespace
@@ -181,7 +252,7 @@ const OrtCustomOp kMatMul = {
     kOrtCustomOpVersion, op_create, op_name, cpu_provider,
     op_type, op_input_count, op_type, op_output_count,
     kernel_compute<Kernel>, kernel_destroy<Kernel>,
-    op_characteristic, op_characteristic, default_memory,
+    op_input_characteristic, op_output_characteristic, default_memory,
 };
 
 }  // namespace tandem

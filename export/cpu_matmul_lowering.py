@@ -1,0 +1,164 @@
+"""Float32 matmuls with constant weights onto tandem's kernel (plugins/cpu/matmul_f32.cc), in the
+saved optimized graphs of ONNX Runtime's CPU provider (engines/backends/onnxruntime_kernel_files.py):
+
+    MatMul(A, W), W a float32 [K, N] initializer   -> ai.tandem.cpu::MatMul(A, weight_panels(W), N)
+    MatMul(RMSNormalization(X, s), W)              -> ai.tandem.cpu::MatMul(X, weight_panels(diag(s) W),
+        where every reader of the norm is such a      N, rms_norm=1, epsilon)
+        MatMul
+    Add(R, ai.tandem.cpu::MatMul(...)), the        -> ai.tandem.cpu::MatMul(..., residual=R)
+        matmul's only reader
+
+Why: ONNX Runtime's MatMul packs its own copy of each weight per session at load; the panels are
+written once into optimized.bin and every session maps them. The norm before a projection and the
+residual Add after it become part of the matmul node: two nodes fewer per sub-layer, and no
+normalized [..., K] or product [..., N] tensor written and read back.
+
+Numerics: the folded scale and the row scale applied after the product round differently from the
+RMSNormalization they replace (within the build verification's tolerance; the residual add is the
+same single rounding). Every row runs the same code whatever the call's rows, so verify rows still
+equal decode steps bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, names_read
+
+PANEL = 16   # columns per panel of ai.tandem.cpu::MatMul's B
+_ONNX = ("", "ai.onnx")
+_NORMS = {("RMSNormalization", ""), ("RMSNormalization", "ai.onnx"), ("SimplifiedLayerNormalization", ""),
+          ("SimplifiedLayerNormalization", "com.microsoft")}
+
+
+def weight_panels(w: np.ndarray) -> np.ndarray:
+    """W [K, N] as ai.tandem.cpu::MatMul's B: [ceil(N / 16), K, 16], panel p holding columns
+    16p..16p+15 row after row (columns past N zeros), so each panel is one contiguous stream."""
+    k, n = w.shape
+    padded = np.zeros((k, -(-n // PANEL) * PANEL), np.float32)
+    padded[:, :n] = w
+    return np.ascontiguousarray(padded.reshape(k, -1, PANEL).transpose(1, 0, 2))
+
+
+def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
+    """Rewrite `model` in place as the module says. `tensors` is the saved graph's tensor store
+    (array(tensor) -> ndarray; add(name, array) -> TensorProto, written once). Weights and norms
+    nothing reads any more leave the graph. Returns whether any node was rewritten."""
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    outputs = {o.name for o in graph.output}
+    readers = _readers(graph)
+    producers = {o: n for n in graph.node for o in n.output}
+    # norm output -> its scale, for the norms that fold (names, not wrappers: protobuf's Python
+    # objects for the same node are not the same object twice)
+    norms = {n.output[0]: s for n in graph.node if (s := _foldable_norm(n, inits, readers, outputs)) is not None}
+    lowered = []
+    for node in graph.node:
+        w = _constant_weight(node, inits)
+        if w is None:
+            continue
+        scale = norms.get(node.input[0])
+        norm = producers.get(node.input[0])
+        name = f"{w.name}/panels" if scale is None else f"{w.name}/panels*{scale.name}"
+        if name not in inits:
+            weight = tensors.array(w)
+            if scale is not None:
+                weight = tensors.array(scale).astype(np.float32)[:, None] * weight
+            inits[name] = tensors.add(name, weight_panels(weight))
+            graph.initializer.append(inits[name])
+        node.input[1] = name
+        node.domain = CPU_DOMAIN
+        node.attribute.extend([helper.make_attribute("N", int(w.dims[1]))])
+        if scale is not None:
+            node.input[0] = norm.input[0]
+            node.attribute.extend([helper.make_attribute("rms_norm", 1),
+                                   helper.make_attribute("epsilon", _attr(norm, "epsilon", 1e-5))])
+        lowered.append(w.name)
+    if not lowered:
+        return False
+    _fuse_residual_adds(graph, inits, outputs)
+    read = outputs.union(*(names_read(n) for n in graph.node))
+    dead = [n for n in graph.node if n.output[0] in norms and not read & set(n.output)]
+    for node in dead:
+        graph.node.remove(node)
+    read = outputs.union(*(names_read(n) for n in graph.node))
+    for tensor in [t for t in graph.initializer if t.name not in read]:
+        graph.initializer.remove(tensor)
+    if not any(o.domain == CPU_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    return True
+
+
+def _constant_weight(node: onnx.NodeProto, inits: dict) -> onnx.TensorProto | None:
+    """B of a MatMul whose B is a float32 [K, N] initializer; else None."""
+    if node.op_type != "MatMul" or node.domain not in _ONNX:
+        return None
+    w = inits.get(node.input[1])
+    ok = w is not None and w.data_type == onnx.TensorProto.FLOAT and len(w.dims) == 2 and 0 not in w.dims
+    return w if ok else None
+
+
+def _foldable_norm(node: onnx.NodeProto, inits: dict, readers: dict, outputs: set) -> onnx.TensorProto | None:
+    """The scale of an RMS norm over the last axis that only such MatMuls read (their K its length,
+    its output no graph output); else None."""
+    if (node.op_type, node.domain) not in _NORMS or _attr(node, "axis", -1) != -1 or len(node.input) != 2:
+        return None
+    if any(o for o in node.output[1:]) or node.output[0] in outputs:
+        return None
+    scale = inits.get(node.input[1])
+    if scale is None or scale.data_type != onnx.TensorProto.FLOAT or len(scale.dims) != 1:
+        return None
+    users = readers.get(node.output[0], [])
+    weights = [_constant_weight(u, inits) for u in users]
+    if not users or any(w is None or w.dims[0] != scale.dims[0] or u.input[0] != node.output[0]
+                        for u, w in zip(users, weights)):
+        return None
+    return scale
+
+
+def _fuse_residual_adds(graph: onnx.GraphProto, inits: dict, outputs: set) -> None:
+    """Each kernel MatMul whose product only an Add reads, with a computed tensor (not a constant
+    bias) as its other term, takes that term as its residual and the Add's output; the fused node
+    goes where the Add was (its residual may be computed after the matmul's own place)."""
+    readers = _readers(graph)
+    fused = {}                                            # the Add's output -> the matmul taking its place
+    for node in graph.node:
+        if (node.domain, node.op_type) != (CPU_DOMAIN, "MatMul") or len(node.input) != 2:
+            continue
+        product, users = node.output[0], readers.get(node.output[0], [])
+        if product in outputs or len(users) != 1:
+            continue
+        add = users[0]
+        if add.op_type != "Add" or add.domain not in _ONNX or list(add.input).count(product) != 1:
+            continue
+        other = add.input[1] if add.input[0] == product else add.input[0]
+        if other in inits or add.output[0] in fused:
+            continue
+        node.input.append(other)
+        node.output[0] = add.output[0]
+        fused[add.output[0]] = node
+    if not fused:
+        return
+    order = []
+    for node in graph.node:        # the matmul leaves its place and takes its Add's
+        if node.output[0] not in fused:
+            order.append(node)
+        elif node.op_type == "Add":
+            order.append(fused[node.output[0]])
+    del graph.node[:]
+    graph.node.extend(order)
+
+
+def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    """name -> the graph's nodes that read it (directly or in a subgraph of theirs)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for node in graph.node:
+        for name in names_read(node):
+            readers.setdefault(name, []).append(node)
+    return readers
+
+
+def _attr(node: onnx.NodeProto, name: str, default):
+    return next((helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
