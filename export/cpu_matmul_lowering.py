@@ -7,23 +7,27 @@ saved optimized graphs of ONNX Runtime's CPU provider (engines/backends/onnxrunt
         MatMul
     Add(R, ai.tandem.cpu::MatMul(...)), the        -> ai.tandem.cpu::MatMul(..., residual=R)
         matmul's only reader
+    Mul(QuickGelu(g), u), [g, u] = Split(MatMul(A, W))  -> ai.tandem.cpu::MatMul(A, swiglu_panels(W),
+        (the MLP's gate: QuickGelu with alpha 1 is         N=N/2, swiglu=1)
+        silu)
 
 Why: ONNX Runtime's MatMul packs its own copy of each weight per session at load; the panels are
-written once into optimized.bin and every session maps them. The norm before a projection and the
-residual Add after it become part of the matmul node: two nodes fewer per sub-layer, and no
-normalized [..., K] or product [..., N] tensor written and read back.
+written once into optimized.bin and every session maps them. The norm before a projection, the
+residual Add after it and the MLP's gate become part of the matmul node: two to four nodes fewer
+per sub-layer, and no normalized [..., K] or product [..., N] tensor written and read back.
 
 Numerics: the folded scale and the row scale applied after the product round differently from the
-RMSNormalization they replace (within the build verification's tolerance; the residual add is the
-same single rounding). Every row runs the same code whatever the call's rows, so verify rows still
-equal decode steps bit for bit.
+RMSNormalization they replace, and the kernel's silu (its own exp) from ONNX Runtime's QuickGelu
+(within the build verification's tolerance; the residual add is the same single rounding). Every
+row runs the same code whatever the call's rows, so verify rows still equal decode steps bit for
+bit.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, names_read
 
@@ -42,6 +46,14 @@ def weight_panels(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, -1, PANEL).transpose(1, 0, 2))
 
 
+def swiglu_panels(w: np.ndarray) -> np.ndarray:
+    """The gate and up projections W = [gate | up] ([K, 2I]) as a swiglu node's B: their panels in
+    turns, gate panel q then up panel q ([2 ceil(I / 16), K, 16])."""
+    half = w.shape[1] // 2
+    gate, up = weight_panels(w[:, :half]), weight_panels(w[:, half:])
+    return np.stack([gate, up], axis=1).reshape(-1, *gate.shape[1:])
+
+
 def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
     """Rewrite `model` in place as the module says. `tensors` is the saved graph's tensor store
     (array(tensor) -> ndarray; add(name, array) -> TensorProto, written once). Weights and norms
@@ -54,23 +66,28 @@ def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
     # norm output -> its scale, for the norms that fold (names, not wrappers: protobuf's Python
     # objects for the same node are not the same object twice)
     norms = {n.output[0]: s for n in graph.node if (s := _foldable_norm(n, inits, readers, outputs)) is not None}
-    lowered = []
+    lowered, gated = [], set()                             # gated: (op, output) of the nodes swiglu took
     for node in graph.node:
         w = _constant_weight(node, inits)
         if w is None:
             continue
         scale = norms.get(node.input[0])
         norm = producers.get(node.input[0])
-        name = f"{w.name}/panels" if scale is None else f"{w.name}/panels*{scale.name}"
+        gate = _swiglu_gate(node, int(w.dims[1]), inits, readers, outputs)
+        name = f"{w.name}/{'swiglu_' if gate else ''}panels" + ("" if scale is None else f"*{scale.name}")
         if name not in inits:
             weight = tensors.array(w)
             if scale is not None:
                 weight = tensors.array(scale).astype(np.float32)[:, None] * weight
-            inits[name] = tensors.add(name, weight_panels(weight))
+            inits[name] = tensors.add(name, swiglu_panels(weight) if gate else weight_panels(weight))
             graph.initializer.append(inits[name])
         node.input[1] = name
         node.domain = CPU_DOMAIN
-        node.attribute.extend([helper.make_attribute("N", int(w.dims[1]))])
+        node.attribute.extend([helper.make_attribute("N", int(w.dims[1]) // (2 if gate else 1))])
+        if gate:
+            node.output[0] = gate[-1].output[0]            # the Mul's: Split, QuickGelu and Mul go
+            node.attribute.extend([helper.make_attribute("swiglu", 1)])
+            gated.update((g.op_type, g.output[0]) for g in gate)
         if scale is not None:
             node.input[0] = norm.input[0]
             node.attribute.extend([helper.make_attribute("rms_norm", 1),
@@ -78,6 +95,9 @@ def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
         lowered.append(w.name)
     if not lowered:
         return False
+    kept = [n for n in graph.node if (n.op_type, n.output[0]) not in gated]
+    del graph.node[:]
+    graph.node.extend(kept)
     _fuse_residual_adds(graph, inits, outputs)
     read = outputs.union(*(names_read(n) for n in graph.node))
     dead = [n for n in graph.node if n.output[0] in norms and not read & set(n.output)]
@@ -118,6 +138,34 @@ def _foldable_norm(node: onnx.NodeProto, inits: dict, readers: dict, outputs: se
     return scale
 
 
+def _swiglu_gate(node: onnx.NodeProto, n: int, inits: dict, readers: dict, outputs: set) -> tuple | None:
+    """(Split, QuickGelu, Mul) where the product [..., n] is only split into halves g | u, g only
+    goes through QuickGelu with alpha 1 (silu) and the two meet in one Mul; else None."""
+    product = node.output[0]
+    split = _only_reader(product, readers, outputs)
+    if split is None or (split.op_type, split.domain) not in (("Split", ""), ("Split", "ai.onnx")) or n % 2:
+        return None
+    sizes = inits.get(split.input[1]) if len(split.input) > 1 else None
+    halves = sizes is not None and list(numpy_helper.to_array(sizes)) == [n // 2, n // 2]
+    if _attr(split, "axis", 0) != -1 or len(split.output) != 2 or not halves:
+        return None
+    act, mul = _only_reader(split.output[0], readers, outputs), _only_reader(split.output[1], readers, outputs)
+    if act is None or (act.op_type, act.domain) != ("QuickGelu", "com.microsoft") or _attr(act, "alpha", 1.702) != 1.0:
+        return None
+    if mul is None or (mul.op_type, mul.domain) not in (("Mul", ""), ("Mul", "ai.onnx")):
+        return None
+    after = _only_reader(act.output[0], readers, outputs)
+    if after is None or after.output[0] != mul.output[0] or sorted(mul.input) != sorted([act.output[0],
+                                                                                         split.output[1]]):
+        return None
+    return split, act, mul
+
+
+def _only_reader(name: str, readers: dict, outputs: set) -> onnx.NodeProto | None:
+    users = readers.get(name, [])
+    return users[0] if len(users) == 1 and name not in outputs else None
+
+
 def _fuse_residual_adds(graph: onnx.GraphProto, inits: dict, outputs: set) -> None:
     """Each kernel MatMul whose product only an Add reads, with a computed tensor (not a constant
     bias) as its other term, takes that term as its residual and the Add's output; the fused node
@@ -125,7 +173,7 @@ def _fuse_residual_adds(graph: onnx.GraphProto, inits: dict, outputs: set) -> No
     readers = _readers(graph)
     fused = {}                                            # the Add's output -> the matmul taking its place
     for node in graph.node:
-        if (node.domain, node.op_type) != (CPU_DOMAIN, "MatMul") or len(node.input) != 2:
+        if (node.domain, node.op_type) != (CPU_DOMAIN, "MatMul") or len(node.input) != 2 or _attr(node, "swiglu", 0):
             continue
         product, users = node.output[0], readers.get(node.output[0], [])
         if product in outputs or len(users) != 1:

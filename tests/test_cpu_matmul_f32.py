@@ -14,7 +14,7 @@ from tandem.engines.backends import onnxruntime_backend
 from tandem.engines.backends.onnxruntime_optimized import OPTIMIZED_WEIGHTS
 from tandem.engines.builder import build_engines
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
-from tandem.export.cpu_matmul_lowering import lower_matmul_to_kernel, weight_panels
+from tandem.export.cpu_matmul_lowering import lower_matmul_to_kernel, swiglu_panels, weight_panels
 from tandem.plugins import cpu_kernels
 
 from .test_load_costs import SMALL
@@ -161,18 +161,49 @@ def test_float_engine_dir_serves_its_matmuls_on_the_kernel(tiny_root, tmp_path):
         assert not any(n.domain == CPU_DOMAIN and n.op_type == "MatMul" for n in lowered.graph.node)
 
 
-def _fused_model(W, residual: bool, epsilon: float = 1e-6) -> onnx.ModelProto:
-    """One kernel node with the RMS norm folded (W given already scaled) and optionally a residual."""
+def _fused_model(W, residual: bool, epsilon: float = 1e-6, swiglu: bool = False, norm: bool = True) -> onnx.ModelProto:
+    """One kernel node with the RMS norm folded (W given already scaled), optionally a residual, or
+    the MLP's gate (W = [gate | up])."""
     ins = ["A", "B"] + (["R"] if residual else [])
-    node = helper.make_node("MatMul", ins, ["Y"], domain=CPU_DOMAIN, N=W.shape[1], rms_norm=1, epsilon=epsilon)
+    n = W.shape[1] // 2 if swiglu else W.shape[1]
+    attrs = {"rms_norm": 1, "epsilon": epsilon} if norm else {}
+    node = helper.make_node("MatMul", ins, ["Y"], domain=CPU_DOMAIN, N=n, **attrs, **({"swiglu": 1} if swiglu else {}))
     inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", W.shape[0]])]
     if residual:
         inputs.append(helper.make_tensor_value_info("R", TensorProto.FLOAT, ["M", "any"]))   # checked by the kernel
     g = helper.make_graph([node], "mm", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
-                          [numpy_helper.from_array(weight_panels(W), "B")])
+                          [numpy_helper.from_array(swiglu_panels(W) if swiglu else weight_panels(W), "B")])
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(CPU_DOMAIN, 1)])
     m.ir_version = 10
     return m
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["gate", "norm+gate"])
+def test_swiglu_is_silu_of_the_gate_times_up(library, monkeypatch, norm):
+    """y = silu(x W_gate) * (x W_up), x the row or its RMS-normalized form, against float64 (silu's
+    own exp within 1e-5 of the largest output), both kernels bit for bit, every row as if alone;
+    I = 40: its last panel pair is partly padding."""
+    fast_here = cpu_kernels.f32_matmul()
+    rng = np.random.default_rng(13)
+    K, I, eps = 48, 40, 1e-6
+    W = (rng.standard_normal((K, 2 * I)) * 0.5).astype(np.float32)
+    A = (rng.standard_normal((10, K)) * 2).astype(np.float32)
+    A[2] *= 40                                                           # gates far into silu's tails
+    x = A.astype(np.float64)
+    if norm:
+        x = x / np.sqrt((x**2).mean(axis=1, keepdims=True) + eps)
+    g, u = x @ W[:, :I].astype(np.float64), x @ W[:, I:].astype(np.float64)
+    exact = g * 0.5 * (1 + np.tanh(g / 2)) * u                            # silu, without overflow
+    results = {}
+    for portable in ([True, False] if fast_here else [True]):
+        monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1" if portable else "0")
+        sess = onnxruntime_backend.session(_fused_model(W, False, eps, swiglu=True, norm=norm), kernels=library)
+        y = results[portable] = sess.run(None, {"A": A})[0]
+        assert y.shape == (10, I) and np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
+        for m in (0, 2, 9):
+            assert np.array_equal(sess.run(None, {"A": A[m : m + 1]})[0][0], y[m])
+    if fast_here:
+        assert np.array_equal(results[True], results[False])
 
 
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "norm+residual"])
@@ -242,3 +273,38 @@ def test_lowering_folds_norms_only_matmuls_read_and_fuses_residual_adds(library)
     got = onnxruntime_backend.session(model, kernels=library).run(None, feeds)
     for e, o in zip(expected, got):
         np.testing.assert_allclose(o, e, rtol=1e-4, atol=1e-4)
+
+
+def test_lowering_takes_the_mlps_gate_into_the_matmul(library):
+    """MatMul -> Split into halves -> QuickGelu(alpha 1) -> Mul becomes one swiglu node (after a
+    folded norm too); a QuickGelu with another alpha (not silu) keeps its nodes."""
+    rng = np.random.default_rng(17)
+    K, I = 32, 24
+    s = rng.random(K).astype(np.float32) + 0.5
+    W1, W2 = ((rng.standard_normal((K, 2 * I)) * 0.3).astype(np.float32) for _ in range(2))
+
+    def mlp(i, w, alpha):
+        return [helper.make_node("MatMul", [f"n{i}", w], [f"p{i}"]),
+                helper.make_node("Split", [f"p{i}", "halves"], [f"g{i}", f"u{i}"], axis=-1),
+                helper.make_node("QuickGelu", [f"g{i}"], [f"a{i}"], domain="com.microsoft", alpha=alpha),
+                helper.make_node("Mul", [f"a{i}", f"u{i}"], [f"y{i}"])]
+
+    nodes = [helper.make_node("RMSNormalization", ["X", "s"], ["n1"], epsilon=1e-6),
+             helper.make_node("Identity", ["X"], ["n2"]), *mlp(1, "W1", 1.0), *mlp(2, "W2", 1.702)]
+    inits = [numpy_helper.from_array(a, n) for a, n in ((s, "s"), (W1, "W1"), (W2, "W2"),
+                                                         (np.array([I, I], np.int64), "halves"))]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", K])],
+                          [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("y1", "y2")], inits)
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 10
+    feeds = {"X": rng.standard_normal((6, K)).astype(np.float32)}
+    expected = onnxruntime_backend.session(model).run(None, feeds)
+    assert lower_matmul_to_kernel(model, _Tensors())
+    kinds = [(n.op_type, n.domain) for n in model.graph.node]
+    assert kinds == [("Identity", ""), ("MatMul", CPU_DOMAIN), ("MatMul", CPU_DOMAIN), ("Split", ""),
+                     ("QuickGelu", "com.microsoft"), ("Mul", "")]
+    gate = model.graph.node[1]
+    assert list(gate.input) == ["X", "W1/swiglu_panels*s"] and list(gate.output) == ["y1"]
+    got = onnxruntime_backend.session(model, kernels=library).run(None, feeds)
+    for e, o in zip(expected, got):
+        np.testing.assert_allclose(o, e, rtol=1e-4, atol=1e-5)

@@ -5,7 +5,10 @@
 //          W, row after row (columns past N are zeros): B[p, k, j] = W[k, 16 p + j];
 //          residual (optional) [..., N] float32, added to the product
 // Output   [..., N]
-// Attrs    N; rms_norm (0 or 1), epsilon: with rms_norm each row of A is RMS-normalized first, its
+// Attrs    N; swiglu (0 or 1): B holds the gate and up projections' panels in turns (gate panel q,
+//          then up panel q: 2 ceil(N / 16) panels) and y = silu(gate) * up, N columns, where
+//          silu(x) = x / (1 + exp(-x)) (the MLP's Split, sigmoid-gate and Mul in the node);
+//          rms_norm (0 or 1), epsilon: with rms_norm each row of A is RMS-normalized first, its
 //          scale folded into W by the build (W = diag(scale) W0): y = r A W + residual with
 //          r = 1 / sqrt(sum_k A[m, k]^2 / K + epsilon): the RMSNormalization before a matmul and the
 //          residual Add after it, as one node (export/cpu_kernel_lowering.py fuses them)
@@ -49,6 +52,26 @@ namespace {
 constexpr int64_t kLanes = 16;          // columns per panel
 constexpr int64_t kChunkPanels = 4;     // panels per task of the pool
 
+// e^x for x clamped to [-87.3, 88.3] (normal results): 2^n e^t, n = round(x log2 e), t = x - n ln 2
+// in two steps, e^t by Cephes expf's polynomial; silu(x) = x / (1 + e^-x). Written once per kernel
+// with the same operations in the same order (fma, mul, add, div, exact scaling by 2^n), so the
+// portable loop and the AVX-512 kernel agree bit for bit.
+constexpr float kExpMin = -87.3f, kExpMax = 88.3f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f,
+                kLn2Lo = -2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
+                               1.6666665459e-1f, 5.0000001201e-1f};
+
+float silu(float x) {
+  const float v = std::min(std::max(-x, kExpMin), kExpMax);
+  const float n = std::nearbyint(v * kLog2e);
+  float t = std::fma(n, -kLn2Hi, v);
+  t = std::fma(n, -kLn2Lo, t);
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = std::fma(p, t, kExpPoly[i]);
+  const float e = std::ldexp(std::fma(p, t * t, t) + 1.0f, static_cast<int>(n));
+  return x / (1.0f + e);
+}
+
 struct Call {
   const float* A;          // [M, K]
   const float* B;          // [P, K, 16]
@@ -56,11 +79,15 @@ struct Call {
   const float* r;          // [M] row scales (rms_norm) or null
   float* y;                // [M, N]
   int64_t M, K, N;
+  bool swiglu;
 
   // the epilogue of both kernels, element by element
   float finish(float acc, int64_t m, int64_t n) const {
     if (r != nullptr) return residual != nullptr ? std::fma(acc, r[m], residual[m * N + n]) : acc * r[m];
     return residual != nullptr ? acc + residual[m * N + n] : acc;
+  }
+  float gated(float gate, float up, int64_t m) const {
+    return r != nullptr ? silu(gate * r[m]) * (up * r[m]) : silu(gate) * up;
   }
 };
 
@@ -75,27 +102,48 @@ void row_scales(const float* A, int64_t M, int64_t K, float epsilon, float* r) {
   }
 }
 
-// Panels [p0, p1) of every row, lane by lane: the chains the AVX-512 kernel runs, in its order.
+// Panels [p0, p1) of every row, lane by lane: the chains the AVX-512 kernel runs, in its order
+// (swiglu: p0 even, a gate panel and its up panel together).
 void panels_portable(const Call& c, int64_t p0, int64_t p1) {
   for (int64_t m = 0; m < c.M; ++m) {
     const float* a = c.A + m * c.K;
-    for (int64_t p = p0; p < p1; ++p) {
-      float acc[kLanes] = {};
-      const float* b = c.B + p * c.K * kLanes;
-      for (int64_t k = 0; k < c.K; ++k) {
-        for (int64_t j = 0; j < kLanes; ++j) acc[j] = std::fma(a[k], b[k * kLanes + j], acc[j]);
+    for (int64_t p = p0; p < p1; p += c.swiglu ? 2 : 1) {
+      float acc[2][kLanes] = {};
+      for (int64_t v = 0; v < (c.swiglu ? 2 : 1); ++v) {
+        const float* b = c.B + (p + v) * c.K * kLanes;
+        for (int64_t k = 0; k < c.K; ++k) {
+          for (int64_t j = 0; j < kLanes; ++j) acc[v][j] = std::fma(a[k], b[k * kLanes + j], acc[v][j]);
+        }
       }
-      const int64_t n0 = p * kLanes, lanes = std::min(kLanes, c.N - n0);
-      for (int64_t j = 0; j < lanes; ++j) c.y[m * c.N + n0 + j] = c.finish(acc[j], m, n0 + j);
+      const int64_t n0 = (c.swiglu ? p / 2 : p) * kLanes, lanes = std::min(kLanes, c.N - n0);
+      for (int64_t j = 0; j < lanes; ++j) {
+        c.y[m * c.N + n0 + j] = c.swiglu ? c.gated(acc[0][j], acc[1][j], m) : c.finish(acc[0][j], m, n0 + j);
+      }
     }
   }
 }
 
 #ifdef TANDEM_AVX512F
 
-// y[m0 .. m0 + R, 16 p0 .. 16 (p0 + V)), the last panel's store masked to `tail`
+inline __mmask16 first_lanes(int64_t n) { return n >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
+
+// silu's AVX-512 form, operation for operation
+TANDEM_AVX512F __m512 silu_avx512(__m512 x) {
+  const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(kExpMin)),
+                                 _mm512_set1_ps(kExpMax));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 t = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), v);
+  t = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), t);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(kExpPoly[i]));
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 e = _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(t, t), t), one), n);
+  return _mm512_div_ps(x, _mm512_add_ps(one, e));
+}
+
+// y[m0 .. m0 + R] for panels [p0, p0 + V) (swiglu: V / 2 gate and up pairs), stores masked to N
 template <int R, int V>
-TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0, __mmask16 tail) {
+TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0) {
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
@@ -112,10 +160,22 @@ TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0, __mmask16 tail) 
     }
   }
   for (int r = 0; r < R; ++r) {
-    const int64_t at = (m0 + r) * c.N + p0 * kLanes;
     const __m512 scale = _mm512_set1_ps(c.r != nullptr ? c.r[m0 + r] : 1.0f);
+    if (c.swiglu) {
+      for (int v = 0; v + 1 < V; v += 2) {
+        const int64_t n0 = (p0 + v) / 2 * kLanes;
+        __m512 gate = acc[r][v], up = acc[r][v + 1];
+        if (c.r != nullptr) {
+          gate = _mm512_mul_ps(gate, scale);
+          up = _mm512_mul_ps(up, scale);
+        }
+        _mm512_mask_storeu_ps(c.y + (m0 + r) * c.N + n0, first_lanes(c.N - n0), _mm512_mul_ps(silu_avx512(gate), up));
+      }
+      continue;
+    }
+    const int64_t at = (m0 + r) * c.N + p0 * kLanes;
     for (int v = 0; v < V; ++v) {
-      const __mmask16 mask = v == V - 1 ? tail : 0xFFFF;
+      const __mmask16 mask = first_lanes(c.N - (p0 + v) * kLanes);
       __m512 out = acc[r][v];
       if (c.r != nullptr && c.residual != nullptr) {
         out = _mm512_fmadd_ps(out, scale, _mm512_maskz_loadu_ps(mask, c.residual + at + v * kLanes));
@@ -146,17 +206,16 @@ TANDEM_AVX512F void row_scales_avx512(const float* A, int64_t M, int64_t K, floa
   }
 }
 
-// rows [m0, m0 + R) of panels [p0, p1), V at a time (fewer for the last ones: the same chains)
+// rows [m0, m0 + R) of panels [p0, p1), V at a time (fewer for the last ones: the same chains;
+// swiglu: an even count, the panels come in pairs)
 template <int R, int V>
 TANDEM_AVX512F void rows_of(const Call& c, int64_t m0, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; p += V) {
-    const int64_t panels = std::min<int64_t>(V, p1 - p), last = c.N - (p + panels - 1) * kLanes;
-    const __mmask16 tail = static_cast<__mmask16>(last >= kLanes ? 0xFFFF : (1u << last) - 1);
-    switch (panels) {
-      case 1: tile<R, 1>(c, m0, p, tail); break;
-      case 2: tile<R, (V >= 2 ? 2 : V)>(c, m0, p, tail); break;
-      case 3: tile<R, (V >= 3 ? 3 : V)>(c, m0, p, tail); break;
-      default: tile<R, V>(c, m0, p, tail); break;
+    switch (std::min<int64_t>(V, p1 - p)) {
+      case 1: tile<R, 1>(c, m0, p); break;
+      case 2: tile<R, (V >= 2 ? 2 : V)>(c, m0, p); break;
+      case 3: tile<R, (V >= 3 ? 3 : V)>(c, m0, p); break;
+      default: tile<R, V>(c, m0, p); break;
     }
   }
 }
@@ -194,7 +253,7 @@ bool avx512f() { return false; }
 struct Kernel {
   OrtApiTable api;
   int64_t N;
-  bool rms_norm;
+  bool swiglu, rms_norm;
   float epsilon;
   bool fast;
 
@@ -203,12 +262,14 @@ struct Kernel {
     const float* A = input<float>(api, context, 0, &ad);
     const float* B = input<float>(api, context, 1, &bd);
     const float* residual = optional_input<float>(api, context, 2, &rd);
-    const int64_t P = (N + kLanes - 1) / kLanes;
-    expect(bd.size() == 3 && bd[0] == P && bd[2] == kLanes, "MatMul", "B is not panels [ceil(N / 16), K, 16]");
+    const int64_t P = (N + kLanes - 1) / kLanes * (swiglu ? 2 : 1);
+    expect(bd.size() == 3 && bd[0] == P && bd[2] == kLanes, "MatMul",
+           swiglu ? "B is not gate and up panels [2 ceil(N / 16), K, 16]" : "B is not panels [ceil(N / 16), K, 16]");
     expect(!ad.empty() && ad.back() == bd[1], "MatMul", "A's last dimension is not B's K");
     std::vector<int64_t> yd(ad);
     yd.back() = N;
     expect(residual == nullptr || rd == yd, "MatMul", "the residual's shape is not the output's [..., N]");
+    expect(residual == nullptr || !swiglu, "MatMul", "a swiglu node takes no residual");
     float* y = output(api, context, 0, yd);
     const int64_t M = numel(yd) / N;
     thread_local std::vector<float> scales;    // the calling thread's, kept across calls
@@ -216,7 +277,7 @@ struct Kernel {
       scales.resize(static_cast<size_t>(M));
       fast ? row_scales_avx512(A, M, bd[1], epsilon, scales.data()) : row_scales(A, M, bd[1], epsilon, scales.data());
     }
-    const Call call{A, B, residual, rms_norm ? scales.data() : nullptr, y, M, bd[1], N};
+    const Call call{A, B, residual, rms_norm ? scales.data() : nullptr, y, M, bd[1], N, swiglu};
     if (numel(yd) == 0) return;
     auto chunk = [&](int64_t first, int64_t last) {
       const int64_t p0 = first * kChunkPanels, p1 = std::min(P, last * kChunkPanels);
@@ -243,7 +304,8 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   float epsilon = 0.0f;
   const bool rms_norm = optional_int(table, info, "rms_norm", 0) != 0;
   if (rms_norm) check(table, table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon));
-  return new Kernel{table, N, rms_norm, epsilon, avx512f()};
+  const bool swiglu = optional_int(table, info, "swiglu", 0) != 0;
+  return new Kernel{table, N, swiglu, rms_norm, epsilon, avx512f()};
 }
 
 }  // namespace
