@@ -115,14 +115,33 @@ def lower_matmul_nbits_to_kernel(model: onnx.ModelProto) -> bool:
 
 def exact_matmul_nbits(model: onnx.ModelProto) -> None:
     """The inverse for the build's verification: every MatMulNBits (ONNX Runtime's or the kernel's)
-    as ONNX Runtime's at accuracy level 0, dequantized weights in float32."""
+    as ONNX Runtime's at accuracy level 0, dequantized weights in float32; a norm or a residual
+    fused into tandem's (export/cpu_matmul_lowering.py) back as RMSNormalization before it and Add
+    after it."""
+    nodes = []
     for node in model.graph.node:
         if node.op_type != "MatMulNBits" or node.domain not in (MS_DOMAIN, CPU_DOMAIN):
+            nodes.append(node)
             continue
-        node.domain = MS_DOMAIN
-        kept = [a for a in node.attribute if a.name != "accuracy_level"]
-        del node.attribute[:]
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        inputs, output = list(node.input) + [""] * (6 - len(node.input)), node.output[0]
+        if attrs.get("rms_norm"):
+            normed = f"{output}/exact_norm"
+            nodes.append(helper.make_node("RMSNormalization", [inputs[0], inputs[5]], [normed],
+                                          epsilon=attrs["epsilon"], name=f"{node.name}/exact_norm"))
+            inputs[0] = normed
+        residual = inputs[4]
+        kept = [a for a in node.attribute if a.name not in ("accuracy_level", "rms_norm", "epsilon")]
+        del node.attribute[:], node.input[:]
+        node.input.extend(inputs[:4] if inputs[3] else inputs[:3])
         node.attribute.extend([*kept, helper.make_attribute("accuracy_level", 0)])
+        node.domain = MS_DOMAIN
+        nodes.append(node)
+        if residual:
+            node.output[0] = f"{output}/exact_product"
+            nodes.append(helper.make_node("Add", [node.output[0], residual], [output], name=f"{node.name}/exact_add"))
+    del model.graph.node[:]
+    model.graph.node.extend(nodes)
 
 
 def _kernel_nodes(node: onnx.NodeProto, producers: dict, picks: set[str], read: set[str]):

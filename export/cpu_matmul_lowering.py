@@ -93,14 +93,15 @@ def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
             node.attribute.extend([helper.make_attribute("rms_norm", 1),
                                    helper.make_attribute("epsilon", _attr(norm, "epsilon", 1e-5))])
         lowered.append(w.name)
-    if not lowered:
-        return False
     kept = [n for n in graph.node if (n.op_type, n.output[0]) not in gated]
     del graph.node[:]
     graph.node.extend(kept)
-    _fuse_residual_adds(graph, inits, outputs)
+    folded = _fold_norms_into_nbits(graph, inits, outputs)
+    fused = _fuse_residual_adds(graph, inits, outputs)
+    if not (lowered or folded or fused):
+        return False
     read = outputs.union(*(names_read(n) for n in graph.node))
-    dead = [n for n in graph.node if n.output[0] in norms and not read & set(n.output)]
+    dead = [n for n in graph.node if (n.op_type, n.domain) in _NORMS and not read & set(n.output)]
     for node in dead:
         graph.node.remove(node)
     read = outputs.union(*(names_read(n) for n in graph.node))
@@ -120,9 +121,10 @@ def _constant_weight(node: onnx.NodeProto, inits: dict) -> onnx.TensorProto | No
     return w if ok else None
 
 
-def _foldable_norm(node: onnx.NodeProto, inits: dict, readers: dict, outputs: set) -> onnx.TensorProto | None:
+def _foldable_norm(node: onnx.NodeProto, inits: dict, readers: dict, outputs: set,
+                   nbits: bool = False) -> onnx.TensorProto | None:
     """The scale of an RMS norm over the last axis that only such MatMuls read (their K its length,
-    its output no graph output); else None."""
+    its output no graph output; `nbits`: tandem's MatMulNBits nodes instead); else None."""
     if (node.op_type, node.domain) not in _NORMS or _attr(node, "axis", -1) != -1 or len(node.input) != 2:
         return None
     if any(o for o in node.output[1:]) or node.output[0] in outputs:
@@ -131,11 +133,37 @@ def _foldable_norm(node: onnx.NodeProto, inits: dict, readers: dict, outputs: se
     if scale is None or scale.data_type != onnx.TensorProto.FLOAT or len(scale.dims) != 1:
         return None
     users = readers.get(node.output[0], [])
-    weights = [_constant_weight(u, inits) for u in users]
-    if not users or any(w is None or w.dims[0] != scale.dims[0] or u.input[0] != node.output[0]
-                        for u, w in zip(users, weights)):
+    ks = [_nbits_k(u) if nbits else (w.dims[0] if (w := _constant_weight(u, inits)) is not None else None)
+          for u in users]
+    if not users or any(k != scale.dims[0] or u.input[0] != node.output[0] for u, k in zip(users, ks)):
         return None
     return scale
+
+
+def _nbits_k(node: onnx.NodeProto) -> int | None:
+    """K of one of tandem's MatMulNBits nodes with no norm folded in yet; else None."""
+    if (node.domain, node.op_type) != (CPU_DOMAIN, "MatMulNBits") or _attr(node, "rms_norm", 0):
+        return None
+    return _attr(node, "K", None)
+
+
+def _fold_norms_into_nbits(graph: onnx.GraphProto, inits: dict, outputs: set) -> bool:
+    """An RMS norm only tandem's MatMulNBits nodes read goes into them (input 5 its scale, rms_norm,
+    epsilon): their weights are quantized, so the scale is applied to the rows, not folded."""
+    readers = _readers(graph)
+    done = False
+    for norm in graph.node:
+        scale = _foldable_norm(norm, inits, readers, outputs, nbits=True)
+        if scale is None:
+            continue
+        for user in readers[norm.output[0]]:
+            user.input[0] = norm.input[0]
+            user.input.extend([""] * (6 - len(user.input)))
+            user.input[5] = scale.name
+            user.attribute.extend([helper.make_attribute("rms_norm", 1),
+                                   helper.make_attribute("epsilon", _attr(norm, "epsilon", 1e-5))])
+        done = True
+    return done
 
 
 def _swiglu_gate(node: onnx.NodeProto, n: int, inits: dict, readers: dict, outputs: set) -> tuple | None:
@@ -166,14 +194,18 @@ def _only_reader(name: str, readers: dict, outputs: set) -> onnx.NodeProto | Non
     return users[0] if len(users) == 1 and name not in outputs else None
 
 
-def _fuse_residual_adds(graph: onnx.GraphProto, inits: dict, outputs: set) -> None:
-    """Each kernel MatMul whose product only an Add reads, with a computed tensor (not a constant
-    bias) as its other term, takes that term as its residual and the Add's output; the fused node
-    goes where the Add was (its residual may be computed after the matmul's own place)."""
+_RESIDUAL_INPUT = {"MatMul": 2, "MatMulNBits": 4}    # where each of tandem's matmuls takes its residual
+
+
+def _fuse_residual_adds(graph: onnx.GraphProto, inits: dict, outputs: set) -> bool:
+    """Each of tandem's matmul nodes whose product only an Add reads, with a computed tensor (not a
+    constant bias) as its other term, takes that term as its residual and the Add's output; the
+    fused node goes where the Add was (its residual may be computed after the matmul's own place)."""
     readers = _readers(graph)
     fused = {}                                            # the Add's output -> the matmul taking its place
     for node in graph.node:
-        if (node.domain, node.op_type) != (CPU_DOMAIN, "MatMul") or len(node.input) != 2 or _attr(node, "swiglu", 0):
+        at = _RESIDUAL_INPUT.get(node.op_type) if node.domain == CPU_DOMAIN else None
+        if at is None or (len(node.input) > at and node.input[at]) or _attr(node, "swiglu", 0):
             continue
         product, users = node.output[0], readers.get(node.output[0], [])
         if product in outputs or len(users) != 1:
@@ -184,11 +216,12 @@ def _fuse_residual_adds(graph: onnx.GraphProto, inits: dict, outputs: set) -> No
         other = add.input[1] if add.input[0] == product else add.input[0]
         if other in inits or add.output[0] in fused:
             continue
-        node.input.append(other)
+        node.input.extend([""] * (at + 1 - len(node.input)))
+        node.input[at] = other
         node.output[0] = add.output[0]
         fused[add.output[0]] = node
     if not fused:
-        return
+        return False
     order = []
     for node in graph.node:        # the matmul leaves its place and takes its Add's
         if node.output[0] not in fused:
@@ -197,6 +230,7 @@ def _fuse_residual_adds(graph: onnx.GraphProto, inits: dict, outputs: set) -> No
             order.append(fused[node.output[0]])
     del graph.node[:]
     graph.node.extend(order)
+    return True
 
 
 def _readers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:

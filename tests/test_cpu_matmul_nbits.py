@@ -15,6 +15,7 @@ from tandem.engines.backends.onnxruntime_optimized import exact_copy
 from tandem.engines.builder import build_engines
 from tandem.export.builder import MS_DOMAIN
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, lower_matmul_nbits_to_kernel
+from tandem.export.cpu_matmul_lowering import lower_matmul_to_kernel
 from tandem.plugins import cpu_kernels
 
 from .test_load_costs import SMALL
@@ -166,3 +167,82 @@ def test_int4_engine_dir_serves_its_matmuls_on_the_kernel(tiny_root, tmp_path):
     for path in out.glob("*.opt.onnx"):
         kinds = {(n.domain, n.op_type) for n in onnx.load(str(path), load_external_data=False).graph.node}
         assert (CPU_DOMAIN, "MatMulNBits") in kinds and (MS_DOMAIN, "MatMulNBits") not in kinds, path.name
+
+
+def _fused_nbits(K, N, B, scales, zeros, norm: bool, residual: bool) -> onnx.ModelProto:
+    """tandem's 4-bit node with the RMS norm before it (scale input 5) and / or a residual (input 4)."""
+    model = _model(K, N, 4, 32, B, scales, zeros)
+    node, graph = model.graph.node[0], model.graph
+    node.input.extend([""] * (6 - len(node.input)))
+    if residual:
+        node.input[4] = "R"
+        graph.input.append(helper.make_tensor_value_info("R", TensorProto.FLOAT, ["M", "any"]))
+    if norm:
+        node.input[5] = "w"
+        node.attribute.extend([helper.make_attribute("rms_norm", 1), helper.make_attribute("epsilon", 1e-6)])
+        graph.initializer.append(numpy_helper.from_array((np.arange(K) % 127 + 1).astype(np.float32) / 127, "w"))
+    return model
+
+
+def test_norm_and_residual_in_the_int4_node(library):
+    """The norm: rows of equal magnitude and a scale of j / 127 make the int8 activations of A / rms
+    times the scale exact whatever r's last bit, so the result is the op's math on the float64
+    normalized rows. The residual: the same node without it, plus the residual, bit for bit."""
+    if not cpu_kernels.int4_matmul():
+        pytest.skip("no AVX-512 VNNI here: the build never makes these nodes")
+    rng = np.random.default_rng(21)
+    K, N = 128, 40
+    q, scales, zeros, B, packed = _packed(rng, K, N, 4, 32, True)
+    A = (np.where(rng.random((5, K)) < 0.5, -1.0, 1.0) * rng.uniform(0.5, 3, (5, 1))).astype(np.float32)
+    R = rng.standard_normal((5, N)).astype(np.float32)
+    w = (np.arange(K) % 127 + 1).astype(np.float64) / 127
+    normed = A.astype(np.float64) / np.sqrt((A.astype(np.float64) ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
+    ref = _reference(normed.astype(np.float32), q, scales, zeros, 4, 32)
+    sess = onnxruntime_backend.session(_fused_nbits(K, N, B, scales, packed, True, True), kernels=library)
+    y = sess.run(None, {"A": A, "R": R})[0]
+    assert np.abs(y - R - ref).max() <= 1e-5 * np.abs(ref).max()
+    plain = onnxruntime_backend.session(_fused_nbits(K, N, B, scales, packed, True, False), kernels=library)
+    assert np.array_equal(y, plain.run(None, {"A": A})[0] + R)
+    for m in range(5):                                               # every row as if alone
+        assert np.array_equal(sess.run(None, {"A": A[m : m + 1], "R": R[m : m + 1]})[0][0], y[m])
+    with pytest.raises(Exception, match="residual's shape"):
+        sess.run(None, {"A": A, "R": R[:, :7]})
+
+
+def test_lowering_folds_norms_and_residuals_into_int4_nodes_and_the_exact_copy_undoes_it(library, tmp_path):
+    rng = np.random.default_rng(23)
+    K, N = 64, 64
+    q, scales, zeros, B, packed = _packed(rng, K, N, 4, 32, True)
+    norm_scale = rng.random(K).astype(np.float32) + 0.5
+
+    def graph(level):
+        mm = helper.make_node("MatMulNBits", ["n", "B", "scales", "zeros"], ["p"], domain=MS_DOMAIN, K=K, N=N, bits=4,
+                              block_size=32, accuracy_level=level)
+        nodes = [helper.make_node("RMSNormalization", ["X", "s"], ["n"], epsilon=1e-6), mm,
+                 helper.make_node("Add", ["X", "p"], ["Y"])]
+        inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales.reshape(-1), "scales"),
+                 numpy_helper.from_array(packed, "zeros"),
+                 numpy_helper.from_array(norm_scale, "s")]
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", K])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid(MS_DOMAIN, 1)])
+        m.ir_version = 10
+        return m
+
+    model, exact = graph(4), graph(0)                                  # exact: the same weights, at level 0
+    assert lower_matmul_nbits_to_kernel(model)
+    assert lower_matmul_to_kernel(model, None)                        # no float matmul: tensors unused
+    (node,) = model.graph.node
+    assert node.domain == CPU_DOMAIN and list(node.input) == ["X", "B", "scales", "zeros", "X", "s"]
+    assert list(node.output) == ["Y"]
+    path = tmp_path / "g.opt.onnx"
+    onnx.save(model, str(path))
+    copy = onnx.load(str(exact_copy(path)))
+    assert [(n.op_type, n.domain) for n in copy.graph.node] == [("RMSNormalization", ""), ("MatMulNBits", MS_DOMAIN),
+                                                                 ("Add", "")]
+    feeds = {"X": rng.standard_normal((3, K)).astype(np.float32)}
+    np.testing.assert_array_equal(onnxruntime_backend.session(copy).run(None, feeds)[0],
+                                  onnxruntime_backend.session(exact).run(None, feeds)[0])
+    fused = onnxruntime_backend.session(model, kernels=library).run(None, feeds)[0]   # int8 activations: close
+    reference = onnxruntime_backend.session(exact).run(None, feeds)[0]
+    np.testing.assert_allclose(fused, reference, atol=0.05 * np.abs(fused).max())

@@ -91,6 +91,12 @@ struct Call {
   }
 };
 
+}  // namespace
+
+void rms_row_scales(const float* A, int64_t M, int64_t K, float epsilon, bool fast, float* r);
+
+namespace {
+
 // Row scales 1 / sqrt(mean(A[m]^2) + epsilon) (the sums in 16 lanes: the same order as the AVX-512 one).
 void row_scales(const float* A, int64_t M, int64_t K, float epsilon, float* r) {
   for (int64_t m = 0; m < M; ++m) {
@@ -275,7 +281,7 @@ struct Kernel {
     thread_local std::vector<float> scales;    // the calling thread's, kept across calls
     if (rms_norm) {
       scales.resize(static_cast<size_t>(M));
-      fast ? row_scales_avx512(A, M, bd[1], epsilon, scales.data()) : row_scales(A, M, bd[1], epsilon, scales.data());
+      rms_row_scales(A, M, bd[1], epsilon, fast, scales.data());
     }
     const Call call{A, B, residual, rms_norm ? scales.data() : nullptr, y, M, bd[1], N, swiglu};
     if (numel(yd) == 0) return;
@@ -309,6 +315,10 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
 }
 
 }  // namespace
+
+void rms_row_scales(const float* A, int64_t M, int64_t K, float epsilon, bool fast, float* r) {
+  fast ? row_scales_avx512(A, M, K, epsilon, r) : row_scales(A, M, K, epsilon, r);
+}
 
 const OrtCustomOp kMatMul = {
     kOrtCustomOpVersion, op_create, op_name, cpu_provider,

@@ -4,8 +4,11 @@
 // Inputs   A [..., K] float32; B [N, nb, bs * bits / 8] uint8 (nb = K / bs blocks of bs inputs per
 //          output column); scales [N * nb] float32; zero_points (optional) uint8, 4 bits:
 //          [N * ceil(nb / 2)] two per byte (block 2i low nibble), 8 bits: [N * nb]; absent: 2^(bits-1)
+//          residual (optional) [..., N]: added to the product; norm_scale (optional) [K]: with
+//          rms_norm, A's rows are RMS-normalized and scaled by it first (the RMSNormalization before
+//          the projection, in the node: A' = A (r scale), r = 1 / sqrt(mean(A^2) + epsilon))
 // Output   [..., N]
-// Attrs    K, N, bits (4 or 8), block_size (a power of two >= 32)
+// Attrs    K, N, bits (4 or 8), block_size (a power of two >= 32); rms_norm (0 or 1), epsilon
 //
 // 4-bit blocks hold input 2j in byte j's low nibble and 2j + 1 in its high one; 8-bit ones a byte
 // per input. Weight w[n, k] = scale[n, b] (q[n, k] - zero[n, b]), b = k / bs. Each row of A is
@@ -129,6 +132,8 @@ struct Kernel {
   OrtApiTable api;
   int64_t K, N, bits, block_size;
   bool fast;     // AVX-512 VNNI here
+  bool rms_norm;
+  float epsilon;
 
   void compute(OrtKernelContext* context) const {
     std::vector<int64_t> ad, bd, sd, zd;
@@ -136,17 +141,32 @@ struct Kernel {
     const uint8_t* B = input<uint8_t>(api, context, 1, &bd);
     const float* scales = input<float>(api, context, 2, &sd);
     const uint8_t* zeros = optional_input<uint8_t>(api, context, 3, &zd);
+    std::vector<int64_t> rd, wd;
+    const float* residual = optional_input<float>(api, context, 4, &rd);
+    const float* norm_scale = optional_input<float>(api, context, 5, &wd);
     const int64_t blocks = K / block_size, blob = block_size * bits / 8;
     expect_mm(!ad.empty() && ad.back() == K, "A's last dimension is not the node's K");
     expect_mm(bd == std::vector<int64_t>({N, blocks, blob}), "B is not [N, K / block_size, block_size * bits / 8]");
     expect_mm(numel(sd) == N * blocks, "scales do not hold N * K / block_size values");
     const int64_t zero_bytes = bits == 4 ? N * ((blocks + 1) / 2) : N * blocks;
     expect_mm(zeros == nullptr || numel(zd) == zero_bytes, "zero_points do not hold one per block");
+    expect_mm(!rms_norm || (norm_scale != nullptr && numel(wd) == K), "rms_norm needs norm_scale [K]");
     std::vector<int64_t> yd(ad);
     yd.back() = N;
+    expect_mm(residual == nullptr || rd == yd, "the residual's shape is not the output's [..., N]");
     float* y = output(api, context, 0, yd);
     MatMulNBitsCall call{A, B, scales, zeros, y, numel(ad) / K, K, N, bits, block_size, blocks};
     if (call.M == 0) return;
+    thread_local std::vector<float> normed, r;    // the calling thread's, kept across calls
+    if (rms_norm) {   // A' = A (r scale), one rounding per element: the same in both kernels
+      normed.resize(static_cast<size_t>(call.M * K));
+      r.resize(static_cast<size_t>(call.M));
+      rms_row_scales(A, call.M, K, epsilon, fast, r.data());
+      for (int64_t m = 0; m < call.M; ++m) {
+        for (int64_t k = 0; k < K; ++k) normed[m * K + k] = A[m * K + k] * (r[m] * norm_scale[k]);
+      }
+      call.A = normed.data();
+    }
     thread_local QuantizedRows scratch;        // the calling thread's, kept across calls
     QuantizedRows& rows = scratch;             // (the pool threads see this one, not their own)
     if (fast) {
@@ -165,16 +185,19 @@ struct Kernel {
       }
     };
     parallel_for(api, context, (N + kColumns - 1) / kColumns, chunk);
+    if (residual != nullptr) {   // the residual Add after the projection, in the node
+      for (int64_t i = 0; i < call.M * N; ++i) y[i] += residual[i];
+    }
   }
 };
 
 const char* op_name(const OrtCustomOp*) { return "MatMulNBits"; }
 int op_input_type(const OrtCustomOp*, size_t index) { return index == 1 || index == 3 ? kTensorUInt8 : kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 4; }
+size_t op_input_count(const OrtCustomOp*) { return 6; }
 int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
 size_t op_output_count(const OrtCustomOp*) { return 1; }
 int op_input_characteristic(const OrtCustomOp*, size_t index) {
-  return index == 3 ? kInputOutputOptional : kInputOutputRequired;
+  return index >= 3 ? kInputOutputOptional : kInputOutputRequired;
 }
 int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
 
@@ -188,7 +211,10 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   expect_mm(bits == 4 || bits == 8, "bits must be 4 or 8");
   expect_mm(block_size >= kGroup && (block_size & (block_size - 1)) == 0, "block_size must be a power of two >= 32");
   expect_mm(K > 0 && N > 0 && K % block_size == 0, "K must be a positive multiple of block_size");
-  return new Kernel{table, K, N, bits, block_size, avx512_vnni()};
+  float epsilon = 0.0f;
+  const bool rms_norm = optional_int(table, info, "rms_norm", 0) != 0;
+  if (rms_norm) check(table, table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon));
+  return new Kernel{table, K, N, bits, block_size, avx512_vnni(), rms_norm, epsilon};
 }
 
 }  // namespace
