@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-from onnx import helper
+from onnx import helper, numpy_helper
 
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
 from tandem.export.ops import gated_deltanet
@@ -115,9 +115,9 @@ def lower_matmul_nbits_to_kernel(model: onnx.ModelProto) -> bool:
 
 def exact_matmul_nbits(model: onnx.ModelProto) -> None:
     """The inverse for the build's verification: every MatMulNBits (ONNX Runtime's or the kernel's)
-    as ONNX Runtime's at accuracy level 0, dequantized weights in float32; a norm or a residual
-    fused into tandem's (export/cpu_matmul_lowering.py) back as RMSNormalization before it and Add
-    after it."""
+    as ONNX Runtime's at accuracy level 0, dequantized weights in float32; a norm, a residual or the
+    MLP's gate fused into tandem's (export/cpu_matmul_lowering.py) back as RMSNormalization before
+    it, Add after it, or Split -> QuickGelu -> Mul after it."""
     nodes = []
     for node in model.graph.node:
         if node.op_type != "MatMulNBits" or node.domain not in (MS_DOMAIN, CPU_DOMAIN):
@@ -131,7 +131,7 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
                                           epsilon=attrs["epsilon"], name=f"{node.name}/exact_norm"))
             inputs[0] = normed
         residual = inputs[4]
-        kept = [a for a in node.attribute if a.name not in ("accuracy_level", "rms_norm", "epsilon")]
+        kept = [a for a in node.attribute if a.name not in ("accuracy_level", "rms_norm", "epsilon", "swiglu")]
         del node.attribute[:], node.input[:]
         node.input.extend(inputs[:4] if inputs[3] else inputs[:3])
         node.attribute.extend([*kept, helper.make_attribute("accuracy_level", 0)])
@@ -140,6 +140,14 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
         if residual:
             node.output[0] = f"{output}/exact_product"
             nodes.append(helper.make_node("Add", [node.output[0], residual], [output], name=f"{node.name}/exact_add"))
+        if attrs.get("swiglu"):
+            product, halves = f"{output}/exact_product", f"{output}/exact_halves"
+            node.output[0] = product
+            model.graph.initializer.append(numpy_helper.from_array(np.array([attrs["N"] // 2] * 2, np.int64), halves))
+            nodes += [helper.make_node("Split", [product, halves], [f"{product}/gate", f"{product}/up"], axis=-1),
+                      helper.make_node("QuickGelu", [f"{product}/gate"], [f"{product}/silu"], domain=MS_DOMAIN,
+                                       alpha=1.0),
+                      helper.make_node("Mul", [f"{product}/silu", f"{product}/up"], [output])]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
 

@@ -93,12 +93,13 @@ def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
             node.attribute.extend([helper.make_attribute("rms_norm", 1),
                                    helper.make_attribute("epsilon", _attr(norm, "epsilon", 1e-5))])
         lowered.append(w.name)
+    gated |= _gate_into_nbits(graph, inits, outputs)
     kept = [n for n in graph.node if (n.op_type, n.output[0]) not in gated]
     del graph.node[:]
     graph.node.extend(kept)
     folded = _fold_norms_into_nbits(graph, inits, outputs)
     fused = _fuse_residual_adds(graph, inits, outputs)
-    if not (lowered or folded or fused):
+    if not (lowered or gated or folded or fused):
         return False
     read = outputs.union(*(names_read(n) for n in graph.node))
     dead = [n for n in graph.node if (n.op_type, n.domain) in _NORMS and not read & set(n.output)]
@@ -145,6 +146,22 @@ def _nbits_k(node: onnx.NodeProto) -> int | None:
     if (node.domain, node.op_type) != (CPU_DOMAIN, "MatMulNBits") or _attr(node, "rms_norm", 0):
         return None
     return _attr(node, "K", None)
+
+
+def _gate_into_nbits(graph: onnx.GraphProto, inits: dict, outputs: set) -> set:
+    """tandem's MatMulNBits nodes whose product is the MLP's gate and up take the gate (swiglu=1,
+    their output the Mul's); returns (op, output) of the Split, QuickGelu and Mul nodes they took."""
+    readers, taken = _readers(graph), set()
+    for node in graph.node:
+        if (node.domain, node.op_type) != (CPU_DOMAIN, "MatMulNBits") or _attr(node, "swiglu", 0):
+            continue
+        gate = _swiglu_gate(node, _attr(node, "N", 0), inits, readers, outputs)
+        if gate is None:
+            continue
+        node.output[0] = gate[-1].output[0]
+        node.attribute.extend([helper.make_attribute("swiglu", 1)])
+        taken.update((g.op_type, g.output[0]) for g in gate)
+    return taken
 
 
 def _fold_norms_into_nbits(graph: onnx.GraphProto, inits: dict, outputs: set) -> bool:

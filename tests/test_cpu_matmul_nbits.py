@@ -246,3 +246,49 @@ def test_lowering_folds_norms_and_residuals_into_int4_nodes_and_the_exact_copy_u
     fused = onnxruntime_backend.session(model, kernels=library).run(None, feeds)[0]   # int8 activations: close
     reference = onnxruntime_backend.session(exact).run(None, feeds)[0]
     np.testing.assert_allclose(fused, reference, atol=0.05 * np.abs(fused).max())
+
+
+def test_the_mlps_gate_in_the_int4_node_and_back(library, tmp_path):
+    """MatMulNBits -> Split into halves -> QuickGelu(alpha 1) -> Mul becomes one node with swiglu:
+    its output is silu(gate) * up of the plain node's product (every row as if alone); the exact
+    copy restores the four nodes, equal to the original at level 0 bit for bit."""
+    if not cpu_kernels.int4_matmul():
+        pytest.skip("no AVX-512 VNNI here: the build never makes these nodes")
+    rng = np.random.default_rng(29)
+    K, I = 64, 24
+    q, scales, zeros, B, packed = _packed(rng, K, 2 * I, 4, 32, True)
+
+    def graph(level):
+        nodes = [helper.make_node("MatMulNBits", ["X", "B", "scales", "zeros"], ["p"], domain=MS_DOMAIN, K=K,
+                                  N=2 * I, bits=4, block_size=32, accuracy_level=level),
+                 helper.make_node("Split", ["p", "halves"], ["g", "u"], axis=-1),
+                 helper.make_node("QuickGelu", ["g"], ["a"], domain=MS_DOMAIN, alpha=1.0),
+                 helper.make_node("Mul", ["a", "u"], ["Y"])]
+        inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales.reshape(-1), "scales"),
+                 numpy_helper.from_array(packed, "zeros"),
+                 numpy_helper.from_array(np.array([I, I], np.int64), "halves")]
+        g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["M", K])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits)
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS_DOMAIN, 1)])
+        m.ir_version = 10
+        return m
+
+    model, exact = graph(4), graph(0)
+    assert lower_matmul_nbits_to_kernel(model) and lower_matmul_to_kernel(model, None)
+    (node,) = model.graph.node
+    assert node.output[0] == "Y" and any(a.name == "swiglu" and a.i == 1 for a in node.attribute)
+    X = (rng.standard_normal((5, K)) * 2).astype(np.float32)
+    y = onnxruntime_backend.session(model, kernels=library).run(None, {"X": X})[0]
+    plain = _model(K, 2 * I, 4, 32, B, scales, packed)
+    product = onnxruntime_backend.session(plain, kernels=library).run(None, {"A": X})[0].astype(np.float64)
+    g, u = product[:, :I], product[:, I:]
+    assert y.shape == (5, I) and np.abs(y - g * 0.5 * (1 + np.tanh(g / 2)) * u).max() <= 1e-5 * np.abs(y).max()
+    sess = onnxruntime_backend.session(model, kernels=library)
+    for m in range(5):
+        assert np.array_equal(sess.run(None, {"X": X[m : m + 1]})[0][0], y[m])
+    path = tmp_path / "g.opt.onnx"
+    onnx.save(model, str(path))
+    copy = onnx.load(str(exact_copy(path)))
+    assert [n.op_type for n in copy.graph.node] == ["MatMulNBits", "Split", "QuickGelu", "Mul"]
+    np.testing.assert_array_equal(onnxruntime_backend.session(copy).run(None, {"X": X})[0],
+                                  onnxruntime_backend.session(exact).run(None, {"X": X})[0])

@@ -195,6 +195,15 @@ TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0) {
   }
 }
 
+// swiglu_rows' AVX-512 form for one row: the columns it did (all but a last part vector)
+TANDEM_AVX512F int64_t swiglu_row_avx512(const float* gate, int64_t I, float* y) {
+  int64_t j = 0;
+  for (; j + kLanes <= I; j += kLanes) {
+    _mm512_storeu_ps(y + j, _mm512_mul_ps(silu_avx512(_mm512_loadu_ps(gate + j)), _mm512_loadu_ps(gate + I + j)));
+  }
+  return j;
+}
+
 // row_scales' AVX-512 form: lane k % 16 of a vector fma in k order (a masked tail adds exact zeros)
 TANDEM_AVX512F void row_scales_avx512(const float* A, int64_t M, int64_t K, float epsilon, float* r) {
   for (int64_t m = 0; m < M; ++m) {
@@ -318,6 +327,17 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
 
 void rms_row_scales(const float* A, int64_t M, int64_t K, float epsilon, bool fast, float* r) {
   fast ? row_scales_avx512(A, M, K, epsilon, r) : row_scales(A, M, K, epsilon, r);
+}
+
+void swiglu_rows(const float* product, int64_t M, int64_t I, bool fast, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* gate = product + m * 2 * I;
+    int64_t j = 0;
+#ifdef TANDEM_AVX512F
+    if (fast) j = swiglu_row_avx512(gate, I, y + m * I);
+#endif
+    for (; j < I; ++j) y[m * I + j] = silu(gate[j]) * gate[I + j];
+  }
 }
 
 const OrtCustomOp kMatMul = {

@@ -8,7 +8,9 @@
 //          rms_norm, A's rows are RMS-normalized and scaled by it first (the RMSNormalization before
 //          the projection, in the node: A' = A (r scale), r = 1 / sqrt(mean(A^2) + epsilon))
 // Output   [..., N]
-// Attrs    K, N, bits (4 or 8), block_size (a power of two >= 32); rms_norm (0 or 1), epsilon
+// Attrs    K, N, bits (4 or 8), block_size (a power of two >= 32); rms_norm (0 or 1), epsilon;
+//          swiglu (0 or 1): the output is silu(gate) * up of the product's halves [gate | up],
+//          [..., N / 2] (the MLP's Split, sigmoid gate and Mul in the node)
 //
 // 4-bit blocks hold input 2j in byte j's low nibble and 2j + 1 in its high one; 8-bit ones a byte
 // per input. Weight w[n, k] = scale[n, b] (q[n, k] - zero[n, b]), b = k / bs. Each row of A is
@@ -132,7 +134,7 @@ struct Kernel {
   OrtApiTable api;
   int64_t K, N, bits, block_size;
   bool fast;     // AVX-512 VNNI here
-  bool rms_norm;
+  bool rms_norm, swiglu;
   float epsilon;
 
   void compute(OrtKernelContext* context) const {
@@ -152,10 +154,14 @@ struct Kernel {
     expect_mm(zeros == nullptr || numel(zd) == zero_bytes, "zero_points do not hold one per block");
     expect_mm(!rms_norm || (norm_scale != nullptr && numel(wd) == K), "rms_norm needs norm_scale [K]");
     std::vector<int64_t> yd(ad);
-    yd.back() = N;
+    yd.back() = swiglu ? N / 2 : N;
     expect_mm(residual == nullptr || rd == yd, "the residual's shape is not the output's [..., N]");
+    expect_mm(residual == nullptr || !swiglu, "a swiglu node takes no residual");
     float* y = output(api, context, 0, yd);
-    MatMulNBitsCall call{A, B, scales, zeros, y, numel(ad) / K, K, N, bits, block_size, blocks};
+    thread_local std::vector<float> product;    // swiglu: the whole product, gated after
+    if (swiglu) product.resize(static_cast<size_t>(numel(ad) / K * N));
+    MatMulNBitsCall call{A, B, scales, zeros, swiglu ? product.data() : y, numel(ad) / K, K, N, bits, block_size,
+                         blocks};
     if (call.M == 0) return;
     thread_local std::vector<float> normed, r;    // the calling thread's, kept across calls
     if (rms_norm) {   // A' = A (r scale), one rounding per element: the same in both kernels
@@ -188,6 +194,7 @@ struct Kernel {
     if (residual != nullptr) {   // the residual Add after the projection, in the node
       for (int64_t i = 0; i < call.M * N; ++i) y[i] += residual[i];
     }
+    if (swiglu) swiglu_rows(product.data(), call.M, N / 2, fast, y);
   }
 };
 
@@ -214,7 +221,9 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   float epsilon = 0.0f;
   const bool rms_norm = optional_int(table, info, "rms_norm", 0) != 0;
   if (rms_norm) check(table, table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon));
-  return new Kernel{table, K, N, bits, block_size, avx512_vnni(), rms_norm, epsilon};
+  const bool swiglu = optional_int(table, info, "swiglu", 0) != 0;
+  expect_mm(!swiglu || N % 2 == 0, "a swiglu node needs an even N (gate and up halves)");
+  return new Kernel{table, K, N, bits, block_size, avx512_vnni(), rms_norm, swiglu, epsilon};
 }
 
 }  // namespace
