@@ -89,7 +89,7 @@ def main() -> None:
     library = cpu_kernels.library()
     if library is None:
         raise SystemExit("tandem's CPU kernels are not built here (no C++ compiler, or TANDEM_CPU_KERNELS=0)")
-    fast = cpu_kernels.f32_matmul() if args.bits == 32 else cpu_kernels.int4_matmul()
+    fast = cpu_kernels.f32_matmul() if args.bits == 32 else cpu_kernels.nbits_matmul()
     print(f"{machine()}; {args.bits}-bit, block {BLOCK}; tandem's kernel: "
           f"{'AVX-512' if fast else 'portable loop (the build would not use it here)'}")
     for shape in args.shapes.split(","):

@@ -35,7 +35,7 @@ SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCES = ("gated_deltanet.cc", "paged_attention.cc", "matmul_nbits.cc", "matmul_nbits_avx512.cc", "matmul_f32.cc",
            "register.cc")
 HEADERS = ("ort_abi.h", "kernel_common.h", "matmul_nbits.h")
-# what the int4 matmul kernel's fast path (matmul_nbits_avx512.cc) needs, as /proc/cpuinfo names them
+# what the int4 / int8 matmul kernel's fast path (matmul_nbits_avx512.cc) needs, as /proc/cpuinfo names them
 _VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
 LIBRARY_FILE = "cpu_kernels.so"
 
@@ -67,8 +67,8 @@ def enabled() -> bool:
     return os.environ.get("TANDEM_CPU_KERNELS", "1") != "0"
 
 
-def int4_matmul() -> bool:
-    """Whether the library's int4 matmul runs its AVX-512 VNNI kernel here (the build lowers 4-bit
+def nbits_matmul() -> bool:
+    """Whether the library's int4 / int8 matmul runs its AVX-512 VNNI kernel here (the build lowers
     MatMulNBits to it only then: the portable loop is slower than ONNX Runtime's).
     TANDEM_CPU_KERNELS_PORTABLE=1 makes the library run its portable loops, and so turns this off."""
     return _fast() and _VNNI_FLAGS <= _flags_here()

@@ -83,7 +83,7 @@ def _reference(A, q, scales, zeros, bits, bs) -> np.ndarray:
 @pytest.mark.parametrize("K,N,bits,bs,zero_points", CASES, ids=[f"K{c[0]}-N{c[1]}-{c[2]}bit-b{c[3]}-z{int(c[4])}"
                                                                  for c in CASES])
 def test_kernel_equals_its_math(library, monkeypatch, portable, K, N, bits, bs, zero_points):
-    if not portable and not cpu_kernels.int4_matmul():
+    if not portable and not cpu_kernels.nbits_matmul():
         pytest.skip("no AVX-512 VNNI here: only the portable kernel runs")
     if portable:
         monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1")    # read when the session makes the kernel
@@ -128,14 +128,16 @@ def test_bad_weights_fail_that_call_with_a_clear_error(library):
     assert good.run(None, {"A": np.ones((2, 96), np.float32)})[0].shape == (2, 40)   # the next call works
 
 
-def test_lowering_takes_4bit_level4_nodes_and_the_exact_copy_undoes_it(tmp_path):
+def test_lowering_takes_level4_nodes_and_the_exact_copy_undoes_it(tmp_path):
     rng = np.random.default_rng(3)
     models = {}
-    for name, bits in (("int4", 4), ("int8", 8)):
+    for name, bits in (("int4", 4), ("int8", 8), ("level0", 8)):
         q, scales, zeros, B, packed = _packed(rng, 96, 40, bits, 32, bits == 4)
         models[name] = _model(96, 40, bits, 32, B, scales, packed, MS_DOMAIN)
-    assert lower_matmul_nbits_to_kernel(models["int4"])
-    assert not lower_matmul_nbits_to_kernel(models["int8"])         # ONNX Runtime's 8-bit kernel was faster
+    level = next(a for a in models["level0"].graph.node[0].attribute if a.name == "accuracy_level")
+    level.i = 0                                                      # float compute: not the kernel's math
+    assert lower_matmul_nbits_to_kernel(models["int4"]) and lower_matmul_nbits_to_kernel(models["int8"])
+    assert not lower_matmul_nbits_to_kernel(models["level0"])
     node = models["int4"].graph.node[0]
     assert node.domain == CPU_DOMAIN and {a.name for a in node.attribute} == {"K", "N", "bits", "block_size"}
     path = tmp_path / "g.opt.onnx"
@@ -148,20 +150,21 @@ def test_lowering_takes_4bit_level4_nodes_and_the_exact_copy_undoes_it(tmp_path)
 def test_leaving_int4_to_onnxruntime_is_part_of_the_backends_versions(monkeypatch):
     """TANDEM_CPU_KERNELS_PORTABLE=1 changes what the build makes (MLAS's int4 matmuls), not the
     library: the versions must differ, or a later build would reuse the other kind of dir."""
-    if not cpu_kernels.int4_matmul():
+    if not cpu_kernels.nbits_matmul():
         pytest.skip("no AVX-512 VNNI here: the build never moves int4 matmuls")
     before = onnxruntime_backend.versions()["cpu_kernels"]
     monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1")
     assert onnxruntime_backend.versions()["cpu_kernels"] == f"{before}-portable"
 
 
-def test_int4_engine_dir_serves_its_matmuls_on_the_kernel(tiny_root, tmp_path):
-    """Built where the fast kernel runs: every 4-bit MatMulNBits of every saved graph is the
-    kernel's, the dir carries the library, and the build's verification passed."""
-    if not cpu_kernels.int4_matmul():
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_quantized_engine_dir_serves_its_matmuls_on_the_kernel(tiny_root, tmp_path, weights):
+    """Built where the fast kernel runs: every MatMulNBits of every saved graph is the kernel's,
+    the dir carries the library, and the build's verification passed."""
+    if not cpu_kernels.nbits_matmul():
         pytest.skip("no AVX-512 VNNI here: the build keeps ONNX Runtime's MatMulNBits")
-    out = tmp_path / "w4"
-    build_engines(tiny_root / "qwen3_5_mtp1", out, SMALL.__class__(**{**SMALL.__dict__, "weights": "int4"}),
+    out = tmp_path / weights
+    build_engines(tiny_root / "qwen3_5_mtp1", out, SMALL.__class__(**{**SMALL.__dict__, "weights": weights}),
                   show_progress=False)
     assert (out / cpu_kernels.LIBRARY_FILE).is_file()
     for path in out.glob("*.opt.onnx"):
@@ -188,7 +191,7 @@ def test_norm_and_residual_in_the_int4_node(library):
     """The norm: rows of equal magnitude and a scale of j / 127 make the int8 activations of A / rms
     times the scale exact whatever r's last bit, so the result is the op's math on the float64
     normalized rows. The residual: the same node without it, plus the residual, bit for bit."""
-    if not cpu_kernels.int4_matmul():
+    if not cpu_kernels.nbits_matmul():
         pytest.skip("no AVX-512 VNNI here: the build never makes these nodes")
     rng = np.random.default_rng(21)
     K, N = 128, 40
@@ -252,7 +255,7 @@ def test_the_mlps_gate_in_the_int4_node_and_back(library, tmp_path):
     """MatMulNBits -> Split into halves -> QuickGelu(alpha 1) -> Mul becomes one node with swiglu:
     its output is silu(gate) * up of the plain node's product (every row as if alone); the exact
     copy restores the four nodes, equal to the original at level 0 bit for bit."""
-    if not cpu_kernels.int4_matmul():
+    if not cpu_kernels.nbits_matmul():
         pytest.skip("no AVX-512 VNNI here: the build never makes these nodes")
     rng = np.random.default_rng(29)
     K, I = 64, 24

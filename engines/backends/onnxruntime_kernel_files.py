@@ -4,7 +4,7 @@ optimizes for the CPU provider, the library the dir carries, and whether it load
     engine dir/
       <graph>.onnx        lowered graph: ONNX Runtime's kernels (the CUDA provider's input, the fallback)
       <graph>.opt.onnx    optimized from a second lowering on tandem's kernels, where one applies;
-                          its 4-bit MatMulNBits and its constant-weight float MatMuls on tandem's
+                          its MatMulNBits and its constant-weight float MatMuls on tandem's
                           matmul kernels, where they run fast here (their weight panels in
                           optimized.bin)
       cpu_kernels.so      the library those graphs load (only where some graph uses it)
@@ -29,15 +29,16 @@ from tandem.plugins import cpu_kernels
 def save_served_graphs(export_dir: Path, out_dir: Path, graphs: dict[str, tuple[str, int | None]], options) -> None:
     """The saved optimized graph of every engine file (graphs: file -> (exported graph, rows)):
     optimized from the lowering on tandem's kernels where the library compiles here and the graph
-    has an op it lowers, else from the engine file itself; then its 4-bit MatMulNBits (which the
+    has an op it lowers, else from the engine file itself; then its int4 / int8 MatMulNBits (which the
     optimizer makes) and its constant-weight float MatMuls on tandem's kernels where those run fast
     here. options(level, kernels) -> SessionOptions."""
     kernels, variants = cpu_kernels.library(), {}
-    int4 = kernels is not None and cpu_kernels.int4_matmul()
+    nbits = kernels is not None and cpu_kernels.nbits_matmul()
     f32 = kernels is not None and cpu_kernels.f32_matmul()
 
     def matmuls(model: onnx.ModelProto, tensors) -> bool:   # both run: no short circuit
-        return bool(int4 and lower_matmul_nbits_to_kernel(model)) | bool(f32 and lower_matmul_to_kernel(model, tensors))
+        quantized = bool(nbits and lower_matmul_nbits_to_kernel(model))
+        return bool(f32 and lower_matmul_to_kernel(model, tensors)) or quantized
 
     try:
         if kernels is not None:
@@ -49,10 +50,10 @@ def save_served_graphs(export_dir: Path, out_dir: Path, graphs: dict[str, tuple[
                     onnx.save(variant, str(variants[name]))
         library = out_dir / cpu_kernels.LIBRARY_FILE
         library.unlink(missing_ok=True)          # a reused dir's: this build decides anew
-        if variants or int4 or f32:
+        if variants or nbits or f32:
             shutil.copyfile(kernels, library)    # the engine dir carries what its graphs load
         rewritten = save_optimized(out_dir, sorted(graphs), lambda level: options(level, library if variants else None),
-                                   sources=variants, rewrite=matmuls if int4 or f32 else None)
+                                   sources=variants, rewrite=matmuls if nbits or f32 else None)
         if not variants and not rewritten:
             library.unlink(missing_ok=True)
     finally:
