@@ -120,6 +120,8 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
     MLP's gate fused into tandem's (export/cpu_matmul_lowering.py) back as RMSNormalization before
     it, Add after it, or Split -> QuickGelu -> Mul after it."""
     nodes = []
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
+    norm_op = "RMSNormalization" if opset >= 23 else "SimplifiedLayerNormalization"   # (ONNX Runtime's, before 23)
     for node in model.graph.node:
         if node.op_type != "MatMulNBits" or node.domain not in (MS_DOMAIN, CPU_DOMAIN):
             nodes.append(node)
@@ -128,7 +130,7 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
         inputs, output = list(node.input) + [""] * (6 - len(node.input)), node.output[0]
         if attrs.get("rms_norm"):
             normed = f"{output}/exact_norm"
-            nodes.append(helper.make_node("RMSNormalization", [inputs[0], inputs[5]], [normed],
+            nodes.append(helper.make_node(norm_op, [inputs[0], inputs[5]], [normed], axis=-1,
                                           epsilon=attrs["epsilon"], name=f"{node.name}/exact_norm"))
             inputs[0] = normed
         residual = inputs[4]

@@ -137,7 +137,8 @@ inline __mmask16 first_lanes(int64_t n) { return n >= kLanes ? 0xFFFF : static_c
 TANDEM_AVX512F __m512 silu_avx512(__m512 x) {
   const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(kExpMin)),
                                  _mm512_set1_ps(kExpMax));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 t = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), v);
   t = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), t);
   __m512 p = _mm512_set1_ps(kExpPoly[0]);
@@ -260,7 +261,9 @@ bool avx512f() {
 #else
 
 void panels_avx512(const Call& c, int64_t p0, int64_t p1) { panels_portable(c, p0, p1); }
-void row_scales_avx512(const float* A, int64_t M, int64_t K, float epsilon, float* r) { row_scales(A, M, K, epsilon, r); }
+void row_scales_avx512(const float* A, int64_t M, int64_t K, float epsilon, float* r) {
+  row_scales(A, M, K, epsilon, r);
+}
 bool avx512f() { return false; }
 
 #endif

@@ -23,11 +23,11 @@
 // one (AVX-512 VNNI, matmul_nbits_avx512.cc) made the 150M int4 target step 1.20x faster at batch 1
 // and 1.10x at batch 8, its verify 1.09-1.15x (docs/performance.md). Its int8 path alone was even
 // with MLAS's on the step and slower on the batch-8 verify (32 rows); with the norm, residual and
-// gate fused into the node (which MLAS's node cannot take) the 150M int8 step is 1.15-1.17x and plain
-// decode 1.13x, so 8-bit nodes are lowered too (export/cpu_kernel_lowering.py). Every row runs the same instructions in the same
-// order whatever the call's rows, so a verify row equals a decode step bit for bit. CPUs without
-// AVX-512 VNNI run the portable loop (the same quantized activations, float sums in another order);
-// tandem lowers to this op only where the fast path runs.
+// gate fused into the node (which MLAS's node cannot take) the 150M int8 step is 1.15-1.17x and
+// plain decode 1.13x, so 8-bit nodes are lowered too (export/cpu_kernel_lowering.py). Every row runs
+// the same instructions in the same order whatever the call's rows, so a verify row equals a decode
+// step bit for bit. CPUs without AVX-512 VNNI run the portable loop (the same quantized activations,
+// float sums in another order); tandem lowers to this op only where the fast path runs.
 
 #include <cmath>
 #include <vector>
