@@ -10,10 +10,10 @@ faster of ONNX Runtime's MatMul and, where the build uses it here, tandem's (ai.
 over the weight panels; it streams faster than MLAS, so the bound is the better of the two). Per
 engine dir: the target step's weight bytes per token (initializers read by its MatMuls, Convs and
 MatMulNBits; those only gathered from, the embedding table, count one row), decode tokens/s (plain
-greedy, batch 1, prompt 32, prefill excluded), and achieved / bound. GEMV and decode alternate
-`--rounds` times and each decode figure is divided by the GEMV figure of its own round: the machine
-is shared and noisy. The bound for int8 / int4 engines is the same bytes/s: fewer bytes per token
-should give proportionally more tokens/s.
+greedy, batch 1, prompt 32, prefill excluded), and achieved / bound. Every decode (`--rounds` per
+dir, the dirs in turn) is divided by the bound measured just before and just after it (their
+mean): the machine's memory speed moves by 1.5x within minutes. The bound for int8 / int4 engines
+is the same bytes/s: fewer bytes per token should give proportionally more tokens/s.
 """
 
 from __future__ import annotations
@@ -59,29 +59,46 @@ def weight_bytes_per_token(engine_dir: Path) -> float:
     return total
 
 
-def gemv_bandwidth(mib: int, calls: int = 30, kernels: Path | None = None) -> float:
-    """Bytes/s one [1, K] x [K, N] float32 MatMul reads, median over `calls` calls after warm-up:
-    ONNX Runtime's, or with `kernels` (the library) tandem's over the same weights as panels."""
-    k = 4096
-    n = mib * 2**20 // (4 * k)
-    w = np.random.default_rng(0).standard_normal((k, n), dtype=np.float32)
-    attrs, opsets = ({"domain": CPU_DOMAIN, "N": n}, [helper.make_opsetid(CPU_DOMAIN, 1)]) if kernels else ({}, [])
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], **attrs)], "gemv",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
-                              [numpy_helper.from_array(weight_panels(w) if kernels else w, "w")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), *opsets])
-    model.ir_version = 10
-    sess = session(model, kernels=kernels)
-    x = {"x": np.ones((1, k), np.float32)}
-    for _ in range(3):
-        sess.run(None, x)
-    times = []
-    for _ in range(calls):
-        t = time.perf_counter()
-        sess.run(None, x)
-        times.append(time.perf_counter() - t)
-    return w.nbytes / statistics.median(times)
+class GemvProbe:
+    """One large [1, K] x [K, N] float32 GEMV (a `mib` MiB weight, far larger than the caches) on
+    ONNX Runtime's MatMul and, with `kernels` (the library), on tandem's over the same weights as
+    panels; sessions made once, so the bound can be measured right before and after each decode."""
+
+    def __init__(self, mib: int, kernels: Path | None):
+        k = 4096
+        n = mib * 2**20 // (4 * k)
+        w = np.random.default_rng(0).standard_normal((k, n), dtype=np.float32)
+        self.nbytes, self.x = w.nbytes, {"x": np.ones((1, k), np.float32)}
+        self.sessions = {"onnxruntime": session(self._model(w, None))}
+        if kernels is not None:
+            self.sessions["tandem"] = session(self._model(w, kernels), kernels=kernels)
+        for sess in self.sessions.values():
+            for _ in range(3):
+                sess.run(None, self.x)
+
+    @staticmethod
+    def _model(w: np.ndarray, kernels: Path | None) -> onnx.ModelProto:
+        k, n = w.shape
+        attrs, opsets = ({"domain": CPU_DOMAIN, "N": n}, [helper.make_opsetid(CPU_DOMAIN, 1)]) if kernels else ({}, [])
+        graph = helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], **attrs)], "gemv",
+                                  [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, k])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, n])],
+                                  [numpy_helper.from_array(weight_panels(w) if kernels else w, "w")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21), *opsets])
+        model.ir_version = 10
+        return model
+
+    def measure(self, calls: int = 20) -> dict[str, float]:
+        """Bytes/s each GEMV reads now, median over `calls` calls."""
+        speeds = {}
+        for name, sess in self.sessions.items():
+            times = []
+            for _ in range(calls):
+                t = time.perf_counter()
+                sess.run(None, self.x)
+                times.append(time.perf_counter() - t)
+            speeds[name] = self.nbytes / statistics.median(times)
+        return speeds
 
 
 def decode_speed(llm: LLM, tokens: int) -> float:
@@ -106,19 +123,21 @@ def main() -> None:
     ratios = {d: [] for d in llms}
     rows = {d: [] for d in llms}
     bounds, gemvs = [], {"onnxruntime": [], "tandem": []}
-    kernels = cpu_kernels.library() if cpu_kernels.f32_matmul() else None
+    probe = GemvProbe(args.gemv_mib, cpu_kernels.library() if cpu_kernels.f32_matmul() else None)
+    after = probe.measure()
     for _ in range(args.rounds):
-        gemvs["onnxruntime"].append(gemv_bandwidth(args.gemv_mib))
-        if kernels is not None:
-            gemvs["tandem"].append(gemv_bandwidth(args.gemv_mib, kernels=kernels))
-        bound = max(g[-1] for g in gemvs.values() if g)
-        bounds.append(bound)
         for d, llm in llms.items():
+            before = after
             speed = decode_speed(llm, args.tokens)
-            achieved = weight_bytes_per_token(d) * speed
+            after = probe.measure()
+            # the bound while this decode ran: the faster GEMV, averaged over just before and just after
+            bound = max((before[name] + after[name]) / 2 for name in after)
+            for name in after:
+                gemvs[name].append(after[name])
+            bounds.append(bound)
             rows[d].append(speed)
-            ratios[d].append(achieved / bound)
-    print(f"GEMV bound: {statistics.median(bounds) / 1e9:.1f} GB/s (median of {args.rounds}; "
+            ratios[d].append(weight_bytes_per_token(d) * speed / bound)
+    print(f"GEMV bound: {statistics.median(bounds) / 1e9:.1f} GB/s (median of {len(bounds)} decodes; "
           f"{min(bounds) / 1e9:.1f}-{max(bounds) / 1e9:.1f}); " + ", ".join(
               f"{name}'s GEMV {statistics.median(g) / 1e9:.1f}" for name, g in gemvs.items() if g))
     print("engine dir | weight MiB per token | tokens/s | bound tokens/s | achieved / bound")
