@@ -120,13 +120,6 @@ void kernel_destroy(void* kernel) { delete static_cast<K*>(kernel); }
 inline const char* cpu_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 inline int default_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
 
-// r[m] = 1 / sqrt(mean_k A[m, k]^2 + epsilon) for the rows of A [M, K], the sums in 16 lanes in a
-// fixed order: the RMS norm both matmul kernels apply (matmul_f32.cc; fast: AVX-512, bit-identical).
-void rms_row_scales(const float* A, int64_t M, int64_t K, float epsilon, bool fast, float* r);
-// y [M, I] = silu(gate) * up for rows [gate | up] of product [M, 2 I] (matmul_f32.cc's silu; fast:
-// AVX-512, bit-identical)
-void swiglu_rows(const float* product, int64_t M, int64_t I, bool fast, float* y);
-
 // The ops of the library (one file each), registered by register.cc.
 extern const OrtCustomOp kGatedDeltaNet;
 extern const OrtCustomOp kPagedAttention;

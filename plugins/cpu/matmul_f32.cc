@@ -40,37 +40,14 @@
 #include <vector>
 
 #include "kernel_common.h"
+#include "row_ops.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <immintrin.h>
-#define TANDEM_AVX512F __attribute__((target("avx512f")))
-#endif
 
 namespace tandem {
 namespace {
 
 constexpr int64_t kLanes = 16;          // columns per panel
 constexpr int64_t kChunkPanels = 4;     // panels per task of the pool
-
-// e^x for x clamped to [-87.3, 88.3] (normal results): 2^n e^t, n = round(x log2 e), t = x - n ln 2
-// in two steps, e^t by Cephes expf's polynomial; silu(x) = x / (1 + e^-x). Written once per kernel
-// with the same operations in the same order (fma, mul, add, div, exact scaling by 2^n), so the
-// portable loop and the AVX-512 kernel agree bit for bit.
-constexpr float kExpMin = -87.3f, kExpMax = 88.3f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f,
-                kLn2Lo = -2.12194440e-4f;
-constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
-                               1.6666665459e-1f, 5.0000001201e-1f};
-
-float silu(float x) {
-  const float v = std::min(std::max(-x, kExpMin), kExpMax);
-  const float n = std::nearbyint(v * kLog2e);
-  float t = std::fma(n, -kLn2Hi, v);
-  t = std::fma(n, -kLn2Lo, t);
-  float p = kExpPoly[0];
-  for (int i = 1; i < 6; ++i) p = std::fma(p, t, kExpPoly[i]);
-  const float e = std::ldexp(std::fma(p, t * t, t) + 1.0f, static_cast<int>(n));
-  return x / (1.0f + e);
-}
 
 struct Call {
   const float* A;          // [M, K]
@@ -90,23 +67,6 @@ struct Call {
     return r != nullptr ? silu(gate * r[m]) * (up * r[m]) : silu(gate) * up;
   }
 };
-
-}  // namespace
-
-void rms_row_scales(const float* A, int64_t M, int64_t K, float epsilon, bool fast, float* r);
-
-namespace {
-
-// Row scales 1 / sqrt(mean(A[m]^2) + epsilon) (the sums in 16 lanes: the same order as the AVX-512 one).
-void row_scales(const float* A, int64_t M, int64_t K, float epsilon, float* r) {
-  for (int64_t m = 0; m < M; ++m) {
-    float lanes[16] = {};
-    for (int64_t k = 0; k < K; ++k) lanes[k % 16] = std::fma(A[m * K + k], A[m * K + k], lanes[k % 16]);
-    float sum = 0.0f;
-    for (float v : lanes) sum += v;
-    r[m] = 1.0f / std::sqrt(sum / static_cast<float>(K) + epsilon);
-  }
-}
 
 // Panels [p0, p1) of every row, lane by lane: the chains the AVX-512 kernel runs, in its order
 // (swiglu: p0 even, a gate panel and its up panel together).
@@ -132,21 +92,6 @@ void panels_portable(const Call& c, int64_t p0, int64_t p1) {
 #ifdef TANDEM_AVX512F
 
 inline __mmask16 first_lanes(int64_t n) { return n >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
-
-// silu's AVX-512 form, operation for operation
-TANDEM_AVX512F __m512 silu_avx512(__m512 x) {
-  const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(kExpMin)),
-                                 _mm512_set1_ps(kExpMax));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 t = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), v);
-  t = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), t);
-  __m512 p = _mm512_set1_ps(kExpPoly[0]);
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(kExpPoly[i]));
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 e = _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(t, t), t), one), n);
-  return _mm512_div_ps(x, _mm512_add_ps(one, e));
-}
 
 // y[m0 .. m0 + R] for panels [p0, p0 + V) (swiglu: V / 2 gate and up pairs), stores masked to N
 template <int R, int V>
@@ -196,32 +141,6 @@ TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0) {
   }
 }
 
-// swiglu_rows' AVX-512 form for one row: the columns it did (all but a last part vector)
-TANDEM_AVX512F int64_t swiglu_row_avx512(const float* gate, int64_t I, float* y) {
-  int64_t j = 0;
-  for (; j + kLanes <= I; j += kLanes) {
-    _mm512_storeu_ps(y + j, _mm512_mul_ps(silu_avx512(_mm512_loadu_ps(gate + j)), _mm512_loadu_ps(gate + I + j)));
-  }
-  return j;
-}
-
-// row_scales' AVX-512 form: lane k % 16 of a vector fma in k order (a masked tail adds exact zeros)
-TANDEM_AVX512F void row_scales_avx512(const float* A, int64_t M, int64_t K, float epsilon, float* r) {
-  for (int64_t m = 0; m < M; ++m) {
-    __m512 sq = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      const __mmask16 mask = K - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
-      const __m512 x = _mm512_maskz_loadu_ps(mask, A + m * K + k);
-      sq = _mm512_fmadd_ps(x, x, sq);
-    }
-    float lanes[16];
-    _mm512_storeu_ps(lanes, sq);
-    float sum = 0.0f;
-    for (float v : lanes) sum += v;
-    r[m] = 1.0f / std::sqrt(sum / static_cast<float>(K) + epsilon);
-  }
-}
-
 // rows [m0, m0 + R) of panels [p0, p1), V at a time (fewer for the last ones: the same chains;
 // swiglu: an even count, the panels come in pairs)
 template <int R, int V>
@@ -261,9 +180,6 @@ bool avx512f() {
 #else
 
 void panels_avx512(const Call& c, int64_t p0, int64_t p1) { panels_portable(c, p0, p1); }
-void row_scales_avx512(const float* A, int64_t M, int64_t K, float epsilon, float* r) {
-  row_scales(A, M, K, epsilon, r);
-}
 bool avx512f() { return false; }
 
 #endif
@@ -327,21 +243,6 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
 }
 
 }  // namespace
-
-void rms_row_scales(const float* A, int64_t M, int64_t K, float epsilon, bool fast, float* r) {
-  fast ? row_scales_avx512(A, M, K, epsilon, r) : row_scales(A, M, K, epsilon, r);
-}
-
-void swiglu_rows(const float* product, int64_t M, int64_t I, bool fast, float* y) {
-  for (int64_t m = 0; m < M; ++m) {
-    const float* gate = product + m * 2 * I;
-    int64_t j = 0;
-#ifdef TANDEM_AVX512F
-    if (fast) j = swiglu_row_avx512(gate, I, y + m * I);
-#endif
-    for (; j < I; ++j) y[m * I + j] = silu(gate[j]) * gate[I + j];
-  }
-}
 
 const OrtCustomOp kMatMul = {
     kOrtCustomOpVersion, op_create, op_name, cpu_provider,

@@ -34,6 +34,7 @@
 
 #include "kernel_common.h"
 #include "matmul_nbits.h"
+#include "row_ops.h"
 
 namespace tandem {
 namespace {
