@@ -127,14 +127,18 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
             nodes.append(node)
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        inputs, output = list(node.input) + [""] * (6 - len(node.input)), node.output[0]
+        inputs, output = list(node.input) + [""] * (7 - len(node.input)), node.output[0]
+        if attrs.get("norm_group"):
+            nodes += _gated_norm_nodes(model, node.name, inputs[0], inputs[5], inputs[6], attrs, norm_op)
+            inputs[0] = f"{node.name}/exact_gated_norm"
         if attrs.get("rms_norm"):
             normed = f"{output}/exact_norm"
             nodes.append(helper.make_node(norm_op, [inputs[0], inputs[5]], [normed], axis=-1,
                                           epsilon=attrs["epsilon"], name=f"{node.name}/exact_norm"))
             inputs[0] = normed
         residual = inputs[4]
-        kept = [a for a in node.attribute if a.name not in ("accuracy_level", "rms_norm", "epsilon", "swiglu")]
+        fused = ("accuracy_level", "rms_norm", "norm_group", "epsilon", "swiglu")
+        kept = [a for a in node.attribute if a.name not in fused]
         del node.attribute[:], node.input[:]
         node.input.extend(inputs[:4] if inputs[3] else inputs[:3])
         node.attribute.extend([*kept, helper.make_attribute("accuracy_level", 0)])
@@ -153,6 +157,19 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
                       helper.make_node("Mul", [f"{product}/silu", f"{product}/up"], [output])]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+
+
+def _gated_norm_nodes(model: onnx.ModelProto, name: str, x: str, scale: str, gate: str, attrs: dict,
+                      norm_op: str) -> list[onnx.NodeProto]:
+    """Reshape(Mul(norm(x, scale), QuickGelu(gate)), [..., K]) as nodes: a folded gated norm, back
+    (x [..., K / G, G]: its dims but the last two, then K)."""
+    b = GraphBuilder(function=True, root=f"{name}/exact")
+    normed = b.op(norm_op, x, scale, axis=-1, epsilon=attrs["epsilon"])
+    gated = b.op("Mul", normed, b.op("QuickGelu", gate, domain=MS_DOMAIN, alpha=1.0))
+    lead = b.op("Slice", b.op("Shape", x), b.const([0], np.int64), b.const([-2], np.int64))
+    shape = b.op("Concat", lead, b.const([attrs["K"]], np.int64), axis=0)
+    b.op("Reshape", gated, shape, outputs=[f"{name}/exact_gated_norm"])
+    return b.nodes
 
 
 def _kernel_nodes(node: onnx.NodeProto, producers: dict, picks: set[str], read: set[str]):

@@ -10,6 +10,9 @@ saved optimized graphs of ONNX Runtime's CPU provider (engines/backends/onnxrunt
     Mul(QuickGelu(g), u), [g, u] = Split(MatMul(A, W))  -> ai.tandem.cpu::MatMul(A, swiglu_panels(W),
         (the MLP's gate: QuickGelu with alpha 1 is         N=N/2, swiglu=1)
         silu)
+    MatMul(Reshape(Mul(RMSNormalization(X, s),     -> ai.tandem.cpu::MatMul(X, ..., norm_scale=s, gate=Z,
+        QuickGelu(Z))), W) (Gated DeltaNet's           norm_group=len(s))  (and the same for
+        gated norm before out_proj)                     tandem's MatMulNBits)
 
 Why: ONNX Runtime's MatMul packs its own copy of each weight per session at load; the panels are
 written once into optimized.bin and every session maps them. The norm before a projection, the
@@ -98,13 +101,18 @@ def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
     del graph.node[:]
     graph.node.extend(kept)
     folded = _fold_norms_into_nbits(graph, inits, outputs)
+    folded = _fold_gated_norms(graph, inits, outputs) or folded
     fused = _fuse_residual_adds(graph, inits, outputs)
     if not (lowered or gated or folded or fused):
         return False
-    read = outputs.union(*(names_read(n) for n in graph.node))
-    dead = [n for n in graph.node if (n.op_type, n.domain) in _NORMS and not read & set(n.output)]
-    for node in dead:
-        graph.node.remove(node)
+    while True:                    # chains left unread (Reshape <- Mul <- norm, QuickGelu): until none
+        read = outputs.union(*(names_read(n) for n in graph.node))
+        dead = [n for n in graph.node if ((n.op_type, n.domain) in _NORMS or n.op_type in _GATE_NODES)
+                and not read & set(n.output)]
+        if not dead:
+            break
+        for node in dead:
+            graph.node.remove(node)
     read = outputs.union(*(names_read(n) for n in graph.node))
     for tensor in [t for t in graph.initializer if t.name not in read]:
         graph.initializer.remove(tensor)
@@ -162,6 +170,45 @@ def _gate_into_nbits(graph: onnx.GraphProto, inits: dict, outputs: set) -> set:
         node.attribute.extend([helper.make_attribute("swiglu", 1)])
         taken.update((g.op_type, g.output[0]) for g in gate)
     return taken
+
+
+_GATE_NODES = {"QuickGelu", "Mul", "Reshape"}    # what a folded gated norm leaves unread
+_NORM_INPUTS = {"MatMul": (3, 4), "MatMulNBits": (5, 6)}   # where each kernel takes norm_scale and gate
+
+
+def _fold_gated_norms(graph: onnx.GraphProto, inits: dict, outputs: set) -> bool:
+    """Each of tandem's matmul nodes with no norm of its own whose A is Reshape(Mul(RMSNormalization(X,
+    s), QuickGelu(Z))) (alpha 1: silu), each of those read by the next one only, takes X, s and Z
+    (norm_group = len(s), dividing its K); the four nodes are left unread."""
+    readers, producers = _readers(graph), {o: n for n in graph.node for o in n.output}
+    done = False
+    for node in graph.node:
+        at = _NORM_INPUTS.get(node.op_type) if node.domain == CPU_DOMAIN else None
+        if at is None or _attr(node, "rms_norm", 0) or _attr(node, "norm_group", 0):
+            continue
+        reshape = producers.get(node.input[0])
+        if reshape is None or reshape.op_type != "Reshape" or _only_reader(reshape.output[0], readers, outputs) is None:
+            continue
+        mul = producers.get(reshape.input[0])
+        if mul is None or mul.op_type != "Mul" or _only_reader(mul.output[0], readers, outputs) is None:
+            continue
+        parts = {producers[i].op_type: producers[i] for i in mul.input if i in producers}
+        norm, act = next((p for p in parts.values() if (p.op_type, p.domain) in _NORMS), None), parts.get("QuickGelu")
+        if norm is None or act is None or act.domain != "com.microsoft" or _attr(act, "alpha", 1.702) != 1.0:
+            continue
+        if any(_only_reader(n.output[0], readers, outputs) is None for n in (norm, act)):
+            continue
+        scale = inits.get(norm.input[1]) if len(norm.input) == 2 else None
+        k = _attr(node, "K", None) if node.op_type == "MatMulNBits" else inits[node.input[1]].dims[1]
+        if scale is None or len(scale.dims) != 1 or _attr(norm, "axis", -1) != -1 or k % scale.dims[0]:
+            continue
+        node.input[0] = norm.input[0]
+        node.input.extend([""] * (at[1] + 1 - len(node.input)))
+        node.input[at[0]], node.input[at[1]] = scale.name, act.input[0]
+        node.attribute.extend([helper.make_attribute("norm_group", int(scale.dims[0])),
+                               helper.make_attribute("epsilon", _attr(norm, "epsilon", 1e-5))])
+        done = True
+    return done
 
 
 def _fold_norms_into_nbits(graph: onnx.GraphProto, inits: dict, outputs: set) -> bool:

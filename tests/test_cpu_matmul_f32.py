@@ -308,3 +308,47 @@ def test_lowering_takes_the_mlps_gate_into_the_matmul(library):
     got = onnxruntime_backend.session(model, kernels=library).run(None, feeds)
     for e, o in zip(expected, got):
         np.testing.assert_allclose(o, e, rtol=1e-4, atol=1e-5)
+
+
+def _gated_norm_graph(W, H, G, matmul_node) -> onnx.ModelProto:
+    """Gated DeltaNet's output norm before out_proj: Reshape(Mul(RMSNormalization(X, s), QuickGelu(Z)))
+    into `matmul_node` (reading "A2", writing "Y"), X and Z [B, T, H, G]."""
+    rng = np.random.default_rng(41)
+    nodes = [helper.make_node("RMSNormalization", ["X", "s"], ["n"], epsilon=1e-6),
+             helper.make_node("QuickGelu", ["Z"], ["a"], domain="com.microsoft", alpha=1.0),
+             helper.make_node("Mul", ["n", "a"], ["g"]),
+             helper.make_node("Reshape", ["g", "shape"], ["A2"]), matmul_node]
+    inits = [numpy_helper.from_array(rng.random(G).astype(np.float32) + 0.5, "s"),
+             numpy_helper.from_array(np.array([0, 0, H * G], np.int64), "shape"), *W]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["B", "T", H, G]) for n in ("X", "Z")]
+    g = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 23), helper.make_opsetid("com.microsoft", 1)])
+    m.ir_version = 10
+    return m
+
+
+def test_gated_norm_before_out_proj_folds_into_the_node(library, monkeypatch):
+    """The norm per head, times silu of the gate, reshaped into out_proj: one node reading X and Z
+    [B, T, H, G] and writing [B, T, N]; against ONNX Runtime's four nodes and MatMul, both kernels bit
+    for bit, every (batch, position) row as if alone."""
+    fast_here = cpu_kernels.f32_matmul()
+    rng = np.random.default_rng(43)
+    H, G, N = 3, 32, 40
+    W = rng.standard_normal((H * G, N)).astype(np.float32)
+    model = _gated_norm_graph([numpy_helper.from_array(W, "W")], H, G, helper.make_node("MatMul", ["A2", "W"], ["Y"]))
+    feeds = {n: (rng.standard_normal((2, 3, H, G)) * 2).astype(np.float32) for n in ("X", "Z")}
+    expected = onnxruntime_backend.session(model).run(None, feeds)[0]
+    assert lower_matmul_to_kernel(model, _Tensors())
+    (node,) = model.graph.node
+    assert list(node.input) == ["X", "W/panels", "", "s", "Z"] and list(node.output) == ["Y"]
+    results = {}
+    for portable in ([True, False] if fast_here else [True]):
+        monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1" if portable else "0")
+        sess = onnxruntime_backend.session(model, kernels=library)
+        y = results[portable] = sess.run(None, feeds)[0]
+        assert y.shape == (2, 3, N)
+        np.testing.assert_allclose(y, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
+        alone = sess.run(None, {k: v[1:2, 2:3] for k, v in feeds.items()})[0]
+        assert np.array_equal(alone[0, 0], y[1, 2])
+    if fast_here:
+        assert np.array_equal(results[True], results[False])

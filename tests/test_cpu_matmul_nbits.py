@@ -295,3 +295,35 @@ def test_the_mlps_gate_in_the_int4_node_and_back(library, tmp_path):
     assert [n.op_type for n in copy.graph.node] == ["MatMulNBits", "Split", "QuickGelu", "Mul"]
     np.testing.assert_array_equal(onnxruntime_backend.session(copy).run(None, {"X": X})[0],
                                   onnxruntime_backend.session(exact).run(None, {"X": X})[0])
+
+
+def test_gated_norm_before_an_int4_out_proj_and_back(library, tmp_path):
+    """The same fold into tandem's MatMulNBits: the node reads X and Z; the exact copy restores the
+    norm, QuickGelu, Mul and a Reshape to [..., K], equal to the original at level 0 bit for bit."""
+    if not cpu_kernels.nbits_matmul():
+        pytest.skip("no AVX-512 VNNI here: the build never makes these nodes")
+    from .test_cpu_matmul_f32 import _gated_norm_graph
+    rng = np.random.default_rng(47)
+    H, G, N = 2, 32, 40
+    q, scales, zeros, B, packed = _packed(rng, H * G, N, 4, 32, True)
+    weights = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales.reshape(-1), "scales"),
+               numpy_helper.from_array(packed, "zeros")]
+
+    def graph(level):
+        mm = helper.make_node("MatMulNBits", ["A2", "B", "scales", "zeros"], ["Y"], domain=MS_DOMAIN, K=H * G, N=N,
+                              bits=4, block_size=32, accuracy_level=level)
+        return _gated_norm_graph(weights, H, G, mm)
+
+    model, exact = graph(4), graph(0)
+    assert lower_matmul_nbits_to_kernel(model) and lower_matmul_to_kernel(model, None)
+    (node,) = model.graph.node
+    assert list(node.input) == ["X", "B", "scales", "zeros", "", "s", "Z"]
+    feeds = {n: (rng.standard_normal((2, 3, H, G)) * 2).astype(np.float32) for n in ("X", "Z")}
+    y = onnxruntime_backend.session(model, kernels=library).run(None, feeds)[0]
+    path = tmp_path / "g.opt.onnx"
+    onnx.save(model, str(path))
+    copy = onnx.load(str(exact_copy(path)))
+    reference = onnxruntime_backend.session(exact).run(None, feeds)[0]
+    np.testing.assert_array_equal(onnxruntime_backend.session(copy).run(None, feeds)[0], reference)
+    assert y.shape == reference.shape == (2, 3, N)
+    np.testing.assert_allclose(y, reference, atol=0.05 * np.abs(reference).max())   # int8 activations: close

@@ -5,7 +5,10 @@
 //          W, row after row (columns past N are zeros): B[p, k, j] = W[k, 16 p + j];
 //          residual (optional) [..., N] float32, added to the product
 // Output   [..., N]
-// Attrs    N; swiglu (0 or 1): B holds the gate and up projections' panels in turns (gate panel q,
+//          norm_scale (optional) [G], gate (optional) [like A]: with norm_group G, A (Gated
+//          DeltaNet's output, [..., K / G, G] or [..., K]) becomes A (r norm_scale) silu(gate), r per
+//          group of G (row_ops.h, gated_group_norm): the norm, gate and reshape before out_proj
+// Attrs    N; norm_group (0: none); swiglu (0 or 1): B holds the gate and up projections' panels in turns (gate panel q,
 //          then up panel q: 2 ceil(N / 16) panels) and y = silu(gate) * up, N columns, where
 //          silu(x) = x / (1 + exp(-x)) (the MLP's Split, sigmoid-gate and Mul in the node);
 //          rms_norm (0 or 1), epsilon: with rms_norm each row of A is RMS-normalized first, its
@@ -186,7 +189,23 @@ bool avx512f() { return false; }
 
 struct Kernel {
   OrtApiTable api;
-  int64_t N;
+
+  // A (r norm_scale) silu(gate) per group of norm_group (inputs 3 and 4), in the calling thread's
+  // scratch
+  const float* normed_input(OrtKernelContext* context, const float* A, int64_t n, int64_t K) const {
+    std::vector<int64_t> sd, gd;
+    const float* scale = optional_input<float>(api, context, 3, &sd);
+    const float* gate = optional_input<float>(api, context, 4, &gd);
+    expect(scale != nullptr && numel(sd) == norm_group && K % norm_group == 0, "MatMul",
+           "norm_group needs norm_scale [G], G dividing K");
+    expect(gate != nullptr && numel(gd) == n, "MatMul", "norm_group needs a gate of A's size");
+    thread_local std::vector<float> normed;
+    normed.resize(static_cast<size_t>(n));
+    gated_group_norm(A, gate, scale, n, norm_group, epsilon, fast, normed.data());
+    return normed.data();
+  }
+
+  int64_t N, norm_group;
   bool swiglu, rms_norm;
   float epsilon;
   bool fast;
@@ -199,9 +218,9 @@ struct Kernel {
     const int64_t P = (N + kLanes - 1) / kLanes * (swiglu ? 2 : 1);
     expect(bd.size() == 3 && bd[0] == P && bd[2] == kLanes, "MatMul",
            swiglu ? "B is not gate and up panels [2 ceil(N / 16), K, 16]" : "B is not panels [ceil(N / 16), K, 16]");
-    expect(!ad.empty() && ad.back() == bd[1], "MatMul", "A's last dimension is not B's K");
-    std::vector<int64_t> yd(ad);
-    yd.back() = N;
+    std::vector<int64_t> yd;
+    expect(product_dims(ad, bd[1], N, norm_group, &yd), "MatMul", "A's last dimension is not B's K");
+    if (norm_group > 0) A = normed_input(context, A, numel(ad), bd[1]);
     expect(residual == nullptr || rd == yd, "MatMul", "the residual's shape is not the output's [..., N]");
     expect(residual == nullptr || !swiglu, "MatMul", "a swiglu node takes no residual");
     float* y = output(api, context, 0, yd);
@@ -223,10 +242,10 @@ struct Kernel {
 
 const char* op_name(const OrtCustomOp*) { return "MatMul"; }
 int op_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 3; }
+size_t op_input_count(const OrtCustomOp*) { return 5; }
 size_t op_output_count(const OrtCustomOp*) { return 1; }
 int op_input_characteristic(const OrtCustomOp*, size_t index) {
-  return index == 2 ? kInputOutputOptional : kInputOutputRequired;
+  return index >= 2 ? kInputOutputOptional : kInputOutputRequired;
 }
 int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
 
@@ -237,9 +256,11 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   expect(N > 0, "MatMul", "N must be positive");
   float epsilon = 0.0f;
   const bool rms_norm = optional_int(table, info, "rms_norm", 0) != 0;
-  if (rms_norm) check(table, table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon));
+  const int64_t norm_group = optional_int(table, info, "norm_group", 0);
+  expect(!(rms_norm && norm_group), "MatMul", "rms_norm and norm_group exclude each other");
+  if (rms_norm || norm_group) check(table, table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon));
   const bool swiglu = optional_int(table, info, "swiglu", 0) != 0;
-  return new Kernel{table, N, swiglu, rms_norm, epsilon, avx512f()};
+  return new Kernel{table, N, norm_group, swiglu, rms_norm, epsilon, avx512f()};
 }
 
 }  // namespace

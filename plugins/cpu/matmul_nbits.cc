@@ -8,7 +8,11 @@
 //          rms_norm, A's rows are RMS-normalized and scaled by it first (the RMSNormalization before
 //          the projection, in the node: A' = A (r scale), r = 1 / sqrt(mean(A^2) + epsilon))
 // Output   [..., N]
-// Attrs    K, N, bits (4 or 8), block_size (a power of two >= 32); rms_norm (0 or 1), epsilon;
+//          gate (optional, input 6) [like A]: with norm_group G, A (Gated DeltaNet's output,
+//          [..., K / G, G] or [..., K]) becomes A (r norm_scale) silu(gate), r per group of G and
+//          norm_scale [G] (row_ops.h, gated_group_norm)
+// Attrs    K, N, bits (4 or 8), block_size (a power of two >= 32); rms_norm (0 or 1), norm_group
+//          (0: none), epsilon;
 //          swiglu (0 or 1): the output is silu(gate) * up of the product's halves [gate | up],
 //          [..., N / 2] (the MLP's Split, sigmoid gate and Mul in the node)
 //
@@ -137,6 +141,7 @@ struct Kernel {
   int64_t K, N, bits, block_size;
   bool fast;     // AVX-512 VNNI here
   bool rms_norm, swiglu;
+  int64_t norm_group;
   float epsilon;
 
   void compute(OrtKernelContext* context) const {
@@ -145,18 +150,21 @@ struct Kernel {
     const uint8_t* B = input<uint8_t>(api, context, 1, &bd);
     const float* scales = input<float>(api, context, 2, &sd);
     const uint8_t* zeros = optional_input<uint8_t>(api, context, 3, &zd);
-    std::vector<int64_t> rd, wd;
+    std::vector<int64_t> rd, wd, gd;
     const float* residual = optional_input<float>(api, context, 4, &rd);
     const float* norm_scale = optional_input<float>(api, context, 5, &wd);
+    const float* gate = optional_input<float>(api, context, 6, &gd);
     const int64_t blocks = K / block_size, blob = block_size * bits / 8;
-    expect_mm(!ad.empty() && ad.back() == K, "A's last dimension is not the node's K");
+    std::vector<int64_t> yd;
+    expect_mm(product_dims(ad, K, swiglu ? N / 2 : N, norm_group, &yd), "A's last dimension is not the node's K");
     expect_mm(bd == std::vector<int64_t>({N, blocks, blob}), "B is not [N, K / block_size, block_size * bits / 8]");
     expect_mm(numel(sd) == N * blocks, "scales do not hold N * K / block_size values");
     const int64_t zero_bytes = bits == 4 ? N * ((blocks + 1) / 2) : N * blocks;
     expect_mm(zeros == nullptr || numel(zd) == zero_bytes, "zero_points do not hold one per block");
     expect_mm(!rms_norm || (norm_scale != nullptr && numel(wd) == K), "rms_norm needs norm_scale [K]");
-    std::vector<int64_t> yd(ad);
-    yd.back() = swiglu ? N / 2 : N;
+    expect_mm(!norm_group || (norm_scale != nullptr && numel(wd) == norm_group && K % norm_group == 0),
+              "norm_group needs norm_scale [G], G dividing K");
+    expect_mm(!norm_group || (gate != nullptr && numel(gd) == numel(ad)), "norm_group needs a gate of A's size");
     expect_mm(residual == nullptr || rd == yd, "the residual's shape is not the output's [..., N]");
     expect_mm(residual == nullptr || !swiglu, "a swiglu node takes no residual");
     float* y = output(api, context, 0, yd);
@@ -166,6 +174,11 @@ struct Kernel {
                          blocks};
     if (call.M == 0) return;
     thread_local std::vector<float> normed, r;    // the calling thread's, kept across calls
+    if (norm_group) {
+      normed.resize(static_cast<size_t>(call.M * K));
+      gated_group_norm(A, gate, norm_scale, call.M * K, norm_group, epsilon, fast, normed.data());
+      call.A = normed.data();
+    }
     if (rms_norm) {   // A' = A (r scale), one rounding per element: the same in both kernels
       normed.resize(static_cast<size_t>(call.M * K));
       r.resize(static_cast<size_t>(call.M));
@@ -202,7 +215,7 @@ struct Kernel {
 
 const char* op_name(const OrtCustomOp*) { return "MatMulNBits"; }
 int op_input_type(const OrtCustomOp*, size_t index) { return index == 1 || index == 3 ? kTensorUInt8 : kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 6; }
+size_t op_input_count(const OrtCustomOp*) { return 7; }
 int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
 size_t op_output_count(const OrtCustomOp*) { return 1; }
 int op_input_characteristic(const OrtCustomOp*, size_t index) {
@@ -222,10 +235,12 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   expect_mm(K > 0 && N > 0 && K % block_size == 0, "K must be a positive multiple of block_size");
   float epsilon = 0.0f;
   const bool rms_norm = optional_int(table, info, "rms_norm", 0) != 0;
-  if (rms_norm) check(table, table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon));
+  const int64_t norm_group = optional_int(table, info, "norm_group", 0);
+  expect_mm(!(rms_norm && norm_group), "rms_norm and norm_group exclude each other");
+  if (rms_norm || norm_group) check(table, table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon));
   const bool swiglu = optional_int(table, info, "swiglu", 0) != 0;
   expect_mm(!swiglu || N % 2 == 0, "a swiglu node needs an even N (gate and up halves)");
-  return new Kernel{table, K, N, bits, block_size, avx512_vnni(), rms_norm, swiglu, epsilon};
+  return new Kernel{table, K, N, bits, block_size, avx512_vnni(), rms_norm, swiglu, norm_group, epsilon};
 }
 
 }  // namespace

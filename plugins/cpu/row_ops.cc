@@ -81,6 +81,19 @@ void swiglu_rows(const float* product, int64_t M, int64_t I, bool fast, float* y
   }
 }
 
+bool product_dims(const std::vector<int64_t>& ad, int64_t K, int64_t N, int64_t G, std::vector<int64_t>* yd) {
+  const size_t rank = ad.size();
+  if (rank >= 1 && ad.back() == K) {
+    yd->assign(ad.begin(), ad.end() - 1);
+  } else if (G > 0 && rank >= 2 && ad.back() == G && ad[rank - 2] * G == K) {
+    yd->assign(ad.begin(), ad.end() - 2);
+  } else {
+    return false;
+  }
+  yd->push_back(N);
+  return true;
+}
+
 void gated_group_norm(const float* X, const float* Z, const float* scale, int64_t n, int64_t G, float epsilon,
                       bool fast, float* out) {
   thread_local std::vector<float> r;    // the calling thread's, kept across calls

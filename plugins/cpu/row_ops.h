@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -63,5 +64,9 @@ void swiglu_rows(const float* product, int64_t M, int64_t I, bool fast, float* y
 // times silu of its gate, the input of out_proj.
 void gated_group_norm(const float* X, const float* Z, const float* scale, int64_t n, int64_t G, float epsilon,
                       bool fast, float* out);
+
+// The output dims of a matmul over K into N columns for A's dims `ad`: [..., K] -> [..., N]; with a
+// group norm of G (G > 0) also [..., K / G, G] -> [..., N]. False where A is neither.
+bool product_dims(const std::vector<int64_t>& ad, int64_t K, int64_t N, int64_t G, std::vector<int64_t>* yd);
 
 }  // namespace tandem
