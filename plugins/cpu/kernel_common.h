@@ -89,6 +89,24 @@ inline int64_t optional_int(const OrtApiTable& api, const OrtKernelInfo* info, c
   return value;
 }
 
+// What a matmul node takes around its product (export/cpu_matmul_lowering.py): the attributes
+// rms_norm and norm_group (one or neither), epsilon (with either) and swiglu.
+struct MatMulFusions {
+  bool rms_norm = false, swiglu = false;
+  int64_t norm_group = 0;
+  float epsilon = 0.0f;
+};
+
+inline MatMulFusions matmul_fusions(const OrtApiTable& api, const OrtKernelInfo* info, const char* op) {
+  MatMulFusions f;
+  f.rms_norm = optional_int(api, info, "rms_norm", 0) != 0;
+  f.norm_group = optional_int(api, info, "norm_group", 0);
+  f.swiglu = optional_int(api, info, "swiglu", 0) != 0;
+  expect(!(f.rms_norm && f.norm_group), op, "rms_norm and norm_group exclude each other");
+  if (f.rms_norm || f.norm_group) check(api, api.KernelInfoGetAttributeFloat(info, "epsilon", &f.epsilon));
+  return f;
+}
+
 inline size_t output_count(const OrtApiTable& api, OrtKernelContext* context) {
   size_t n = 0;
   check(api, api.KernelContextGetOutputCount(context, &n));

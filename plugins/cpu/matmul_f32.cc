@@ -254,13 +254,8 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   int64_t N = 0;
   check(table, table.KernelInfoGetAttributeInt64(info, "N", &N));
   expect(N > 0, "MatMul", "N must be positive");
-  float epsilon = 0.0f;
-  const bool rms_norm = optional_int(table, info, "rms_norm", 0) != 0;
-  const int64_t norm_group = optional_int(table, info, "norm_group", 0);
-  expect(!(rms_norm && norm_group), "MatMul", "rms_norm and norm_group exclude each other");
-  if (rms_norm || norm_group) check(table, table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon));
-  const bool swiglu = optional_int(table, info, "swiglu", 0) != 0;
-  return new Kernel{table, N, norm_group, swiglu, rms_norm, epsilon, avx512f()};
+  const MatMulFusions f = matmul_fusions(table, info, "MatMul");
+  return new Kernel{table, N, f.norm_group, f.swiglu, f.rms_norm, f.epsilon, avx512f()};
 }
 
 }  // namespace

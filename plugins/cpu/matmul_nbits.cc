@@ -233,14 +233,9 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   expect_mm(bits == 4 || bits == 8, "bits must be 4 or 8");
   expect_mm(block_size >= kGroup && (block_size & (block_size - 1)) == 0, "block_size must be a power of two >= 32");
   expect_mm(K > 0 && N > 0 && K % block_size == 0, "K must be a positive multiple of block_size");
-  float epsilon = 0.0f;
-  const bool rms_norm = optional_int(table, info, "rms_norm", 0) != 0;
-  const int64_t norm_group = optional_int(table, info, "norm_group", 0);
-  expect_mm(!(rms_norm && norm_group), "rms_norm and norm_group exclude each other");
-  if (rms_norm || norm_group) check(table, table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon));
-  const bool swiglu = optional_int(table, info, "swiglu", 0) != 0;
-  expect_mm(!swiglu || N % 2 == 0, "a swiglu node needs an even N (gate and up halves)");
-  return new Kernel{table, K, N, bits, block_size, avx512_vnni(), rms_norm, swiglu, norm_group, epsilon};
+  const MatMulFusions f = matmul_fusions(table, info, "MatMulNBits");
+  expect_mm(!f.swiglu || N % 2 == 0, "a swiglu node needs an even N (gate and up halves)");
+  return new Kernel{table, K, N, bits, block_size, avx512_vnni(), f.rms_norm, f.swiglu, f.norm_group, f.epsilon};
 }
 
 }  // namespace
