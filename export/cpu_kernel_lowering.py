@@ -63,8 +63,8 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
             nodes.append(node)
     del graph.node[:]
     graph.node.extend(_without_unread(nodes, gathers, outputs))
-    if lowered and not any(o.domain == CPU_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    if lowered:
+        import_cpu_domain(model)
     return lowered
 
 
@@ -84,8 +84,8 @@ def lower_attention_to_kernel(model: onnx.ModelProto, dense: set[str]) -> set[st
             node.attribute.extend([helper.make_attribute("scale", float(attrs["scale"])),
                                    helper.make_attribute("sliding_window", int(attrs.get("sliding_window", 0)))])
             done.add(node.name)
-    if done and not any(o.domain == CPU_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    if done:
+        import_cpu_domain(model)
     return done
 
 
@@ -109,8 +109,8 @@ def lower_matmul_nbits_to_kernel(model: onnx.ModelProto) -> bool:
             node.attribute.extend(kept)
             node.domain = CPU_DOMAIN
             done = True
-    if done and not any(o.domain == CPU_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    if done:
+        import_cpu_domain(model)
     return done
 
 
@@ -216,6 +216,12 @@ def _without_unread(nodes: list[onnx.NodeProto], states: set[str], outputs: set[
     for node in nodes:
         read.update(names_read(node))
     return [n for n in nodes if not (set(n.output) & states) or read & set(n.output)]
+
+
+def import_cpu_domain(model: onnx.ModelProto) -> None:
+    """The model imports the domain of tandem's CPU kernels (once)."""
+    if not any(o.domain == CPU_DOMAIN for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
 
 
 def names_read(node: onnx.NodeProto) -> set[str]:

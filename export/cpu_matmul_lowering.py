@@ -32,7 +32,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
-from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, names_read
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, import_cpu_domain, names_read
 
 PANEL = 16   # columns per panel of ai.tandem.cpu::MatMul's B
 _ONNX = ("", "ai.onnx")
@@ -116,8 +116,7 @@ def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
     read = outputs.union(*(names_read(n) for n in graph.node))
     for tensor in [t for t in graph.initializer if t.name not in read]:
         graph.initializer.remove(tensor)
-    if not any(o.domain == CPU_DOMAIN for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(CPU_DOMAIN, 1))
+    import_cpu_domain(model)
     return True
 
 

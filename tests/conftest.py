@@ -24,6 +24,15 @@ from tandem.testing.tiny_checkpoints import TINY_KINDS, write_tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
+def library():
+    """tandem's CPU kernel library (plugins/cpu_kernels.py), compiled once."""
+    from tandem.plugins import cpu_kernels
+    path = cpu_kernels.library()
+    assert path is not None, "the CPU kernels did not compile (a C++ compiler is part of the test setup)"
+    return path
+
+
+@pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tiny")
     for kind in TINY_KINDS:

@@ -25,13 +25,6 @@ from .test_load_costs import SMALL
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 
 
-@pytest.fixture(scope="module")
-def library():
-    path = cpu_kernels.library()
-    assert path is not None, "the CPU kernels did not compile (a C++ compiler is part of the test setup)"
-    return path
-
-
 def _kernel_model(row_states: bool) -> onnx.ModelProto:
     info = helper.make_tensor_value_info
     outs = ["o", "s"] + (["rs"] if row_states else [])

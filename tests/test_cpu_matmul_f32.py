@@ -23,13 +23,6 @@ from .test_load_costs import SMALL
 CASES = [(1, 5), (37, 16), (64, 33), (200, 70), (96, 129), (130, 200)]
 
 
-@pytest.fixture(scope="module")
-def library():
-    path = cpu_kernels.library()
-    assert path is not None, "the CPU kernels did not compile (a C++ compiler is part of the test setup)"
-    return path
-
-
 def _kernel_model(W: np.ndarray, a_shape=("M", "K")) -> onnx.ModelProto:
     node = helper.make_node("MatMul", ["A", "B"], ["Y"], domain=CPU_DOMAIN, N=W.shape[1])
     g = helper.make_graph([node], "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, list(a_shape))],

@@ -26,13 +26,6 @@ CASES = [(96, 40, 4, 32, True), (96, 37, 4, 32, False), (256, 70, 4, 64, True), 
          (96, 40, 8, 32, False), (256, 19, 8, 64, True)]
 
 
-@pytest.fixture(scope="module")
-def library():
-    path = cpu_kernels.library()
-    assert path is not None, "the CPU kernels did not compile (a C++ compiler is part of the test setup)"
-    return path
-
-
 def _packed(rng, K, N, bits, bs, zero_points):
     """Random weights in MatMulNBits' layout: (q [N, K], scales [N, nb], zeros [N, nb], B, packed zeros)."""
     nb = K // bs
