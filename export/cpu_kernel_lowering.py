@@ -1,7 +1,9 @@
 """Lower tandem's ops to its own ONNX Runtime CPU kernels (plugins/cpu/, compiled by
 plugins/cpu_kernels.py), in the domain `ai.tandem.cpu`:
 
-    ai.tandem::GatedDeltaNet                      -> ai.tandem.cpu::GatedDeltaNet   (below)
+    ai.tandem::GatedDeltaNet                      -> ai.tandem.cpu::GatedDeltaNet   (below), or with
+        the layer's conv, L2 norms and gates before it -> ai.tandem.cpu::ConvGatedDeltaNet (where they
+        are the exporter's: export/cpu_gdn_prologue.py; 16 nodes fewer per layer)
     ai.tandem::PagedSparseAttention, dense, fp32  -> ai.tandem.cpu::PagedAttention  (same inputs
         but `selected`; reads the committed K/V through the block table where it lies, no copies)
     com.microsoft::MatMulNBits, 4 / 8 bits, level 4 -> ai.tandem.cpu::MatMulNBits   (same inputs and
@@ -35,25 +37,28 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
+from tandem.export.cpu_gdn_prologue import OP_TYPE as PROLOGUE_OP
+from tandem.export.cpu_gdn_prologue import GraphIndex, match_prologue
 from tandem.export.ops import gated_deltanet
 
 CPU_DOMAIN = "ai.tandem.cpu"
 
 
 def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
-    """Rewrite `model`'s GatedDeltaNet nodes in place; returns how many. Drops the state Gathers
-    and row-state GatherNDs it makes dead."""
+    """Rewrite `model`'s GatedDeltaNet nodes in place; returns how many. Where the layer's conv,
+    norms and gates are the exporter's (export/cpu_gdn_prologue.py) the node takes them too, as
+    ConvGatedDeltaNet. Drops the nodes it makes dead (state Gathers, row-state GatherNDs, prologues)."""
     graph = model.graph
-    producers = {o: n for n in graph.node for o in n.output}
+    index = GraphIndex(graph)
     picks = gated_deltanet.row_state_picks(graph)
     outputs = {o.name for o in graph.output}
     read = outputs.union(*(names_read(n) for n in graph.node))      # every name read, subgraphs included
-    nodes, lowered, replays, gathers = [], 0, {}, set()
+    nodes, lowered, replays, replaced = [], 0, {}, set()
     for node in graph.node:
         if node.domain == TANDEM_DOMAIN and node.op_type == gated_deltanet.OP_TYPE:
-            new, replay = _kernel_nodes(node, producers, picks, read)
-            gathers.add(node.input[5])
+            new, replay, padded = _kernel_nodes(node, index, picks, read)
             nodes.extend(new)
+            replaced.add(padded)
             if replay is not None:
                 replays[node.output[2]] = replay
             lowered += 1
@@ -61,8 +66,10 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
             nodes.extend(replays[node.input[0]](node))
         else:
             nodes.append(node)
+    # a fused node makes its prologue's conv window itself: the Concat that did goes
+    nodes = [n for n in nodes if not (n.op_type == "Concat" and n.output[0] in replaced)]
     del graph.node[:]
-    graph.node.extend(_without_unread(nodes, gathers, outputs))
+    graph.node.extend(_without_unread(nodes, outputs))
     if lowered:
         import_cpu_domain(model)
     return lowered
@@ -172,50 +179,73 @@ def _gated_norm_nodes(model: onnx.ModelProto, name: str, x: str, scale: str, gat
     return b.nodes
 
 
-def _kernel_nodes(node: onnx.NodeProto, producers: dict, picks: set[str], read: set[str]):
-    """(nodes replacing `node`, replay(gather) -> nodes for its row-state picks, or None)."""
+def _kernel_nodes(node: onnx.NodeProto, index: GraphIndex, picks: set[str], read: set[str]):
+    """(nodes replacing `node`, replay(gather) -> nodes for its row-state picks or None, the conv
+    window a fused node now outputs or None)."""
     q, k, v, g, beta, s0, rows = node.input
     scale = next(a.f for a in node.attribute if a.name == "scale")
     b = GraphBuilder(function=True, root=node.name + "/kernel")
-    gather = producers.get(s0)
+    gather = index.producers.get(s0)
     axis = next((a.i for a in gather.attribute if a.name == "axis"), 0) if gather is not None else None
+    prologue = None
     if gather is not None and gather.op_type == "Gather" and axis == 0:
         pool, slots = gather.input
+        prologue = match_prologue(index, node, slots)
     else:  # the state tensor is its own pool: slots 0..B-1
         pool = s0
         slots = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(s0, 0, 1), [0]), b.const(1, np.int64))
+    if prologue is not None and prologue.padded in read:      # the graph picks its new conv state there
+        prologue = prologue if _read_only_after(node, prologue.padded, index) else None
     emits = len(node.output) == 3 and node.output[2] != ""
     picked = emits and node.output[2] in picks
     # a final state nothing reads (a verify's, whose picks replay the rows) stays in the kernel's scratch
     final = node.output[1] if node.output[1] in read else ""
     kernel_outputs = [node.output[0], final] + ([node.output[2]] if emits and not picked else [])
 
-    def kernel(state_rows, outs, name):
-        return b.op(gated_deltanet.OP_TYPE, q, k, v, g, beta, pool, slots, state_rows, domain=CPU_DOMAIN,
-                    outputs=outs, name=name, scale=scale)
+    def kernel(builder, state_rows, outs, name, **attrs):
+        if prologue is None:
+            return builder.op(gated_deltanet.OP_TYPE, q, k, v, g, beta, pool, slots, state_rows, domain=CPU_DOMAIN,
+                              outputs=outs, name=name, scale=scale, **attrs)
+        return builder.op(PROLOGUE_OP, *prologue.inputs, pool, slots, state_rows, domain=CPU_DOMAIN, outputs=outs,
+                          name="Conv" + name, scale=scale, norm_epsilon=prologue.norm_epsilon,
+                          norm_scale=prologue.norm_scale, **attrs)
 
-    kernel(rows, kernel_outputs, "GatedDeltaNet")
+    if prologue is not None:
+        kernel_outputs = kernel_outputs + [""] * (3 - len(kernel_outputs)) + [prologue.padded]
+    kernel(b, rows, kernel_outputs, "GatedDeltaNet")
+    padded = prologue.padded if prologue is not None else None
     if not picked:
-        return b.nodes, None
+        return b.nodes, None, padded
 
     def replay(pick: onnx.NodeProto) -> list[onnx.NodeProto]:
         r = GraphBuilder(function=True, root=pick.name + "/replayed")
         upto = r.op("Add", r.squeeze(pick.input[1], [1]), r.const(1, np.int64))      # rows 0..a: a + 1 of them
-        r.op(gated_deltanet.OP_TYPE, q, k, v, g, beta, pool, slots, r.op("Min", rows, upto), domain=CPU_DOMAIN,
-             outputs=[pick.output[0] + "/unused_output", pick.output[0]], name="GatedDeltaNet", scale=scale,
-             emit_output=0)                     # the state only: rows past a are not run
+        kernel(r, r.op("Min", rows, upto), [pick.output[0] + "/unused_output", pick.output[0]], "GatedDeltaNet",
+               emit_output=0)                 # the state only: rows past a are not run
         return r.nodes
 
-    return b.nodes, replay
+    return b.nodes, replay, padded
 
 
-def _without_unread(nodes: list[onnx.NodeProto], states: set[str], outputs: set[str]) -> list[onnx.NodeProto]:
-    """`nodes` less the producers of `states` (the initial states the kernel now reads from their
-    pools) that nothing reads any more, in this graph or in a subgraph of it."""
-    read = set(outputs)
-    for node in nodes:
-        read.update(names_read(node))
-    return [n for n in nodes if not (set(n.output) & states) or read & set(n.output)]
+def _read_only_after(node: onnx.NodeProto, name: str, index: GraphIndex) -> bool:
+    """Whether every node that reads `name`, but the prologue's own window Gather, comes after `node`
+    in the graph's order (a fused node makes it at `node`'s place)."""
+    order = index.order
+    return all(order[id(n)] > order[id(node)] for n in index.readers.get(name, ())
+               if not (n.op_type == "Gather" and n.input[0] == name))
+
+
+def _without_unread(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:
+    """`nodes` less those whose outputs nothing reads, in this graph or a subgraph of it, until none
+    is left: the initial states the kernel now reads from their pools, the prologues it took."""
+    while True:
+        read = set(outputs)
+        for node in nodes:
+            read.update(names_read(node))
+        kept = [n for n in nodes if read & set(n.output)]
+        if len(kept) == len(nodes):
+            return nodes
+        nodes = kept
 
 
 def import_cpu_domain(model: onnx.ModelProto) -> None:

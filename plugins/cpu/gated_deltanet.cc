@@ -27,7 +27,7 @@
 #include <cstring>
 #include <vector>
 
-#include "kernel_common.h"
+#include "gated_deltanet.h"
 
 namespace tandem {
 namespace {
@@ -101,63 +101,78 @@ RowFn row_for(int64_t dv) {
   }
 }
 
+}  // namespace
+
+void delta_rule_outputs(const OrtApiTable& api, OrtKernelContext* context, const char* op, int64_t P,
+                        DeltaRuleCall* c) {
+  for (int64_t b = 0; b < c->B; ++b) expect(c->slots[b] >= 0 && c->slots[b] < P, op, "a state slot is outside the pool");
+  expect(c->hk > 0 && c->hv % c->hk == 0, op, "value heads must be a multiple of key heads");
+  expect(c->dv <= 1024, op, "value head dim above 1024");
+  const size_t outputs = output_count(api, context);
+  c->out = output(api, context, 0, {c->B, c->W, c->hv, c->dv});
+  // an omitted final state (the verify's first pass: its picks replay the rows) is kept in scratch
+  c->final_state = outputs > 1 ? output(api, context, 1, {c->B, c->hv, c->dk, c->dv}, /*optional=*/true) : nullptr;
+  c->row_states = outputs > 2 ? output(api, context, 2, {c->B, c->W, c->hv, c->dk, c->dv}, true) : nullptr;
+  expect(c->emit_output || c->final_state != nullptr, op, "a state-only call needs its final_state output");
+}
+
+void delta_rule(const OrtApiTable& api, OrtKernelContext* context, const DeltaRuleCall& c) {
+  const int64_t ratio = c.hv / c.hk, state = c.dk * c.dv;
+  const RowFn run_row = row_for(c.dv);
+  // (sequence, head) pairs are independent: ONNX Runtime's thread pool shares them out
+  auto heads = [&](int64_t first, int64_t last) {
+    thread_local std::vector<float> scratch;   // per pool thread, kept across calls: no allocation per task
+    if (c.final_state == nullptr) scratch.resize(static_cast<size_t>(state));
+    for (int64_t task = first; task < last; ++task) {
+      const int64_t b = task / c.hv, h = task % c.hv, n = c.rows[b];
+      float* s = c.final_state != nullptr ? c.final_state + (b * c.hv + h) * state : scratch.data();
+      const float* src = c.pool + (c.slots[b] * c.hv + h) * state;  // the first row reads the pool's row
+      const int64_t last_row = c.emit_output ? c.W : std::min<int64_t>(c.W, std::max<int64_t>(n, 0));
+      if (last_row == 0 && src != s) std::memcpy(s, src, sizeof(float) * state);
+      for (int64_t t = 0; t < last_row; ++t, src = s) {
+        const int64_t bt = b * c.W + t;
+        const float* qt = c.q + (bt * c.hk + h / ratio) * c.dk;
+        const float* kt = c.k + (bt * c.hk + h / ratio) * c.dk;
+        const float* vt = c.v + (bt * c.hv + h) * c.dv;
+        const bool update = t < n;
+        run_row(src, s, qt, kt, vt, update ? std::exp(c.g[bt * c.hv + h]) : 1.0f, c.beta[bt * c.hv + h], update,
+                c.scale, c.dk, c.dv, c.emit_output ? c.out + (bt * c.hv + h) * c.dv : nullptr);
+        if (c.row_states != nullptr) std::memcpy(c.row_states + (bt * c.hv + h) * state, s, sizeof(float) * state);
+      }
+    }
+  };
+  parallel_for(api, context, c.B * c.hv, heads);
+}
+
+namespace {
+
 struct Kernel {
   OrtApiTable api;
   float scale;
   bool emit_output;   // 0: a replay that only wants the state (rows past state_rows are skipped)
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> qd, kd, vd, gd, bd, sd, rd;
-    const float* q = input<float>(api, context, 0, &qd);
-    const float* k = input<float>(api, context, 1, &kd);
-    const float* v = input<float>(api, context, 2, &vd);
-    const float* g = input<float>(api, context, 3, &gd);
-    const float* beta = input<float>(api, context, 4, &bd);
-    std::vector<int64_t> ld;
-    const float* pool = input<float>(api, context, 5, &sd);
-    const int64_t* slots = input<int64_t>(api, context, 6, &ld);
-    const int64_t* rows = input<int64_t>(api, context, 7, &rd);
+    std::vector<int64_t> qd, kd, vd, gd, bd, sd, rd, ld;
+    DeltaRuleCall c;
+    c.q = input<float>(api, context, 0, &qd);
+    c.k = input<float>(api, context, 1, &kd);
+    c.v = input<float>(api, context, 2, &vd);
+    c.g = input<float>(api, context, 3, &gd);
+    c.beta = input<float>(api, context, 4, &bd);
+    c.pool = input<float>(api, context, 5, &sd);
+    c.slots = input<int64_t>(api, context, 6, &ld);
+    c.rows = input<int64_t>(api, context, 7, &rd);
     expect_gdn(qd.size() == 4 && kd == qd && vd.size() == 4 && sd.size() == 4 && rd.size() == 1 && ld == rd,
            "expected query, key [B, W, Hk, dk], value [B, W, Hv, dv], state_pool [P, Hv, dk, dv], "
            "state_slots and state_rows [B]");
-    const int64_t B = qd[0], W = qd[1], hk = qd[2], dk = qd[3], hv = vd[2], dv = vd[3];
-    expect_gdn(vd[0] == B && vd[1] == W && sd[1] == hv && sd[2] == dk && sd[3] == dv && rd[0] == B,
+    c.B = qd[0], c.W = qd[1], c.hk = qd[2], c.dk = qd[3], c.hv = vd[2], c.dv = vd[3];
+    expect_gdn(vd[0] == c.B && vd[1] == c.W && sd[1] == c.hv && sd[2] == c.dk && sd[3] == c.dv && rd[0] == c.B,
            "inputs disagree on B, W, heads or head dims");
-    for (int64_t b = 0; b < B; ++b) expect_gdn(slots[b] >= 0 && slots[b] < sd[0], "a state slot is outside the pool");
-    expect_gdn(hk > 0 && hv % hk == 0, "value heads must be a multiple of key heads");
-    expect_gdn(gd == std::vector<int64_t>({B, W, hv}) && bd == gd, "decay and beta must be [B, W, Hv]");
-    const size_t outputs = output_count(api, context);
-    float* out = output(api, context, 0, {B, W, hv, dv});
-    // an omitted final state (the verify's first pass: its picks replay the rows) is kept in scratch
-    float* final_state = outputs > 1 ? output(api, context, 1, {B, hv, dk, dv}, /*optional=*/true) : nullptr;
-    float* row_states = outputs > 2 ? output(api, context, 2, {B, W, hv, dk, dv}, true) : nullptr;
-    expect_gdn(emit_output || final_state != nullptr, "a state-only call needs its final_state output");
-    expect_gdn(dv <= 1024, "value head dim above 1024");
-    const int64_t ratio = hv / hk, state = dk * dv;
-    const RowFn run_row = row_for(dv);
-    // (sequence, head) pairs are independent: ONNX Runtime's thread pool shares them out
-    auto heads = [&](int64_t first, int64_t last) {
-      thread_local std::vector<float> scratch;   // per pool thread, kept across calls: no allocation per task
-      if (final_state == nullptr) scratch.resize(static_cast<size_t>(state));
-      for (int64_t task = first; task < last; ++task) {
-        const int64_t b = task / hv, h = task % hv, n = rows[b];
-        float* s = final_state != nullptr ? final_state + (b * hv + h) * state : scratch.data();
-        const float* src = pool + (slots[b] * hv + h) * state;  // the first row reads the pool's row
-        const int64_t last_row = emit_output ? W : std::min<int64_t>(W, std::max<int64_t>(n, 0));
-        if (last_row == 0 && src != s) std::memcpy(s, src, sizeof(float) * state);
-        for (int64_t t = 0; t < last_row; ++t, src = s) {
-          const int64_t bt = b * W + t;
-          const float* qt = q + (bt * hk + h / ratio) * dk;
-          const float* kt = k + (bt * hk + h / ratio) * dk;
-          const float* vt = v + (bt * hv + h) * dv;
-          const bool update = t < n;
-          run_row(src, s, qt, kt, vt, update ? std::exp(g[bt * hv + h]) : 1.0f, beta[bt * hv + h], update, scale,
-                  dk, dv, emit_output ? out + (bt * hv + h) * dv : nullptr);
-          if (row_states != nullptr) std::memcpy(row_states + (bt * hv + h) * state, s, sizeof(float) * state);
-        }
-      }
-    };
-    parallel_for(api, context, B * hv, heads);
+    expect_gdn(gd == std::vector<int64_t>({c.B, c.W, c.hv}) && bd == gd, "decay and beta must be [B, W, Hv]");
+    c.scale = scale;
+    c.emit_output = emit_output;
+    delta_rule_outputs(api, context, "GatedDeltaNet", sd[0], &c);
+    delta_rule(api, context, c);
   }
 };
 

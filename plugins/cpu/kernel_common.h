@@ -140,6 +140,7 @@ inline int default_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTy
 
 // The ops of the library (one file each), registered by register.cc.
 extern const OrtCustomOp kGatedDeltaNet;
+extern const OrtCustomOp kConvGatedDeltaNet;
 extern const OrtCustomOp kPagedAttention;
 extern const OrtCustomOp kMatMulNBits;
 extern const OrtCustomOp kMatMul;

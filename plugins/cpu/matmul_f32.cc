@@ -38,8 +38,6 @@
 // in blocks of 8 inside a chunk (its panels come from L2 again for each block).
 
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include "kernel_common.h"
@@ -173,17 +171,9 @@ TANDEM_AVX512F void panels_avx512(const Call& c, int64_t p0, int64_t p1) {
   }
 }
 
-// the AVX-512 kernel runs here (and TANDEM_CPU_KERNELS_PORTABLE is not 1)
-bool avx512f() {
-  const char* portable = std::getenv("TANDEM_CPU_KERNELS_PORTABLE");
-  if (portable != nullptr && std::strcmp(portable, "1") == 0) return false;
-  return __builtin_cpu_supports("avx512f");
-}
-
 #else
 
 void panels_avx512(const Call& c, int64_t p0, int64_t p1) { panels_portable(c, p0, p1); }
-bool avx512f() { return false; }
 
 #endif
 

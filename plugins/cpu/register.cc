@@ -17,7 +17,8 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base)
   static OrtCustomOpDomain* domain = [&]() -> OrtCustomOpDomain* {
     OrtCustomOpDomain* made = nullptr;
     failed = api.CreateCustomOpDomain("ai.tandem.cpu", &made);
-    for (const OrtCustomOp* op : {&tandem::kGatedDeltaNet, &tandem::kPagedAttention, &tandem::kMatMulNBits, &tandem::kMatMul}) {
+    for (const OrtCustomOp* op : {&tandem::kGatedDeltaNet, &tandem::kConvGatedDeltaNet, &tandem::kPagedAttention,
+                                    &tandem::kMatMulNBits, &tandem::kMatMul}) {
       if (failed == nullptr) failed = api.CustomOpDomainAdd(made, op);
     }
     return made;

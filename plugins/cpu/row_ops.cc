@@ -2,6 +2,8 @@
 
 #include "row_ops.h"
 
+#include <cstdlib>
+#include <cstring>
 #include <vector>
 
 namespace tandem {
@@ -47,6 +49,13 @@ TANDEM_AVX512F int64_t swiglu_row_avx512(const float* gate, int64_t I, float* y)
   return j;
 }
 
+// silu_in_place's AVX-512 form: the elements it did (all but a last part vector)
+TANDEM_AVX512F int64_t silu_avx512_in_place(float* x, int64_t n) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) _mm512_storeu_ps(x + j, silu_avx512(_mm512_loadu_ps(x + j)));
+  return j;
+}
+
 // gated_group_norm's AVX-512 form for one group of G: the elements it did
 TANDEM_AVX512F int64_t gated_group_avx512(const float* x, const float* z, const float* scale, float r, int64_t G,
                                           float* out) {
@@ -62,6 +71,24 @@ TANDEM_AVX512F int64_t gated_group_avx512(const float* x, const float* z, const 
 #endif
 
 }  // namespace
+
+bool avx512f() {
+#ifdef TANDEM_AVX512F
+  const char* portable = std::getenv("TANDEM_CPU_KERNELS_PORTABLE");
+  if (portable != nullptr && std::strcmp(portable, "1") == 0) return false;
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
+void silu_in_place(float* x, int64_t n, bool fast) {
+  int64_t j = 0;
+#ifdef TANDEM_AVX512F
+  if (fast) j = silu_avx512_in_place(x, n);
+#endif
+  for (; j < n; ++j) x[j] = silu(x[j]);
+}
 
 void rms_row_scales(const float* A, int64_t M, int64_t K, float epsilon, bool fast, float* r) {
 #ifdef TANDEM_AVX512F

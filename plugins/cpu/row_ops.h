@@ -52,6 +52,12 @@ TANDEM_AVX512F inline __m512 silu_avx512(__m512 x) {
 }
 #endif
 
+// Whether the AVX-512 forms run here: the CPU has AVX-512F and TANDEM_CPU_KERNELS_PORTABLE is not 1.
+bool avx512f();
+
+// x[i] = silu(x[i]) for n elements, in place.
+void silu_in_place(float* x, int64_t n, bool fast);
+
 // r[m] = 1 / sqrt(mean_k A[m, k]^2 + epsilon) for the rows of A [M, K], the squares summed in 16
 // lanes (lane k % 16, fma in k order), the lanes added 0..15.
 void rms_row_scales(const float* A, int64_t M, int64_t K, float epsilon, bool fast, float* r);

@@ -1,0 +1,156 @@
+"""Find a Gated DeltaNet layer's prologue in front of its GatedDeltaNet node, so that tandem's CPU
+lowering (export/cpu_kernel_lowering.py) runs the layer from its in_proj outputs as one kernel,
+ai.tandem.cpu::ConvGatedDeltaNet (plugins/cpu/conv_gated_deltanet.cc).
+
+The exporter writes the prologue as (export/layers.py, gated_deltanet_layer):
+
+    padded = Concat(Gather(conv_pool, slots), qkv, axis=1)                        [B, K-1+W, C]
+    mixed  = silu(ReduceSum(Mul(Gather(padded, windows, axis=1), taps), [2]))     [B, W, C]
+    q, k   = RMSNormalization(Reshape(Slice(mixed, ...)), s) (the L2 norm), v = Reshape(Slice(mixed))
+    g      = Mul(neg_a, Softplus(Add(a, dt_bias)));  beta = Sigmoid(b)
+    GatedDeltaNet(q, k, v, g, beta, Gather(state_pool, slots), rows)
+
+`match_prologue` checks that shape node by node (float32 throughout: a float16 engine's Casts do not
+match) and returns what the kernel takes in its place; anything else keeps the unfused kernel.
+Every graph of an engine dir is exported by the same code, so the prologue fuses in all of them
+or in none: a verify row and a decode step then run the same kernel (speculative == plain greedy).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+OP_TYPE = "ConvGatedDeltaNet"
+
+
+@dataclass(frozen=True)
+class Prologue:
+    inputs: list[str]       # qkv, beta_logits, decay_logits, conv_pool, conv_taps, neg_a, dt_bias
+    padded: str             # the Concat's output: the window the graph picks the new conv state from
+    norm_epsilon: float
+    norm_scale: float
+
+
+class GraphIndex:
+    """Producers, readers, order, small constants and float32 weights of one graph's nodes."""
+
+    def __init__(self, graph: onnx.GraphProto):
+        self.producers = {o: n for n in graph.node for o in n.output}
+        self.inits = {t.name: t for t in graph.initializer}
+        self.order = {id(n): i for i, n in enumerate(graph.node)}
+        self.readers: dict[str, list[onnx.NodeProto]] = {}
+        for n in graph.node:
+            for name in n.input:
+                self.readers.setdefault(name, []).append(n)
+
+    def node(self, name: str, op_type: str) -> onnx.NodeProto | None:
+        node = self.producers.get(name)
+        return node if node is not None and node.op_type == op_type and node.domain in ("", "ai.onnx") else None
+
+    def value(self, name: str) -> np.ndarray | None:
+        """An inline constant's value (initializer or Constant node); None for anything else."""
+        t = self.inits.get(name)
+        if t is None:
+            node = self.node(name, "Constant")
+            t = next((a.t for a in node.attribute if a.name == "value"), None) if node is not None else None
+        if t is None or t.data_location == onnx.TensorProto.EXTERNAL:
+            return None
+        return numpy_helper.to_array(t)
+
+    def f32_weight(self, name: str, rank: int) -> bool:
+        t = self.inits.get(name)
+        return t is not None and t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == rank
+
+
+def _attr(node: onnx.NodeProto, name: str, default=None):
+    return next((onnx.helper.get_attribute_value(a) for a in node.attribute if a.name == name), default)
+
+
+def _slice_of(g: GraphIndex, name: str) -> tuple[str, int, int] | None:
+    """Reshape(Slice(x, [start], [end], [axis 2 or -1])) -> (x, start, end)."""
+    reshape = g.node(name, "Reshape")
+    cut = g.node(reshape.input[0], "Slice") if reshape is not None else None
+    if cut is None or len(cut.input) not in (4, 5):
+        return None
+    starts, ends, axes = (g.value(n) for n in cut.input[1:4])
+    steps = g.value(cut.input[4]) if len(cut.input) == 5 else np.ones(1)
+    if any(v is None or v.size != 1 for v in (starts, ends, axes, steps)) or int(axes[0]) not in (2, -1) \
+            or int(steps[0]) != 1:
+        return None
+    return cut.input[0], int(starts[0]), int(ends[0])
+
+
+def _l2_norm(g: GraphIndex, name: str) -> tuple[str, int, int, float, float] | None:
+    """RMSNormalization(slice, uniform scale s, last axis) -> (x, start, end, epsilon, s)."""
+    norm = g.node(name, "RMSNormalization")
+    if norm is None or _attr(norm, "axis", -1) != -1:
+        return None
+    scale, cut = g.value(norm.input[1]), _slice_of(g, norm.input[0])
+    if scale is None or cut is None or scale.size == 0 or not np.all(scale == scale.flat[0]):
+        return None
+    return (*cut, float(_attr(norm, "epsilon", 1e-5)), float(scale.flat[0]))
+
+
+def _binary(g: GraphIndex, name: str, op_type: str, weight_rank: int) -> tuple[str, str] | None:
+    """op(x, w) or op(w, x) with w a float32 weight of that rank -> (x, w)."""
+    node = g.node(name, op_type)
+    if node is None:
+        return None
+    a, b = node.input
+    if g.f32_weight(b, weight_rank):
+        return a, b
+    return (b, a) if g.f32_weight(a, weight_rank) else None
+
+
+def _conv(g: GraphIndex, mixed: str, slots: str) -> tuple[str, str, str, str] | None:
+    """silu(ReduceSum(Mul(Gather(Concat(Gather(pool, slots), qkv), windows), taps), [2]))
+    -> (qkv, conv_pool, taps, padded)."""
+    mul = g.node(mixed, "Mul")
+    if mul is None:
+        return None
+    sig = g.node(mul.input[1], "Sigmoid") or g.node(mul.input[0], "Sigmoid")
+    if sig is None or set(mul.input) != {sig.input[0], sig.output[0]}:
+        return None
+    total = g.node(sig.input[0], "ReduceSum")
+    if total is None or _attr(total, "keepdims", 1) != 0 or len(total.input) != 2:
+        return None
+    axes = g.value(total.input[1])
+    product = _binary(g, total.input[0], "Mul", 2)
+    if axes is None or axes.tolist() != [2] or product is None:
+        return None
+    windows, taps = product
+    gather = g.node(windows, "Gather")
+    padded = g.node(gather.input[0], "Concat") if gather is not None and _attr(gather, "axis", 0) == 1 else None
+    if padded is None or _attr(padded, "axis") != 1 or len(padded.input) != 2:
+        return None
+    state = g.node(padded.input[0], "Gather")
+    if state is None or _attr(state, "axis", 0) != 0 or state.input[1] != slots:
+        return None
+    return padded.input[1], state.input[0], taps, padded.output[0]
+
+
+def match_prologue(g: GraphIndex, gdn: onnx.NodeProto, slots: str) -> Prologue | None:
+    """The prologue of GatedDeltaNet node `gdn` (inputs q, k, v, g, beta, state, rows), whose state
+    pool is read at `slots`, in the graph `g` indexes; None where its inputs are not the exporter's
+    prologue."""
+    q, k, v, decay, beta = gdn.input[:5]
+    qn, kn, vs = _l2_norm(g, q), _l2_norm(g, k), _slice_of(g, v)
+    if qn is None or kn is None or vs is None or qn[0] != kn[0] or qn[0] != vs[0] or qn[3:] != kn[3:]:
+        return None
+    mixed, (_, q0, q1), (_, k0, k1), (_, v0, _) = qn[0], qn[:3], kn[:3], vs
+    if q0 != 0 or k0 != q1 or k1 - k0 != q1 - q0 or v0 != k1:      # [q | k | v] along C
+        return None
+    conv, sig = _conv(g, mixed, slots), g.node(beta, "Sigmoid")
+    gate = _binary(g, decay, "Mul", 1)
+    softplus = g.node(gate[0], "Softplus") if gate is not None else None
+    biased = _binary(g, softplus.input[0], "Add", 1) if softplus is not None else None
+    if conv is None or sig is None or biased is None:
+        return None
+    qkv, conv_pool, taps, padded = conv
+    if vs[2] != g.inits[taps].dims[1]:                                  # v ends at C: C = 2 kd + vd
+        return None
+    return Prologue([qkv, sig.input[0], biased[0], conv_pool, taps, gate[1], biased[1]], padded, qn[3], qn[4])
