@@ -3,7 +3,7 @@ plugins/cpu_kernels.py), in the domain `ai.tandem.cpu`:
 
     ai.tandem::GatedDeltaNet                      -> ai.tandem.cpu::GatedDeltaNet   (below), or with
         the layer's conv, L2 norms and gates before it -> ai.tandem.cpu::ConvGatedDeltaNet (where they
-        are the exporter's: export/cpu_gdn_prologue.py; 16 nodes fewer per layer)
+        are the exporter's: export/cpu_prologues.py; 16 nodes fewer per layer)
     ai.tandem::PagedSparseAttention, dense, fp32  -> ai.tandem.cpu::PagedAttention  (same inputs
         but `selected`; reads the committed K/V through the block table where it lies, no copies)
     com.microsoft::MatMulNBits, 4 / 8 bits, level 4 -> ai.tandem.cpu::MatMulNBits   (same inputs and
@@ -37,8 +37,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
-from tandem.export.cpu_gdn_prologue import OP_TYPE as PROLOGUE_OP
-from tandem.export.cpu_gdn_prologue import GraphIndex, match_prologue
+from tandem.export.cpu_prologues import GDN_OP, GraphIndex, match_attention, match_prologue
 from tandem.export.ops import gated_deltanet
 
 CPU_DOMAIN = "ai.tandem.cpu"
@@ -46,7 +45,7 @@ CPU_DOMAIN = "ai.tandem.cpu"
 
 def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
     """Rewrite `model`'s GatedDeltaNet nodes in place; returns how many. Where the layer's conv,
-    norms and gates are the exporter's (export/cpu_gdn_prologue.py) the node takes them too, as
+    norms and gates are the exporter's (export/cpu_prologues.py) the node takes them too, as
     ConvGatedDeltaNet. Drops the nodes it makes dead (state Gathers, row-state GatherNDs, prologues)."""
     graph = model.graph
     index = GraphIndex(graph)
@@ -78,20 +77,38 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
 def lower_attention_to_kernel(model: onnx.ModelProto, dense: set[str]) -> set[str]:
     """Rewrite in place the PagedSparseAttention nodes named in `dense` (no row selects:
     attention_lowering.dense_attention_nodes) whose caches are float32 graph inputs; returns the
-    names rewritten (the others keep the graph lowering: float16 caches)."""
-    f32 = {i.name for i in model.graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
-    done = set()
-    for node in model.graph.node:
+    names rewritten (the others keep the graph lowering: float16 caches). Where the query's norm and
+    RoPE and the output gate are the exporter's (export/cpu_prologues.py) the node takes them too
+    and makes the gated output itself (8 nodes fewer a layer)."""
+    graph = model.graph
+    f32 = {i.name for i in graph.input if i.type.tensor_type.elem_type == onnx.TensorProto.FLOAT}
+    index = GraphIndex(graph)
+    done, made = set(), set()          # made: outputs a fused node now makes in place of their producers
+    for node in graph.node:
         if node.name in dense and node.input[3] in f32 and node.input[4] in f32:
             attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
             kept = list(node.input[:7])                                  # all but `selected`
+            fused = match_attention(index, node)
             del node.input[:], node.attribute[:]
-            node.input.extend(kept)
             node.domain, node.op_type = CPU_DOMAIN, "PagedAttention"
             node.attribute.extend([helper.make_attribute("scale", float(attrs["scale"])),
                                    helper.make_attribute("sliding_window", int(attrs.get("sliding_window", 0)))])
+            if fused is not None:
+                kept[0] = fused.q_raw
+                kept += [fused.q_norm, fused.cos, fused.sin, fused.perm, fused.gate]
+                while kept[-1] == "":
+                    kept.pop()
+                if fused.gated:                        # the node makes the gated output in the Mul's place
+                    node.output[0] = fused.gated
+                    made.add(fused.gated)
+                if fused.q_norm:
+                    node.attribute.append(helper.make_attribute("norm_epsilon", fused.norm_epsilon))
+            node.input.extend(kept)
             done.add(node.name)
     if done:
+        nodes = [n for n in graph.node if n.domain == CPU_DOMAIN or not set(n.output) & made]
+        del graph.node[:]
+        graph.node.extend(_without_unread(nodes, {o.name for o in graph.output}))
         import_cpu_domain(model)
     return done
 
@@ -206,7 +223,7 @@ def _kernel_nodes(node: onnx.NodeProto, index: GraphIndex, picks: set[str], read
         if prologue is None:
             return builder.op(gated_deltanet.OP_TYPE, q, k, v, g, beta, pool, slots, state_rows, domain=CPU_DOMAIN,
                               outputs=outs, name=name, scale=scale, **attrs)
-        return builder.op(PROLOGUE_OP, *prologue.inputs, pool, slots, state_rows, domain=CPU_DOMAIN, outputs=outs,
+        return builder.op(GDN_OP, *prologue.inputs, pool, slots, state_rows, domain=CPU_DOMAIN, outputs=outs,
                           name="Conv" + name, scale=scale, norm_epsilon=prologue.norm_epsilon,
                           norm_scale=prologue.norm_scale, **attrs)
 
@@ -228,10 +245,10 @@ def _kernel_nodes(node: onnx.NodeProto, index: GraphIndex, picks: set[str], read
 
 
 def _read_only_after(node: onnx.NodeProto, name: str, index: GraphIndex) -> bool:
-    """Whether every node that reads `name`, but the prologue's own window Gather, comes after `node`
-    in the graph's order (a fused node makes it at `node`'s place)."""
+    """Whether every node that reads `name`, but a prologue's window Gather, is `node` or comes after
+    it in the graph's order: the fused `node` makes `name` at its place."""
     order = index.order
-    return all(order[id(n)] > order[id(node)] for n in index.readers.get(name, ())
+    return all(order[id(n)] >= order[id(node)] for n in index.readers.get(name, ())
                if not (n.op_type == "Gather" and n.input[0] == name))
 
 

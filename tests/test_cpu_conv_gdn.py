@@ -1,5 +1,5 @@
 """A Gated DeltaNet layer from its in_proj outputs as one CPU kernel (ai.tandem.cpu::ConvGatedDeltaNet,
-plugins/cpu/conv_gated_deltanet.cc; matched by export/cpu_gdn_prologue.py): equal to the exporter's
+plugins/cpu/conv_gated_deltanet.cc; matched by export/cpu_prologues.py): equal to the exporter's
 nodes and function body, the same bits in its portable and AVX-512 forms, a verify's pick replayed,
 and every Gated DeltaNet layer of every graph of a built engine dir fused."""
 

@@ -1,5 +1,5 @@
 // ai.tandem.cpu::ConvGatedDeltaNet: a Gated DeltaNet layer from its in_proj outputs to the delta
-// rule's output, as one ONNX Runtime CPU kernel (export/cpu_gdn_prologue.py fuses the nodes).
+// rule's output, as one ONNX Runtime CPU kernel (export/cpu_prologues.py fuses the nodes).
 //
 // Per sequence b and row t, with the conv window [K-1 rows of conv_pool[slots[b]]; qkv[b]]:
 //     mixed = silu(sum_k window[t + k] * taps[k])                    (depthwise causal conv, [C])

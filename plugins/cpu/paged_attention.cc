@@ -4,8 +4,15 @@
 // Inputs   query [B, W, Hq, D]; key [B, W, Hkv, D], value [B, W, Hkv, Dv] (the call's new rows);
 //          key_cache [N, S, Hkv, D], value_cache [N, S, Hkv, Dv]; block_tables [B, P] int64;
 //          context_lens [B] int64
-// Output   [B, W, Hq, Dv]
-// Attrs    scale (float), sliding_window (int, 0: none)
+//          and, optional, what the layer does to the query before and the output after
+//          (export/cpu_kernel_lowering.py fuses it where the graph is the exporter's): q_norm [D] (an
+//          RMS norm per head, attribute norm_epsilon); cos, sin [B, W, 1, D] and rotate_perm [D] int64
+//          (RoPE as the exporter writes it: x cos + x[perm] sin); gate [B, W, Hq Dv] (the output
+//          times sigmoid(gate)). The keys come normed and rotated: the graph commits them, and a
+//          unified round's re-anchored heads make them without attention, so the same nodes make
+//          them everywhere (the same bits in every graph).
+// Output   [B, W, Hq, Dv] ([B, W, Hq Dv] with a gate)
+// Attrs    scale (float), sliding_window (int, 0: none), norm_epsilon (float, with q_norm)
 //
 // Row w of sequence b sits at position p = context_lens[b] + w and sees positions j <= p with
 // p - j < window (if any): committed ones (j < context_lens[b]) in the pool, at page
@@ -18,10 +25,12 @@
 // copied. Every row loops over its positions in the same order whatever the call's rows, so a
 // verify row equals the decode step at its position bit for bit.
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "kernel_common.h"
+#include "row_ops.h"
 
 namespace tandem {
 namespace {
@@ -57,10 +66,63 @@ void head_dots(const float* q, const float* key, int64_t D, int64_t G, float sca
   for (; g < G; ++g) dots<1>(q + g * D, key, D, scale, out + g);
 }
 
+// The query's norm and RoPE: rows [M = B W Hq, D] of x -> y, row m of the call's row m / Hq.
+struct QueryPrologue {
+  const float *norm = nullptr, *cos = nullptr, *sin = nullptr;
+  const int64_t* perm = nullptr;
+  float epsilon = 0.0f;
+  bool fast = false;
+
+  bool any() const { return norm != nullptr || cos != nullptr; }
+
+  void apply(const float* x, int64_t M, int64_t H, int64_t D, float* y) const {
+    thread_local std::vector<float> r, normed;
+    const float* src = x;
+    if (norm != nullptr) {
+      r.resize(static_cast<size_t>(M));
+      rms_row_scales(x, M, D, epsilon, fast, r.data());
+      normed.resize(static_cast<size_t>(M * D));
+      for (int64_t m = 0; m < M; ++m) {
+        for (int64_t i = 0; i < D; ++i) normed[m * D + i] = x[m * D + i] * r[m] * norm[i];
+      }
+      src = normed.data();
+    }
+    if (cos == nullptr) {
+      std::copy(src, src + M * D, y);
+      return;
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      const float *row = src + m * D, *c = cos + (m / H) * D, *s = sin + (m / H) * D;
+      for (int64_t i = 0; i < D; ++i) y[m * D + i] = row[i] * c[i] + row[perm[i]] * s[i];
+    }
+  }
+};
+
 struct Kernel {
   OrtApiTable api;
   float scale;
   int64_t window;
+  float norm_epsilon;
+  bool fast;
+
+  // q_norm, cos, sin, rotate_perm (inputs 7-10; each optional) for a call of B W rows of D
+  QueryPrologue query_prologue(OrtKernelContext* context, int64_t B, int64_t W, int64_t D) const {
+    std::vector<int64_t> nd, cd, sd, pd;
+    QueryPrologue p;
+    p.norm = optional_input<float>(api, context, 7, &nd);
+    p.cos = optional_input<float>(api, context, 8, &cd);
+    p.sin = optional_input<float>(api, context, 9, &sd);
+    p.perm = optional_input<int64_t>(api, context, 10, &pd);
+    p.epsilon = norm_epsilon, p.fast = fast;
+    expect_pa(p.norm == nullptr || numel(nd) == D, "q_norm must be [D]");
+    expect_pa((p.cos == nullptr) == (p.sin == nullptr) && (p.cos == nullptr) == (p.perm == nullptr),
+              "RoPE needs cos, sin and rotate_perm together");
+    if (p.cos != nullptr) {
+      expect_pa(numel(cd) == B * W * D && sd == cd && numel(pd) == D, "cos, sin must be [B, W, 1, D], rotate_perm [D]");
+      for (int64_t i = 0; i < D; ++i) expect_pa(p.perm[i] >= 0 && p.perm[i] < D, "rotate_perm names a dim outside D");
+    }
+    return p;
+  }
 
   void compute(OrtKernelContext* context) const {
     std::vector<int64_t> qd, kd, vd, kcd, vcd, td, cd;
@@ -89,7 +151,17 @@ struct Kernel {
         expect_pa(id >= 0 && id < pages, "a block table names a page outside the cache");
       }
     }
-    float* out = output(api, context, 0, {B, W, hq, dv});
+    const QueryPrologue query = query_prologue(context, B, W, D);
+    thread_local std::vector<float> q_buffer;    // the calling thread's, kept across calls
+    if (query.any()) {
+      q_buffer.resize(static_cast<size_t>(B * W * hq * D));
+      query.apply(q, B * W * hq, hq, D, q_buffer.data());
+      q = q_buffer.data();
+    }
+    std::vector<int64_t> gd;
+    const float* gate = optional_input<float>(api, context, 11, &gd);
+    expect_pa(gate == nullptr || numel(gd) == B * W * hq * dv, "the gate must be [B, W, Hq Dv]");
+    float* out = gate != nullptr ? output(api, context, 0, {B, W, hq * dv}) : output(api, context, 0, {B, W, hq, dv});
     const int64_t G = hq / hkv;
     auto heads = [&](int64_t first, int64_t last) {
       thread_local std::vector<float> scores, acc;   // per pool thread, kept across calls
@@ -123,8 +195,13 @@ struct Kernel {
               for (int64_t e = 0; e < dv; ++e) a[e] += weight * value[e];
             }
           }
-          float* o = out + ((b * W + w) * hq + h * G) * dv;
-          for (int64_t e = 0; e < G * dv; ++e) o[e] = acc[e];
+          const int64_t at = ((b * W + w) * hq + h * G) * dv;
+          float* o = out + at;
+          if (gate == nullptr) {
+            for (int64_t e = 0; e < G * dv; ++e) o[e] = acc[e];
+          } else {                                          // the output gate: o sigmoid(gate)
+            for (int64_t e = 0; e < G * dv; ++e) o[e] = acc[e] * (1.0f / (1.0f + std::exp(-gate[at + e])));
+          }
         }
       }
     };
@@ -133,11 +210,16 @@ struct Kernel {
 };
 
 const char* op_name(const OrtCustomOp*) { return "PagedAttention"; }
-int op_input_type(const OrtCustomOp*, size_t index) { return index >= 5 ? kTensorInt64 : kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 7; }
+int op_input_type(const OrtCustomOp*, size_t index) {
+  return index == 5 || index == 6 || index == 10 ? kTensorInt64 : kTensorFloat;
+}
+size_t op_input_count(const OrtCustomOp*) { return 12; }
 int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
 size_t op_output_count(const OrtCustomOp*) { return 1; }
-int op_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+int op_input_characteristic(const OrtCustomOp*, size_t index) {
+  return index >= 7 ? kInputOutputOptional : kInputOutputRequired;
+}
+int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
 
 void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
   OrtApiTable table(api);
@@ -145,7 +227,11 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   int64_t window = 0;
   check(table, table.KernelInfoGetAttributeFloat(info, "scale", &scale));
   check(table, table.KernelInfoGetAttributeInt64(info, "sliding_window", &window));
-  return new Kernel{table, scale, window};
+  float norm_epsilon = 0.0f;
+  if (OrtStatus* status = table.KernelInfoGetAttributeFloat(info, "norm_epsilon", &norm_epsilon)) {
+    table.ReleaseStatus(status);       // a node without the norms has none
+  }
+  return new Kernel{table, scale, window, norm_epsilon, avx512f()};
 }
 
 }  // namespace
@@ -154,7 +240,7 @@ const OrtCustomOp kPagedAttention = {
     kOrtCustomOpVersion, op_create, op_name, cpu_provider,
     op_input_type, op_input_count, op_output_type, op_output_count,
     kernel_compute<Kernel>, kernel_destroy<Kernel>,
-    op_characteristic, op_characteristic, default_memory,
+    op_input_characteristic, op_output_characteristic, default_memory,
 };
 
 }  // namespace tandem

@@ -1,8 +1,10 @@
-"""Find a Gated DeltaNet layer's prologue in front of its GatedDeltaNet node, so that tandem's CPU
-lowering (export/cpu_kernel_lowering.py) runs the layer from its in_proj outputs as one kernel,
-ai.tandem.cpu::ConvGatedDeltaNet (plugins/cpu/conv_gated_deltanet.cc).
+"""Find the nodes around an op that tandem's CPU kernels take into the op itself, so that the CPU
+lowering (export/cpu_kernel_lowering.py) runs them in one node: each matcher checks the exporter's
+graph node by node (float32 throughout: a float16 engine's Casts do not match) and returns what the
+kernel takes in their place, or None, and the op keeps its plain kernel.
 
-The exporter writes the prologue as (export/layers.py, gated_deltanet_layer):
+Gated DeltaNet (`match_prologue` -> ai.tandem.cpu::ConvGatedDeltaNet, plugins/cpu/conv_gated_deltanet.cc),
+as export/layers.py's gated_deltanet_layer writes it:
 
     padded = Concat(Gather(conv_pool, slots), qkv, axis=1)                        [B, K-1+W, C]
     mixed  = silu(ReduceSum(Mul(Gather(padded, windows, axis=1), taps), [2]))     [B, W, C]
@@ -10,10 +12,17 @@ The exporter writes the prologue as (export/layers.py, gated_deltanet_layer):
     g      = Mul(neg_a, Softplus(Add(a, dt_bias)));  beta = Sigmoid(b)
     GatedDeltaNet(q, k, v, g, beta, Gather(state_pool, slots), rows)
 
-`match_prologue` checks that shape node by node (float32 throughout: a float16 engine's Casts do not
-match) and returns what the kernel takes in its place; anything else keeps the unfused kernel.
-Every graph of an engine dir is exported by the same code, so the prologue fuses in all of them
-or in none: a verify row and a decode step then run the same kernel (speculative == plain greedy).
+Attention (`match_attention` -> ai.tandem.cpu::PagedAttention's optional inputs,
+plugins/cpu/paged_attention.cc), as export/layers.py's attention writes it:
+
+    q = Add(Mul(x, cos), Mul(Gather(x, perm, axis=3), sin)),  x = RMSNormalization(q_raw, q_norm)
+        (the norm optional, RoPE not)
+    out = Mul(Reshape(PagedSparseAttention(q, k, ...)), Sigmoid(gate))    (the output gate, optional)
+    The keys' norm and RoPE stay nodes: the graph commits the keys, and a unified round's re-anchored
+    MTP heads make them without attention, so the same nodes must make them in every graph.
+
+Every graph of an engine dir is exported by the same code, so a pattern fuses in all of them or in
+none: a verify row and a decode step then run the same kernel (speculative == plain greedy).
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import numpy as np
 import onnx
 from onnx import numpy_helper
 
-OP_TYPE = "ConvGatedDeltaNet"
+GDN_OP = "ConvGatedDeltaNet"
 
 
 @dataclass(frozen=True)
@@ -154,3 +163,65 @@ def match_prologue(g: GraphIndex, gdn: onnx.NodeProto, slots: str) -> Prologue |
     if vs[2] != g.inits[taps].dims[1]:                                  # v ends at C: C = 2 kd + vd
         return None
     return Prologue([qkv, sig.input[0], biased[0], conv_pool, taps, gate[1], biased[1]], padded, qn[3], qn[4])
+
+
+@dataclass(frozen=True)
+class AttentionPrologue:
+    q_raw: str
+    q_norm: str             # "" where the layer has none
+    norm_epsilon: float
+    cos: str
+    sin: str
+    perm: str
+    gate: str               # "" where there is no output gate
+    gated: str              # the Mul the gate fuses into ("" without one): the kernel's output then
+
+
+def _normed(g: GraphIndex, name: str) -> tuple[str, str, float | None]:
+    """RMSNormalization(x, scale) over the last axis -> (x, scale, epsilon); else (name, "", None)."""
+    norm = g.node(name, "RMSNormalization")
+    if norm is None or _attr(norm, "axis", -1) != -1 or not g.f32_weight(norm.input[1], 1):
+        return name, "", None
+    return norm.input[0], norm.input[1], float(_attr(norm, "epsilon", 1e-5))
+
+
+def _rotated(g: GraphIndex, name: str) -> tuple[str, str, str, str] | None:
+    """Add(Mul(x, cos), Mul(Gather(x, perm, axis=3), sin)) -> (x, cos, sin, perm)."""
+    add = g.node(name, "Add")
+    if add is None:
+        return None
+    for plain, swapped in (add.input, reversed(add.input)):
+        m1, m2 = g.node(plain, "Mul"), g.node(swapped, "Mul")
+        if m1 is None or m2 is None:
+            continue
+        for x, cos in (m1.input, reversed(m1.input)):
+            for xs, sin in (m2.input, reversed(m2.input)):
+                gather = g.node(xs, "Gather")
+                if gather is not None and gather.input[0] == x and _attr(gather, "axis", 0) == 3 \
+                        and g.value(gather.input[1]) is not None:
+                    return x, cos, sin, gather.input[1]
+    return None
+
+
+def match_attention(g: GraphIndex, attention: onnx.NodeProto) -> AttentionPrologue | None:
+    """The query's norm and RoPE before PagedSparseAttention node `attention` and the output gate after
+    it, in the graph `g` indexes; None where its query is not the exporter's."""
+    q = _rotated(g, attention.input[0])
+    if q is None:
+        return None
+    q_raw, q_norm, eps = _normed(g, q[0])
+    gate, gated = _output_gate(g, attention.output[0])
+    return AttentionPrologue(q_raw, q_norm, eps or 0.0, *q[1:], gate, gated)
+
+
+def _output_gate(g: GraphIndex, out: str) -> tuple[str, str]:
+    """Mul(Reshape(out), Sigmoid(gate)), out's and the Reshape's only reader -> (gate, Mul's output)."""
+    readers = g.readers.get(out, [])
+    reshape = readers[0] if len(readers) == 1 and readers[0].op_type == "Reshape" else None
+    after = g.readers.get(reshape.output[0], []) if reshape is not None else []
+    mul = after[0] if len(after) == 1 and after[0].op_type == "Mul" else None
+    if mul is None:
+        return "", ""
+    other = mul.input[1] if mul.input[0] == reshape.output[0] else mul.input[0]
+    sig = g.node(other, "Sigmoid")
+    return (sig.input[0], mul.output[0]) if sig is not None else ("", "")

@@ -1,0 +1,137 @@
+"""An attention layer's query norm, query RoPE and output gate in tandem's CPU attention kernel
+(ai.tandem.cpu::PagedAttention's optional inputs; matched by export/cpu_prologues.py): equal to the
+exporter's nodes and function body; a row of a call equal to the decode step at its position bit
+for bit; the same bits portable and AVX-512; the keys' norm and RoPE left as nodes (the graph
+commits the keys, and other graphs make them without attention)."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tandem.checkpoint.description import AttentionSpec
+from tandem.engines.backends import onnxruntime_backend
+from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN, GraphBuilder
+from tandem.export.layers import apply_rotary, rms_norm, rotary_tables
+from tandem.export.lowering import lower_for_onnxruntime
+from tandem.export.ops import paged_sparse_attention as psa
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+HQ, HKV, D, PAGE = 4, 2, 24, 4
+SPEC = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, rotary_dim=8, rope_theta=1e4)
+
+
+def _layer_graph(norms: bool = True, gate: bool = True):
+    """q, k [B, W, H, D] -> (norms) -> RoPE at context_lens + w -> PagedSparseAttention -> (gate)
+    Reshape * sigmoid(g), written with the exporter's own helpers; outputs: the attention output and
+    the new K rows (as the graph commits them)."""
+    b = GraphBuilder()
+    rng = np.random.default_rng(0)
+    q, k = "q", "k"
+    if norms:
+        q = rms_norm(b, q, b.weight("q_norm", (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)), 1e-6, "q_norm")
+        k = rms_norm(b, k, b.weight("k_norm", (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)), 1e-6, "k_norm")
+    positions = b.op("Add", b.unsqueeze("ctx", [1]), b.unsqueeze(b.op("Range", b.const(np.array(0, np.int64)),
+                     b.squeeze(b.shape_of("q", 1, 2), [0]), b.const(np.array(1, np.int64))), [0]))
+    cos, sin = rotary_tables(b, SPEC, positions)
+    q = apply_rotary(b, q, cos, sin, D, SPEC.rotary_dim, "float32")
+    k = apply_rotary(b, k, cos, sin, D, SPEC.rotary_dim, "float32")
+    out = b.op(psa.OP_TYPE, q, k, "v", "kc", "vc", "tables", "ctx", b.const(np.zeros((1, 1, 0), np.int64)),
+               domain=TANDEM_DOMAIN, scale=0.3, sliding_window=0, name="PagedSparseAttention")
+    if gate:
+        out = b.op("Mul", b.reshape(out, [0, 0, HQ * D]), b.op("Sigmoid", "g"))
+    b.op("Identity", out, outputs=["o"])
+    b.op("Identity", k, outputs=["k_rows"])
+    info = helper.make_tensor_value_info
+    inputs = [info(n, F, None) for n in ("q", "k", "v", "kc", "vc")] + [info("tables", I64, None),
+                                                                        info("ctx", I64, None)]
+    inputs += [info("g", F, None)] if gate else []
+    graph = helper.make_graph(b.nodes, "attn", inputs, [info("o", F, None), info("k_rows", F, None)],
+                              [numpy_helper.from_array(v, n) for n, v in b.initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
+                                                    helper.make_opsetid(TANDEM_DOMAIN, 1)],
+                              functions=[psa.make_function()])
+    model.ir_version = IR_VERSION
+    return model
+
+
+def _fused(model, norms: bool = True, gate: bool = True):
+    """The kernel lowering; the query's norm and RoPE and the gate are in the kernel node, the keys'
+    norm and RoPE (one RMSNormalization, one Gather) are not."""
+    lowered = lower_for_onnxruntime(model, cpu_kernels=True)
+    ops = collections.Counter(n.op_type for n in lowered.graph.node)
+    (kernel,) = [n for n in lowered.graph.node if n.op_type == "PagedAttention"]
+    assert kernel.input[0] == "q" and len(kernel.input) == 11 + gate, list(kernel.input)
+    assert ops["RMSNormalization"] == norms and ops["Gather"] == 1 and not ops["Sigmoid"], ops
+    return lowered
+
+
+def _feeds(rng, ctx, W, pages=16, gate=True):
+    B = len(ctx)
+    width = max(-(-(c + W) // PAGE) for c in ctx)
+    f = {"q": rng.standard_normal((B, W, HQ, D)).astype(np.float32),
+         "k": rng.standard_normal((B, W, HKV, D)).astype(np.float32),
+         "v": rng.standard_normal((B, W, HKV, D)).astype(np.float32),
+         "kc": rng.standard_normal((pages, PAGE, HKV, D)).astype(np.float32),
+         "vc": rng.standard_normal((pages, PAGE, HKV, D)).astype(np.float32),
+         "tables": rng.permutation(pages)[:B * width].reshape(B, width).astype(np.int64),
+         "ctx": np.array(ctx, np.int64)}
+    if gate:
+        f["g"] = rng.standard_normal((B, W, HQ * D)).astype(np.float32)
+    return f
+
+
+@pytest.mark.parametrize("norms,gate", [(True, True), (False, True), (True, False)],
+                         ids=["norms-gate", "rope-gate", "norms-no-gate"])
+@pytest.mark.parametrize("W", [1, 3])
+def test_fused_attention_equals_the_exporters_nodes(library, W, norms, gate):
+    model = _layer_graph(norms, gate)
+    f = _feeds(np.random.default_rng(W), ctx=[0, 5, 9], W=W, gate=gate)
+    want = onnxruntime_backend.session(model).run(None, f)
+    got = onnxruntime_backend.session(_fused(model, norms, gate), kernels=library).run(None, f)
+    np.testing.assert_allclose(got[0], want[0], rtol=0, atol=5e-6, err_msg="output")
+    np.testing.assert_array_equal(got[1], want[1])          # the keys: the same nodes make them
+
+
+def test_a_row_equals_the_decode_step_at_its_position_bit_for_bit(library):
+    """Row w of a 3-row call == a 1-row call at context + w with rows 0..w-1 committed to the pages
+    as the graph outputs them (normed and rotated)."""
+    f = _feeds(np.random.default_rng(5), ctx=[6, 1], W=3)
+    sess = onnxruntime_backend.session(_fused(_layer_graph()), kernels=library)
+    rows, k_rows = sess.run(None, f)
+    kc, vc = f["kc"].copy(), f["vc"].copy()
+    for w in range(3):
+        step = {**f, "q": f["q"][:, w:w + 1], "k": f["k"][:, w:w + 1], "v": f["v"][:, w:w + 1], "g": f["g"][:, w:w + 1],
+                "kc": kc, "vc": vc, "ctx": f["ctx"] + w}
+        out, k_step = sess.run(None, step)
+        assert np.array_equal(out[:, 0], rows[:, w]) and np.array_equal(k_step[:, 0], k_rows[:, w])
+        for b, pos in enumerate(f["ctx"] + w):
+            page, slot = f["tables"][b, pos // PAGE], pos % PAGE
+            kc[page, slot], vc[page, slot] = k_rows[b, w], f["v"][b, w]
+
+
+def test_portable_and_avx512_forms_give_the_same_bits(library, monkeypatch):
+    model = _fused(_layer_graph())
+    f = _feeds(np.random.default_rng(8), ctx=[3, 7], W=3)
+    fast = onnxruntime_backend.session(model, kernels=library).run(None, f)
+    monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1")
+    portable = onnxruntime_backend.session(model, kernels=library).run(None, f)
+    assert all(np.array_equal(a, b) for a, b in zip(fast, portable))
+
+
+def test_every_attention_layer_of_a_built_dir_takes_its_query_prologue_and_gate(engine_dirs):
+    """Decode, verify, MTP head and round graphs alike: every PagedAttention node takes its query's
+    norm and RoPE and its output gate, and no q_norm node is left (a verify row and a decode step
+    must run the same code)."""
+    checked = 0
+    for path in sorted(engine_dirs["qwen3_5_mtp3"].glob("*.opt.onnx")):
+        nodes = onnx.load(str(path), load_external_data=False).graph.node
+        kernels = [n for n in nodes if n.op_type == "PagedAttention"]
+        assert all(len(n.input) == 12 for n in kernels), path.name
+        assert not any("q_norm" in n.name for n in nodes), path.name
+        checked += bool(kernels)
+    assert checked >= 3
