@@ -189,6 +189,7 @@ def _gated_norm_nodes(model: onnx.ModelProto, name: str, x: str, scale: str, gat
     (x [..., K / G, G]: its dims but the last two, then K)."""
     b = GraphBuilder(function=True, root=f"{name}/exact")
     normed = b.op(norm_op, x, scale, axis=-1, epsilon=attrs["epsilon"])
+    gate = b.op("Reshape", gate, b.op("Shape", x))              # the gate may come in another shape
     gated = b.op("Mul", normed, b.op("QuickGelu", gate, domain=MS_DOMAIN, alpha=1.0))
     lead = b.op("Slice", b.op("Shape", x), b.const([0], np.int64), b.const([-2], np.int64))
     shape = b.op("Concat", lead, b.const([attrs["K"]], np.int64), axis=0)

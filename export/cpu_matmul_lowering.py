@@ -178,7 +178,8 @@ _NORM_INPUTS = {"MatMul": (3, 4), "MatMulNBits": (5, 6)}   # where each kernel t
 def _fold_gated_norms(graph: onnx.GraphProto, inits: dict, outputs: set) -> bool:
     """Each of tandem's matmul nodes with no norm of its own whose A is Reshape(Mul(RMSNormalization(X,
     s), QuickGelu(Z))) (alpha 1: silu), each of those read by the next one only, takes X, s and Z
-    (norm_group = len(s), dividing its K); the four nodes are left unread."""
+    (norm_group = len(s), dividing its K; Z before a Reshape only QuickGelu reads); the four (five)
+    nodes are left unread."""
     readers, producers = _readers(graph), {o: n for n in graph.node for o in n.output}
     done = False
     for node in graph.node:
@@ -201,9 +202,13 @@ def _fold_gated_norms(graph: onnx.GraphProto, inits: dict, outputs: set) -> bool
         k = _attr(node, "K", None) if node.op_type == "MatMulNBits" else inits[node.input[1]].dims[1]
         if scale is None or len(scale.dims) != 1 or _attr(norm, "axis", -1) != -1 or k % scale.dims[0]:
             continue
+        gate = act.input[0]
+        shaped = producers.get(gate)
+        if shaped is not None and shaped.op_type == "Reshape" and _only_reader(gate, readers, outputs) is not None:
+            gate = shaped.input[0]      # the kernel reads the gate element by element: its shape is moot
         node.input[0] = norm.input[0]
         node.input.extend([""] * (at[1] + 1 - len(node.input)))
-        node.input[at[0]], node.input[at[1]] = scale.name, act.input[0]
+        node.input[at[0]], node.input[at[1]] = scale.name, gate
         node.attribute.extend([helper.make_attribute("norm_group", int(scale.dims[0])),
                                helper.make_attribute("epsilon", _attr(norm, "epsilon", 1e-5))])
         done = True
