@@ -37,7 +37,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
-from tandem.export.cpu_prologues import GDN_OP, GraphIndex, match_attention, match_prologue
+from tandem.export.cpu_prologues import GDN_OP, GraphIndex, match_attention, match_conv_commit, match_prologue
 from tandem.export.ops import gated_deltanet
 
 CPU_DOMAIN = "ai.tandem.cpu"
@@ -52,12 +52,12 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
     picks = gated_deltanet.row_state_picks(graph)
     outputs = {o.name for o in graph.output}
     read = outputs.union(*(names_read(n) for n in graph.node))      # every name read, subgraphs included
-    nodes, lowered, replays, replaced = [], 0, {}, set()
+    nodes, lowered, replays, made = [], 0, {}, set()
     for node in graph.node:
         if node.domain == TANDEM_DOMAIN and node.op_type == gated_deltanet.OP_TYPE:
-            new, replay, padded = _kernel_nodes(node, index, picks, read)
+            new, replay, taken = _kernel_nodes(node, index, picks, read)
             nodes.extend(new)
-            replaced.add(padded)
+            made |= taken
             if replay is not None:
                 replays[node.output[2]] = replay
             lowered += 1
@@ -65,8 +65,8 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
             nodes.extend(replays[node.input[0]](node))
         else:
             nodes.append(node)
-    # a fused node makes its prologue's conv window itself: the Concat that did goes
-    nodes = [n for n in nodes if not (n.op_type == "Concat" and n.output[0] in replaced)]
+    # what a fused node makes itself (the conv window, the new conv state): the Concat, GatherND that did go
+    nodes = [n for n in nodes if n.domain == CPU_DOMAIN or not made & set(n.output)]
     del graph.node[:]
     graph.node.extend(_without_unread(nodes, outputs))
     if lowered:
@@ -198,8 +198,8 @@ def _gated_norm_nodes(model: onnx.ModelProto, name: str, x: str, scale: str, gat
 
 
 def _kernel_nodes(node: onnx.NodeProto, index: GraphIndex, picks: set[str], read: set[str]):
-    """(nodes replacing `node`, replay(gather) -> nodes for its row-state picks or None, the conv
-    window a fused node now outputs or None)."""
+    """(nodes replacing `node`, replay(gather) -> nodes for its row-state picks or None, the names
+    other nodes made that a fused node now makes: its conv window, its new conv state)."""
     q, k, v, g, beta, s0, rows = node.input
     scale = next(a.f for a in node.attribute if a.name == "scale")
     b = GraphBuilder(function=True, root=node.name + "/kernel")
@@ -219,21 +219,26 @@ def _kernel_nodes(node: onnx.NodeProto, index: GraphIndex, picks: set[str], read
     # a final state nothing reads (a verify's, whose picks replay the rows) stays in the kernel's scratch
     final = node.output[1] if node.output[1] in read else ""
     kernel_outputs = [node.output[0], final] + ([node.output[2]] if emits and not picked else [])
+    made, commit = set(), None
+    if prologue is not None:
+        # where the rows a sequence keeps are known before the layer (decode, prefill), the node
+        # picks the new conv state itself and the window is not written out unless another node reads it
+        commit = match_conv_commit(index, prologue.padded, node)
+        window = prologue.padded if _window_read(prologue.padded, index, commit) else ""
+        kernel_outputs += [""] * (3 - len(kernel_outputs)) + [window] + ([commit[1]] if commit else [])
+        made = {window, commit[1] if commit else ""} - {""}
 
-    def kernel(builder, state_rows, outs, name, **attrs):
+    def kernel(builder, state_rows, outs, name, conv_rows=(), **attrs):
         if prologue is None:
             return builder.op(gated_deltanet.OP_TYPE, q, k, v, g, beta, pool, slots, state_rows, domain=CPU_DOMAIN,
                               outputs=outs, name=name, scale=scale, **attrs)
-        return builder.op(GDN_OP, *prologue.inputs, pool, slots, state_rows, domain=CPU_DOMAIN, outputs=outs,
-                          name="Conv" + name, scale=scale, norm_epsilon=prologue.norm_epsilon,
+        return builder.op(GDN_OP, *prologue.inputs, pool, slots, state_rows, *conv_rows, domain=CPU_DOMAIN,
+                          outputs=outs, name="Conv" + name, scale=scale, norm_epsilon=prologue.norm_epsilon,
                           norm_scale=prologue.norm_scale, **attrs)
 
-    if prologue is not None:
-        kernel_outputs = kernel_outputs + [""] * (3 - len(kernel_outputs)) + [prologue.padded]
-    kernel(b, rows, kernel_outputs, "GatedDeltaNet")
-    padded = prologue.padded if prologue is not None else None
+    kernel(b, rows, kernel_outputs, "GatedDeltaNet", conv_rows=(commit[0],) if commit else ())
     if not picked:
-        return b.nodes, None, padded
+        return b.nodes, None, made
 
     def replay(pick: onnx.NodeProto) -> list[onnx.NodeProto]:
         r = GraphBuilder(function=True, root=pick.name + "/replayed")
@@ -242,7 +247,15 @@ def _kernel_nodes(node: onnx.NodeProto, index: GraphIndex, picks: set[str], read
                emit_output=0)                 # the state only: rows past a are not run
         return r.nodes
 
-    return b.nodes, replay, padded
+    return b.nodes, replay, made
+
+
+def _window_read(padded: str, index: GraphIndex, commit: tuple[str, str] | None) -> bool:
+    """Whether a node other than the prologue's window Gather and the fused pick reads `padded`, or
+    it is a graph output."""
+    return padded in index.outputs or any(
+        not (n.op_type == "Gather" and n.input[0] == padded) and (commit is None or commit[1] not in n.output)
+        for n in index.readers.get(padded, ()))
 
 
 def _read_only_after(node: onnx.NodeProto, name: str, index: GraphIndex) -> bool:

@@ -51,6 +51,7 @@ class GraphIndex:
         self.producers = {o: n for n in graph.node for o in n.output}
         self.inits = {t.name: t for t in graph.initializer}
         self.order = {id(n): i for i, n in enumerate(graph.node)}
+        self.outputs = {o.name for o in graph.output}
         self.readers: dict[str, list[onnx.NodeProto]] = {}
         for n in graph.node:
             for name in n.input:
@@ -163,6 +164,35 @@ def match_prologue(g: GraphIndex, gdn: onnx.NodeProto, slots: str) -> Prologue |
     if vs[2] != g.inits[taps].dims[1]:                                  # v ends at C: C = 2 kd + vd
         return None
     return Prologue([qkv, sig.input[0], biased[0], conv_pool, taps, gate[1], biased[1]], padded, qn[3], qn[4])
+
+
+def match_conv_commit(g: GraphIndex, padded: str, before: onnx.NodeProto) -> tuple[str, str] | None:
+    """The graph's pick of a layer's new conv state from its window `padded` [B, K-1+W, C]:
+    GatherND(padded, Unsqueeze(Add(Unsqueeze(rows, [1]), [[0 .. K-2]]), [2]), batch_dims=1) ->
+    (rows, the GatherND's output), where rows is there before node `before` (a graph input, or made
+    earlier: a verify's kept rows come from its logits, after the layers); None otherwise."""
+    for pick in g.readers.get(padded, []):
+        if pick.op_type != "GatherND" or pick.input[0] != padded or _attr(pick, "batch_dims", 0) != 1:
+            continue
+        outer = g.node(pick.input[1], "Unsqueeze")
+        add = g.node(outer.input[0], "Add") if outer is not None and _axes(g, outer) == [2] else None
+        for rows_1, offsets in ((add.input, reversed(add.input)) if add is not None else ()):
+            inner, steps = g.node(rows_1, "Unsqueeze"), g.value(offsets)
+            if inner is None or _axes(g, inner) != [1] or steps is None \
+                    or steps.reshape(-1).tolist() != list(range(steps.size)) or steps.shape[:1] != (1,):
+                continue
+            made = g.producers.get(inner.input[0])
+            if made is None or g.order[id(made)] < g.order[id(before)]:
+                return inner.input[0], pick.output[0]
+    return None
+
+
+def _axes(g: GraphIndex, node: onnx.NodeProto) -> list[int] | None:
+    """An Unsqueeze's axes (input 1 from opset 13, else the attribute)."""
+    if len(node.input) > 1:
+        axes = g.value(node.input[1])
+        return None if axes is None else axes.reshape(-1).tolist()
+    return _attr(node, "axes")
 
 
 @dataclass(frozen=True)

@@ -27,10 +27,12 @@ C = 2 * HK * DK + HV * DV
 PROLOGUE_OPS = {"Concat", "ReduceSum", "Softplus", "Sigmoid", "RMSNormalization", "Slice"}
 
 
-def _layer_graph(emit_rows: bool, beta_op: str = "Sigmoid") -> onnx.ModelProto:
+def _layer_graph(emit_rows: bool, beta_op: str = "Sigmoid", commit: str = "") -> onnx.ModelProto:
     """The exporter's Gated DeltaNet prologue (export/layers.py, gated_deltanet_layer, with its own
-    helpers) -> GatedDeltaNet; outputs: its output, final state and the conv window the graph picks
-    the new conv state from; with emit_rows the verify's pick of the state after row a."""
+    helpers) -> GatedDeltaNet; outputs: its output, final state and the conv window; with emit_rows
+    the verify's pick of the state after row a; with commit the graph's pick of the new conv state
+    (export/graphs.py, _conv_windows_after) at rows `keep` given as an input ("input": decode,
+    prefill) or made after the layer ("late": a verify's kept rows, from its logits)."""
     b = GraphBuilder()
     rng = np.random.default_rng(3)
     taps = b.weight("taps", (rng.standard_normal((KERNEL, C)) * 0.5).astype(np.float32))
@@ -57,6 +59,13 @@ def _layer_graph(emit_rows: bool, beta_op: str = "Sigmoid") -> onnx.ModelProto:
         b.op("GatherND", "rs", "a", batch_dims=1, outputs=["picked"])
         inputs.append(info("a", I64, None))
         outputs.append(info("picked", F, None))
+    if commit:
+        inputs.append(info("keep", I64, None))
+        keep = "keep" if commit == "input" else b.op("Add", "keep", b.op("Cast", b.op("Mul", b.op(
+            "ReduceMin", "o", keepdims=0), b.const(np.array(0, np.float32))), to=TensorProto.INT64))
+        index = b.unsqueeze(b.op("Add", b.unsqueeze(keep, [1]), b.const(np.arange(KERNEL - 1)[None, :], np.int64)), [2])
+        b.op("GatherND", padded, index, batch_dims=1, outputs=["new_conv"])
+        outputs.append(info("new_conv", F, None))
     graph = helper.make_graph(b.nodes, "layer", inputs, outputs,
                               [onnx.numpy_helper.from_array(v, k) for k, v in b.initializers.items()])
     opsets = [helper.make_opsetid("", OPSET), helper.make_opsetid(TANDEM_DOMAIN, 1)]
@@ -66,7 +75,7 @@ def _layer_graph(emit_rows: bool, beta_op: str = "Sigmoid") -> onnx.ModelProto:
     return model
 
 
-def _feeds(rng, B, W, pool_rows=5, emit_rows=False):
+def _feeds(rng, B, W, pool_rows=5, emit_rows=False, commit=False):
     f = {"qkv": rng.standard_normal((B, W, C)).astype(np.float32), "qkv_ids": np.zeros((B, W), np.int64),
          "b_proj": rng.standard_normal((B, W, HV)).astype(np.float32),
          "a_proj": rng.standard_normal((B, W, HV)).astype(np.float32),
@@ -76,6 +85,8 @@ def _feeds(rng, B, W, pool_rows=5, emit_rows=False):
          "n": rng.integers(0, W + 1, B).astype(np.int64)}
     if emit_rows:
         f["a"] = rng.integers(0, W, (B, 1)).astype(np.int64)
+    if commit:
+        f["keep"] = rng.integers(0, W + 1, B).astype(np.int64)
     return f
 
 
@@ -87,20 +98,28 @@ def _fused(model: onnx.ModelProto) -> onnx.ModelProto:
     return lowered
 
 
-@pytest.mark.parametrize("B,W,emit_rows", [(1, 1, False), (3, 4, False), (3, 4, True), (2, 7, False)],
+@pytest.mark.parametrize("B,W,emit_rows,commit", [(1, 1, False, "input"), (3, 4, False, ""), (3, 4, True, "late"),
+                                                  (2, 7, False, "input")],
                          ids=["decode", "verify", "verify-pick", "prefill"])
-def test_fused_layer_equals_the_exporters_nodes(library, B, W, emit_rows):
-    """Output, final state, conv window and the replayed pick against ONNX Runtime running the
-    exporter's nodes and the delta rule's function body."""
-    model = _layer_graph(emit_rows)
+def test_fused_layer_equals_the_exporters_nodes(library, B, W, emit_rows, commit):
+    """Output, final state, conv window, the replayed pick and the new conv state against ONNX Runtime
+    running the exporter's nodes and the delta rule's function body. Where the kept rows are an
+    input the node picks the new conv state itself (no GatherND); where they come after the layer
+    the graph's GatherND stays and reads the node's window."""
+    model = _layer_graph(emit_rows, commit=commit)
     lowered = _fused(model)
     assert sum(n.op_type == "ConvGatedDeltaNet" for n in lowered.graph.node) == 1 + emit_rows
-    f = _feeds(np.random.default_rng(B * 10 + W), B, W, emit_rows=emit_rows)
+    gathers = sum(n.op_type == "GatherND" for n in lowered.graph.node)
+    assert gathers == (commit == "late"), [n.op_type for n in lowered.graph.node]
+    f = _feeds(np.random.default_rng(B * 10 + W), B, W, emit_rows=emit_rows, commit=bool(commit))
     want = onnxruntime_backend.session(model).run(None, f)
     got = onnxruntime_backend.session(lowered, kernels=library).run(None, f)
-    for name, g, w in zip(("output", "final state", "conv window", "pick"), got, want):
+    names = ["output", "final state", "conv window"] + ["pick"] * emit_rows + ["new conv state"] * bool(commit)
+    for name, g, w in zip(names, got, want):
         np.testing.assert_allclose(g, w, rtol=0, atol=3e-5, err_msg=name)
     np.testing.assert_array_equal(got[2], want[2])                # the window is copied, not computed
+    if commit:
+        np.testing.assert_array_equal(got[-1], want[-1])
 
 
 def test_a_row_of_a_call_equals_the_decode_steps_bit_for_bit(library):
@@ -158,3 +177,38 @@ def test_every_gated_deltanet_layer_of_a_built_dir_is_fused(engine_dirs, library
 def _config_layer_types(engine_dir) -> list[str]:
     config = json.loads((engine_dir / "config.json").read_text())
     return config.get("text_config", config)["layer_types"]
+
+
+def test_a_conv_row_outside_the_call_fails_that_call_with_a_clear_error(library):
+    session = onnxruntime_backend.session(_fused(_layer_graph(False, commit="input")), kernels=library)
+    f = _feeds(np.random.default_rng(2), 2, 3, commit=True)
+    with pytest.raises(Exception, match="a conv row is outside the call's rows"):
+        session.run(None, {**f, "keep": np.array([1, 4], np.int64)})
+    assert session.run(None, f)[-1].shape == (2, KERNEL - 1, C)
+
+
+@pytest.mark.parametrize("keep", [0, 1, 3])
+def test_new_conv_state_written_over_its_own_pool_rows(library, keep):
+    """The runtime binds the new conv state to the pool's rows where the slots allow
+    (pipeline/model_runner.py): the node reads its window before it writes them."""
+    import onnxruntime as ort
+    session = onnxruntime_backend.session(_fused(_layer_graph(False, commit="input")), kernels=library)
+    f = _feeds(np.random.default_rng(keep), 1, 3, pool_rows=1, commit=True)
+    f.update(slots=np.zeros(1, np.int64), keep=np.array([keep], np.int64))
+    want = session.run(None, f)
+    pool = ort.OrtValue.ortvalue_from_numpy(f["conv_pool"].copy())
+    binding = session.io_binding()
+    for name, value in f.items():
+        if name == "conv_pool":
+            binding.bind_ortvalue_input(name, pool)
+        else:
+            binding.bind_cpu_input(name, value)
+    for out in session.get_outputs():
+        if out.name == "new_conv":
+            binding.bind_ortvalue_output(out.name, pool)
+        else:
+            binding.bind_output(out.name)
+    session.run_with_iobinding(binding)
+    np.testing.assert_array_equal(pool.numpy(), want[-1])
+    for got, expected in zip(binding.copy_outputs_to_cpu()[:3], want[:3]):
+        np.testing.assert_array_equal(got, expected)

@@ -16,10 +16,12 @@
 //
 // Inputs   qkv [B, W, C]; beta_logits, decay_logits [B, W, Hv]; conv_pool [P, K-1, C];
 //          conv_taps [K, C]; neg_a, dt_bias [Hv]; state_pool [P, Hv, dk, dv]; state_slots [B] int64;
-//          state_rows [B] int64 (both pools are read at state_slots, in place)
+//          state_rows [B] int64 (both pools are read at state_slots, in place); conv_rows [B] int64
+//          (optional: where each sequence's new conv state starts in its window, 0..W)
 // Outputs  output [B, W, Hv, dv]; final_state [B, Hv, dk, dv] (optional); row_states
 //          [B, W, Hv, dk, dv] (optional); conv_window [B, K-1+W, C] (optional: the window and this
-//          call's rows, from which the graph picks the new conv state)
+//          call's rows, from which a graph picks the new conv state); new_conv_state [B, K-1, C]
+//          (optional, with conv_rows: window rows conv_rows[b] .. conv_rows[b] + K-2)
 // Attrs    scale, norm_epsilon, norm_scale (floats); emit_output (int, default 1; as GatedDeltaNet's)
 // Key heads: Hk = (C - Hv dv) / (2 dk), from the pools' dims.
 
@@ -112,7 +114,6 @@ struct Kernel {
     c.B = B, c.W = p.W, c.hk = p.hk, c.hv = p.hv, c.dk = p.dk, c.dv = p.dv;
     c.scale = scale, c.emit_output = emit_output;
     delta_rule_outputs(api, context, kOp, sd[0], &c);    // checks the slots before the pools are read
-    if (output_count(api, context) > 3) window_output(context, p, B);
 
     thread_local std::vector<float> qk, values, gates;    // the calling thread's, kept across calls
     const int64_t rows = B * p.W, kd = p.hk * p.dk;
@@ -128,8 +129,17 @@ struct Kernel {
       for (int64_t r = first; r < last; ++r) p.row(r / p.W, r % p.W, mixed.data(), scales.data());
     };
     parallel_for(api, context, rows, prologue);
+    // after the conv has read the pool: the runtime may bind new_conv_state to the pool's own rows
+    const size_t outputs = output_count(api, context);
+    if (outputs > 3) window_output(context, p, B);
+    if (outputs > 4) new_conv_state_output(context, p, B);
     c.q = p.q, c.k = p.k, c.v = p.v, c.g = p.g, c.beta = p.beta;
     delta_rule(api, context, c);
+  }
+
+  // row j of sequence b's window: the pool's K-1 rows, then the call's W rows of qkv
+  static const float* window_row(const Prologue& p, int64_t b, int64_t j) {
+    return j < p.K - 1 ? p.conv_pool + (p.slots[b] * (p.K - 1) + j) * p.C : p.qkv + (b * p.W + j - (p.K - 1)) * p.C;
   }
 
   // conv_window [B, K-1+W, C]: each sequence's K-1 pool rows, then its W rows of qkv
@@ -137,19 +147,39 @@ struct Kernel {
     float* window = output(api, context, 3, {B, p.K - 1 + p.W, p.C}, /*optional=*/true);
     if (window == nullptr) return;
     for (int64_t b = 0; b < B; ++b) {
-      float* dst = window + b * (p.K - 1 + p.W) * p.C;
-      std::memcpy(dst, p.conv_pool + p.slots[b] * (p.K - 1) * p.C, sizeof(float) * (p.K - 1) * p.C);
-      std::memcpy(dst + (p.K - 1) * p.C, p.qkv + b * p.W * p.C, sizeof(float) * p.W * p.C);
+      for (int64_t j = 0; j < p.K - 1 + p.W; ++j) {
+        std::memcpy(window + (b * (p.K - 1 + p.W) + j) * p.C, window_row(p, b, j), sizeof(float) * p.C);
+      }
+    }
+  }
+
+  // new_conv_state [B, K-1, C]: window rows conv_rows[b] .. conv_rows[b] + K-2 (the graph's
+  // GatherND of the window, in the node: the state after the rows the sequence keeps). It may be
+  // the pool's own rows: row j is written after every row it reads (pool rows conv_rows[b] + j >= j)
+  // is read, in ascending j.
+  void new_conv_state_output(OrtKernelContext* context, const Prologue& p, int64_t B) const {
+    float* state = output(api, context, 4, {B, p.K - 1, p.C}, /*optional=*/true);
+    if (state == nullptr) return;
+    std::vector<int64_t> nd;
+    const int64_t* conv_rows = optional_input<int64_t>(api, context, 10, &nd);
+    expect(conv_rows != nullptr && nd == std::vector<int64_t>({B}), kOp, "new_conv_state needs conv_rows [B]");
+    for (int64_t b = 0; b < B; ++b) {
+      expect(conv_rows[b] >= 0 && conv_rows[b] <= p.W, kOp, "a conv row is outside the call's rows");
+      for (int64_t j = 0; j < p.K - 1; ++j) {
+        std::memmove(state + (b * (p.K - 1) + j) * p.C, window_row(p, b, conv_rows[b] + j), sizeof(float) * p.C);
+      }
     }
   }
 };
 
 const char* op_name(const OrtCustomOp*) { return kOp; }
 int op_input_type(const OrtCustomOp*, size_t index) { return index >= 8 ? kTensorInt64 : kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 10; }
+size_t op_input_count(const OrtCustomOp*) { return 11; }
 int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_output_count(const OrtCustomOp*) { return 4; }
-int op_input_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+size_t op_output_count(const OrtCustomOp*) { return 5; }
+int op_input_characteristic(const OrtCustomOp*, size_t index) {
+  return index == 10 ? kInputOutputOptional : kInputOutputRequired;
+}
 int op_output_characteristic(const OrtCustomOp*, size_t index) {
   return index == 0 ? kInputOutputRequired : kInputOutputOptional;
 }
