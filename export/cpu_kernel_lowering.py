@@ -140,9 +140,9 @@ def lower_matmul_nbits_to_kernel(model: onnx.ModelProto) -> bool:
 
 def exact_matmul_nbits(model: onnx.ModelProto) -> None:
     """The inverse for the build's verification: every MatMulNBits (ONNX Runtime's or the kernel's)
-    as ONNX Runtime's at accuracy level 0, dequantized weights in float32; a norm, a residual or the
-    MLP's gate fused into tandem's (export/cpu_matmul_lowering.py) back as RMSNormalization before
-    it, Add after it, or Split -> QuickGelu -> Mul after it."""
+    as ONNX Runtime's at accuracy level 0, dequantized weights in float32; a norm, a residual, the
+    MLP's gate or a column split fused into tandem's (export/cpu_matmul_lowering.py) back as
+    RMSNormalization before it, Add after it, Split -> QuickGelu -> Mul after it, or Split."""
     nodes = []
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 0)
     norm_op = "RMSNormalization" if opset >= 23 else "SimplifiedLayerNormalization"   # (ONNX Runtime's, before 23)
@@ -151,7 +151,11 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
             nodes.append(node)
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        inputs, output = list(node.input) + [""] * (7 - len(node.input)), node.output[0]
+        inputs, output = list(node.input) + [""] * (8 - len(node.input)), node.output[0]
+        if inputs[7]:                          # a column split: the whole product, then a Split node
+            split_outputs, output = list(node.output), f"{node.name}/exact_whole"
+            del node.output[:]
+            node.output.append(output)
         if attrs.get("norm_group"):
             nodes += _gated_norm_nodes(model, node.name, inputs[0], inputs[5], inputs[6], attrs, norm_op)
             inputs[0] = f"{node.name}/exact_gated_norm"
@@ -171,6 +175,9 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
         if residual:
             node.output[0] = f"{output}/exact_product"
             nodes.append(helper.make_node("Add", [node.output[0], residual], [output], name=f"{node.name}/exact_add"))
+        if inputs[7]:
+            nodes.append(helper.make_node("Split", [output, inputs[7]], split_outputs, axis=-1,
+                                          name=f"{node.name}/exact_split"))
         if attrs.get("swiglu"):
             product, halves = f"{output}/exact_product", f"{output}/exact_halves"
             node.output[0] = product

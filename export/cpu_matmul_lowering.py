@@ -13,6 +13,8 @@ saved optimized graphs of ONNX Runtime's CPU provider (engines/backends/onnxrunt
     MatMul(Reshape(Mul(RMSNormalization(X, s),     -> ai.tandem.cpu::MatMul(X, ..., norm_scale=s, gate=Z,
         QuickGelu(Z))), W) (Gated DeltaNet's           norm_group=len(s))  (and the same for
         gated norm before out_proj)                     tandem's MatMulNBits)
+    Split(MatMul(A, W), widths, axis=-1), the      -> ai.tandem.cpu::MatMul(A, ..., split=widths) with the
+        matmul's only reader (fused projections)      Split's outputs (and the same for MatMulNBits)
 
 Why: ONNX Runtime's MatMul packs its own copy of each weight per session at load; the panels are
 written once into optimized.bin and every session maps them. The norm before a projection, the
@@ -103,6 +105,7 @@ def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
     folded = _fold_norms_into_nbits(graph, inits, outputs)
     folded = _fold_gated_norms(graph, inits, outputs) or folded
     fused = _fuse_residual_adds(graph, inits, outputs)
+    fused = _fuse_column_splits(graph, tensors, outputs) or fused
     if not (lowered or gated or folded or fused):
         return False
     while True:                    # chains left unread (Reshape <- Mul <- norm, QuickGelu): until none
@@ -298,6 +301,45 @@ def _fuse_residual_adds(graph: onnx.GraphProto, inits: dict, outputs: set) -> bo
             order.append(fused[node.output[0]])
     del graph.node[:]
     graph.node.extend(order)
+    return True
+
+
+_SPLIT_INPUT = {"MatMul": 5, "MatMulNBits": 7}     # where each of tandem's matmuls takes its column split
+
+
+def _fuse_column_splits(graph: onnx.GraphProto, tensors, outputs: set) -> bool:
+    """Each of tandem's matmul nodes with no residual and no swiglu whose product only a Split of its
+    last axis into at most 4 constant widths reads (linears' fused projections: Gated DeltaNet's
+    in_proj, attention's qkv_proj) makes the Split's outputs itself: the widths go in as its
+    `split` input, and the Split goes."""
+    readers, inits = _readers(graph), {t.name: t for t in graph.initializer}
+    taken = set()
+    for node in graph.node:
+        at = _SPLIT_INPUT.get(node.op_type) if node.domain == CPU_DOMAIN else None
+        residual = _RESIDUAL_INPUT.get(node.op_type, 0)
+        if at is None or _attr(node, "swiglu", 0) or (len(node.input) > residual and node.input[residual]):
+            continue
+        users = readers.get(node.output[0], [])
+        split = users[0] if len(users) == 1 and node.output[0] not in outputs else None
+        if split is None or split.op_type != "Split" or split.domain not in _ONNX or _attr(split, "axis", 0) != -1:
+            continue
+        given = inits.get(split.input[1]) if len(split.input) > 1 else None
+        read = tensors.array if tensors is not None else numpy_helper.to_array    # (None: all inline)
+        widths = read(given).reshape(-1).tolist() if given is not None else _attr(split, "split", None)
+        if not widths or len(widths) != len(split.output) or len(widths) > 4 or sum(widths) != _attr(node, "N", 0):
+            continue
+        name = f"{node.name}/split_widths"
+        graph.initializer.append(numpy_helper.from_array(np.array(widths, np.int64), name))
+        node.input.extend([""] * (at + 1 - len(node.input)))
+        node.input[at] = name
+        del node.output[:]
+        node.output.extend(split.output)
+        taken.add(split.name or split.output[0])
+    if not taken:
+        return False
+    kept = [n for n in graph.node if not (n.op_type == "Split" and (n.name or n.output[0]) in taken)]
+    del graph.node[:]
+    graph.node.extend(kept)
     return True
 
 

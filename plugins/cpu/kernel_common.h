@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -111,6 +112,38 @@ inline size_t output_count(const OrtApiTable& api, OrtKernelContext* context) {
   size_t n = 0;
   check(api, api.KernelContextGetOutputCount(context, &n));
   return n;
+}
+
+constexpr size_t kMaxSplits = 4;   // outputs of a split matmul node
+
+// A matmul node's column split (export/cpu_matmul_lowering.py takes the Split after its product
+// into it): input `index`, widths [n] int64 summing to N, one per output; empty without one.
+inline std::vector<int64_t> column_split(const OrtApiTable& api, OrtKernelContext* context, size_t index, int64_t N,
+                                         const char* op) {
+  std::vector<int64_t> sd;
+  const int64_t* split = optional_input<int64_t>(api, context, index, &sd);
+  if (split == nullptr) return {};
+  std::vector<int64_t> widths(split, split + numel(sd));
+  int64_t total = 0;
+  for (int64_t w : widths) {
+    expect(w >= 0, op, "a split width is negative");
+    total += w;
+  }
+  expect(total == N && widths.size() == output_count(api, context), op, "split widths must sum to N, one per output");
+  return widths;
+}
+
+// The columns of product [..., N] (dims yd) into outputs 0..n-1 [..., widths[i]].
+inline void split_columns(const OrtApiTable& api, OrtKernelContext* context, const float* product,
+                          std::vector<int64_t> yd, const std::vector<int64_t>& widths) {
+  const int64_t N = yd.back(), M = N > 0 ? numel(yd) / N : 0;
+  int64_t at = 0;
+  for (size_t i = 0; i < widths.size(); ++i) {
+    yd.back() = widths[i];
+    float* out = output(api, context, i, yd);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * widths[i], product + m * N + at, sizeof(float) * widths[i]);
+    at += widths[i];
+  }
 }
 
 // fn(first, last) over [0, tasks) on ONNX Runtime's intra-op thread pool (the session's, or the

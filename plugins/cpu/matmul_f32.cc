@@ -7,7 +7,9 @@
 // Output   [..., N]
 //          norm_scale (optional) [G], gate (optional) [like A]: with norm_group G, A (Gated
 //          DeltaNet's output, [..., K / G, G] or [..., K]) becomes A (r norm_scale) silu(gate), r per
-//          group of G (row_ops.h, gated_group_norm): the norm, gate and reshape before out_proj
+//          group of G (row_ops.h, gated_group_norm): the norm, gate and reshape before out_proj;
+//          split (optional, input 5) [n <= 4] int64: the product's columns go to outputs 0..n-1,
+//          [..., split[i]] each (the Split after a fused projection, in the node)
 // Attrs    N; norm_group (0: none); swiglu (0 or 1): B holds the gate and up projections' panels in turns (gate panel q,
 //          then up panel q: 2 ceil(N / 16) panels) and y = silu(gate) * up, N columns, where
 //          silu(x) = x / (1 + exp(-x)) (the MLP's Split, sigmoid-gate and Mul in the node);
@@ -230,7 +232,11 @@ struct Kernel {
     if (norm_group > 0) A = normed_input(context, A, numel(ad), bd[1]);
     expect(residual == nullptr || rd == yd, "MatMul", "the residual's shape is not the output's [..., N]");
     expect(residual == nullptr || !swiglu, "MatMul", "a swiglu node takes no residual");
-    float* y = output(api, context, 0, yd);
+    const std::vector<int64_t> widths = column_split(api, context, 5, N, "MatMul");
+    expect(widths.empty() || (!swiglu && residual == nullptr), "MatMul", "a split node takes no residual or swiglu");
+    thread_local std::vector<float> whole;     // the product before a split (the calling thread's)
+    if (!widths.empty()) whole.resize(static_cast<size_t>(numel(yd)));
+    float* y = widths.empty() ? output(api, context, 0, yd) : whole.data();
     const int64_t M = numel(yd) / N;
     thread_local std::vector<float> scales;    // the calling thread's, kept across calls
     if (rms_norm) {
@@ -238,23 +244,30 @@ struct Kernel {
       rms_row_scales(A, M, bd[1], epsilon, fast, scales.data());
     }
     const Call call{A, B, residual, rms_norm ? scales.data() : nullptr, y, M, bd[1], N, swiglu};
-    if (numel(yd) == 0) return;
+    if (numel(yd) == 0) {
+      if (!widths.empty()) split_columns(api, context, y, yd, widths);
+      return;
+    }
     auto chunk = [&](int64_t first, int64_t last) {
       const int64_t p0 = first * kChunkPanels, p1 = std::min(P, last * kChunkPanels);
       fast ? panels_avx512(call, p0, p1) : panels_portable(call, p0, p1);
     };
     parallel_for(api, context, (P + kChunkPanels - 1) / kChunkPanels, chunk);
+    if (!widths.empty()) split_columns(api, context, y, yd, widths);
   }
 };
 
 const char* op_name(const OrtCustomOp*) { return "MatMul"; }
-int op_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 5; }
-size_t op_output_count(const OrtCustomOp*) { return 1; }
+int op_input_type(const OrtCustomOp*, size_t index) { return index == 5 ? kTensorInt64 : kTensorFloat; }
+int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
+size_t op_input_count(const OrtCustomOp*) { return 6; }
+size_t op_output_count(const OrtCustomOp*) { return kMaxSplits; }
 int op_input_characteristic(const OrtCustomOp*, size_t index) {
   return index >= 2 ? kInputOutputOptional : kInputOutputRequired;
 }
-int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+int op_output_characteristic(const OrtCustomOp*, size_t index) {
+  return index >= 1 ? kInputOutputOptional : kInputOutputRequired;
+}
 
 void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
   OrtApiTable table(api);
@@ -269,7 +282,7 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
 
 const OrtCustomOp kMatMul = {
     kOrtCustomOpVersion, op_create, op_name, cpu_provider,
-    op_type, op_input_count, op_type, op_output_count,
+    op_input_type, op_input_count, op_output_type, op_output_count,
     kernel_compute<Kernel>, kernel_destroy<Kernel>,
     op_input_characteristic, op_output_characteristic, default_memory,
 };

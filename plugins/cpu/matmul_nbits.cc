@@ -10,7 +10,8 @@
 // Output   [..., N]
 //          gate (optional, input 6) [like A]: with norm_group G, A (Gated DeltaNet's output,
 //          [..., K / G, G] or [..., K]) becomes A (r norm_scale) silu(gate), r per group of G and
-//          norm_scale [G] (row_ops.h, gated_group_norm)
+//          norm_scale [G] (row_ops.h, gated_group_norm); split (optional, input 7) [n <= 4] int64:
+//          the product's columns go to outputs 0..n-1, [..., split[i]] each (the Split after it)
 // Attrs    K, N, bits (4 or 8), block_size (a power of two >= 32); rms_norm (0 or 1), norm_group
 //          (0: none), epsilon;
 //          swiglu (0 or 1): the output is silu(gate) * up of the product's halves [gate | up],
@@ -167,12 +168,17 @@ struct Kernel {
     expect_mm(!norm_group || (gate != nullptr && numel(gd) == numel(ad)), "norm_group needs a gate of A's size");
     expect_mm(residual == nullptr || rd == yd, "the residual's shape is not the output's [..., N]");
     expect_mm(residual == nullptr || !swiglu, "a swiglu node takes no residual");
-    float* y = output(api, context, 0, yd);
-    thread_local std::vector<float> product;    // swiglu: the whole product, gated after
-    if (swiglu) product.resize(static_cast<size_t>(numel(ad) / K * N));
+    const std::vector<int64_t> widths = column_split(api, context, 7, N, "MatMulNBits");
+    expect_mm(widths.empty() || (!swiglu && residual == nullptr), "a split node takes no residual or swiglu");
+    thread_local std::vector<float> product;    // swiglu: the whole product, gated after; a split's, split after
+    if (swiglu || !widths.empty()) product.resize(static_cast<size_t>(numel(ad) / K * N));
+    float* y = widths.empty() ? output(api, context, 0, yd) : product.data();
     MatMulNBitsCall call{A, B, scales, zeros, swiglu ? product.data() : y, numel(ad) / K, K, N, bits, block_size,
                          blocks};
-    if (call.M == 0) return;
+    if (call.M == 0) {
+      if (!widths.empty()) split_columns(api, context, y, yd, widths);
+      return;
+    }
     thread_local std::vector<float> normed, r;    // the calling thread's, kept across calls
     if (norm_group) {
       normed.resize(static_cast<size_t>(call.M * K));
@@ -210,18 +216,23 @@ struct Kernel {
       for (int64_t i = 0; i < call.M * N; ++i) y[i] += residual[i];
     }
     if (swiglu) swiglu_rows(product.data(), call.M, N / 2, fast, y);
+    if (!widths.empty()) split_columns(api, context, y, yd, widths);
   }
 };
 
 const char* op_name(const OrtCustomOp*) { return "MatMulNBits"; }
-int op_input_type(const OrtCustomOp*, size_t index) { return index == 1 || index == 3 ? kTensorUInt8 : kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 7; }
+int op_input_type(const OrtCustomOp*, size_t index) {
+  return index == 1 || index == 3 ? kTensorUInt8 : index == 7 ? kTensorInt64 : kTensorFloat;
+}
+size_t op_input_count(const OrtCustomOp*) { return 8; }
 int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_output_count(const OrtCustomOp*) { return 1; }
+size_t op_output_count(const OrtCustomOp*) { return kMaxSplits; }
 int op_input_characteristic(const OrtCustomOp*, size_t index) {
   return index >= 3 ? kInputOutputOptional : kInputOutputRequired;
 }
-int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+int op_output_characteristic(const OrtCustomOp*, size_t index) {
+  return index >= 1 ? kInputOutputOptional : kInputOutputRequired;
+}
 
 void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
   OrtApiTable table(api);
