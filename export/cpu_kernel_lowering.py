@@ -5,7 +5,9 @@ plugins/cpu_kernels.py), in the domain `ai.tandem.cpu`:
         the layer's conv, L2 norms and gates before it -> ai.tandem.cpu::ConvGatedDeltaNet (where they
         are the exporter's: export/cpu_prologues.py; 16 nodes fewer per layer)
     ai.tandem::PagedSparseAttention, dense, fp32  -> ai.tandem.cpu::PagedAttention  (same inputs
-        but `selected`; reads the committed K/V through the block table where it lies, no copies)
+        but `selected`; reads the committed K/V through the block table where it lies, no copies;
+        with the query's norm and RoPE and the output gate where they are the exporter's)
+    a key's RMSNormalization -> RoPE nodes        -> ai.tandem.cpu::NormRope
     com.microsoft::MatMulNBits, 4 / 8 bits, level 4 -> ai.tandem.cpu::MatMulNBits   (same inputs and
         math; in the saved optimized graph, after ONNX Runtime's optimizer made it from
         DequantizeLinear + MatMul: plugins/cpu/matmul_nbits.cc)
@@ -37,7 +39,14 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
-from tandem.export.cpu_prologues import GDN_OP, GraphIndex, match_attention, match_conv_commit, match_prologue
+from tandem.export.cpu_prologues import (
+    GDN_OP,
+    GraphIndex,
+    match_attention,
+    match_conv_commit,
+    match_norm_rope,
+    match_prologue,
+)
 from tandem.export.ops import gated_deltanet
 
 CPU_DOMAIN = "ai.tandem.cpu"
@@ -111,6 +120,30 @@ def lower_attention_to_kernel(model: onnx.ModelProto, dense: set[str]) -> set[st
         graph.node.extend(_without_unread(nodes, {o.name for o in graph.output}))
         import_cpu_domain(model)
     return done
+
+
+def lower_norm_rope_to_kernel(model: onnx.ModelProto) -> int:
+    """Every key norm and RoPE chain of the exporter's (export/cpu_prologues.py, match_norm_rope) left
+    after the attention nodes took their queries' -> one ai.tandem.cpu::NormRope node in the Add's
+    place; returns how many. Every graph runs this over all its chains, so keys are made by the same
+    kernel in all of them (the same bits wherever a graph commits them)."""
+    graph = model.graph
+    index = GraphIndex(graph)
+    nodes, made = [], 0
+    for node in graph.node:
+        found = match_norm_rope(index, node)
+        if found is None:
+            nodes.append(node)
+            continue
+        raw, scale, eps, cos, sin, perm = found
+        nodes.append(helper.make_node("NormRope", [raw, scale, cos, sin, perm], list(node.output), domain=CPU_DOMAIN,
+                                      name=f"{node.name}/NormRope", **({"epsilon": eps} if scale else {})))
+        made += 1
+    if made:
+        del graph.node[:]
+        graph.node.extend(_without_unread(nodes, {o.name for o in graph.output}))
+        import_cpu_domain(model)
+    return made
 
 
 def lower_matmul_nbits_to_kernel(model: onnx.ModelProto) -> bool:

@@ -21,6 +21,9 @@ plugins/cpu/paged_attention.cc), as export/layers.py's attention writes it:
     The keys' norm and RoPE stay nodes: the graph commits the keys, and a unified round's re-anchored
     MTP heads make them without attention, so the same nodes must make them in every graph.
 
+Keys (`match_norm_rope` -> ai.tandem.cpu::NormRope, plugins/cpu/norm_rope.cc): the same norm and
+RoPE wherever a graph makes keys, attention or not (a unified round's re-anchored heads).
+
 Every graph of an engine dir is exported by the same code, so a pattern fuses in all of them or in
 none: a verify row and a decode step then run the same kernel (speculative == plain greedy).
 """
@@ -255,3 +258,14 @@ def _output_gate(g: GraphIndex, out: str) -> tuple[str, str]:
     other = mul.input[1] if mul.input[0] == reshape.output[0] else mul.input[0]
     sig = g.node(other, "Sigmoid")
     return (sig.input[0], mul.output[0]) if sig is not None else ("", "")
+
+
+def match_norm_rope(g: GraphIndex, add: onnx.NodeProto) -> tuple[str, str, float, str, str, str] | None:
+    """RoPE after an optional RMS norm, as the exporter writes a layer's keys (the queries' go into
+    the attention node): Add(Mul(x, cos), Mul(Gather(x, perm, axis=3), sin)), x = RMSNormalization(raw,
+    s) or raw -> (raw, s or "", epsilon, cos, sin, perm); None for any other Add."""
+    rotated = _rotated(g, add.output[0]) if add.op_type == "Add" and add.domain in ("", "ai.onnx") else None
+    if rotated is None:
+        return None
+    raw, scale, eps = _normed(g, rotated[0])
+    return raw, scale, eps or 0.0, *rotated[1:]

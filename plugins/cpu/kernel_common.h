@@ -175,6 +175,7 @@ inline int default_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTy
 extern const OrtCustomOp kGatedDeltaNet;
 extern const OrtCustomOp kConvGatedDeltaNet;
 extern const OrtCustomOp kPagedAttention;
+extern const OrtCustomOp kNormRope;
 extern const OrtCustomOp kMatMulNBits;
 extern const OrtCustomOp kMatMul;
 

@@ -66,38 +66,6 @@ void head_dots(const float* q, const float* key, int64_t D, int64_t G, float sca
   for (; g < G; ++g) dots<1>(q + g * D, key, D, scale, out + g);
 }
 
-// The query's norm and RoPE: rows [M = B W Hq, D] of x -> y, row m of the call's row m / Hq.
-struct QueryPrologue {
-  const float *norm = nullptr, *cos = nullptr, *sin = nullptr;
-  const int64_t* perm = nullptr;
-  float epsilon = 0.0f;
-  bool fast = false;
-
-  bool any() const { return norm != nullptr || cos != nullptr; }
-
-  void apply(const float* x, int64_t M, int64_t H, int64_t D, float* y) const {
-    thread_local std::vector<float> r, normed;
-    const float* src = x;
-    if (norm != nullptr) {
-      r.resize(static_cast<size_t>(M));
-      rms_row_scales(x, M, D, epsilon, fast, r.data());
-      normed.resize(static_cast<size_t>(M * D));
-      for (int64_t m = 0; m < M; ++m) {
-        for (int64_t i = 0; i < D; ++i) normed[m * D + i] = x[m * D + i] * r[m] * norm[i];
-      }
-      src = normed.data();
-    }
-    if (cos == nullptr) {
-      std::copy(src, src + M * D, y);
-      return;
-    }
-    for (int64_t m = 0; m < M; ++m) {
-      const float *row = src + m * D, *c = cos + (m / H) * D, *s = sin + (m / H) * D;
-      for (int64_t i = 0; i < D; ++i) y[m * D + i] = row[i] * c[i] + row[perm[i]] * s[i];
-    }
-  }
-};
-
 struct Kernel {
   OrtApiTable api;
   float scale;
@@ -106,9 +74,9 @@ struct Kernel {
   bool fast;
 
   // q_norm, cos, sin, rotate_perm (inputs 7-10; each optional) for a call of B W rows of D
-  QueryPrologue query_prologue(OrtKernelContext* context, int64_t B, int64_t W, int64_t D) const {
+  NormRope query_prologue(OrtKernelContext* context, int64_t B, int64_t W, int64_t D) const {
     std::vector<int64_t> nd, cd, sd, pd;
-    QueryPrologue p;
+    NormRope p;
     p.norm = optional_input<float>(api, context, 7, &nd);
     p.cos = optional_input<float>(api, context, 8, &cd);
     p.sin = optional_input<float>(api, context, 9, &sd);
@@ -151,7 +119,7 @@ struct Kernel {
         expect_pa(id >= 0 && id < pages, "a block table names a page outside the cache");
       }
     }
-    const QueryPrologue query = query_prologue(context, B, W, D);
+    const NormRope query = query_prologue(context, B, W, D);
     thread_local std::vector<float> q_buffer;    // the calling thread's, kept across calls
     if (query.any()) {
       q_buffer.resize(static_cast<size_t>(B * W * hq * D));

@@ -138,4 +138,26 @@ void gated_group_norm(const float* X, const float* Z, const float* scale, int64_
   }
 }
 
+void NormRope::apply(const float* x, int64_t M, int64_t H, int64_t D, float* y) const {
+  thread_local std::vector<float> r, normed;
+  const float* src = x;
+  if (norm != nullptr) {
+    r.resize(static_cast<size_t>(M));
+    rms_row_scales(x, M, D, epsilon, fast, r.data());
+    normed.resize(static_cast<size_t>(M * D));
+    for (int64_t m = 0; m < M; ++m) {
+      for (int64_t i = 0; i < D; ++i) normed[m * D + i] = x[m * D + i] * r[m] * norm[i];
+    }
+    src = normed.data();
+  }
+  if (cos == nullptr) {
+    std::copy(src, src + M * D, y);
+    return;
+  }
+  for (int64_t m = 0; m < M; ++m) {
+    const float *row = src + m * D, *c = cos + (m / H) * D, *s = sin + (m / H) * D;
+    for (int64_t i = 0; i < D; ++i) y[m * D + i] = row[i] * c[i] + row[perm[i]] * s[i];
+  }
+}
+
 }  // namespace tandem

@@ -71,6 +71,19 @@ void swiglu_rows(const float* product, int64_t M, int64_t I, bool fast, float* y
 void gated_group_norm(const float* X, const float* Z, const float* scale, int64_t n, int64_t G, float epsilon,
                       bool fast, float* out);
 
+// An RMS norm per head (scale [D], optional) and then RoPE as the exporter writes it (x cos + x[perm]
+// sin; cos, sin [M / H, D], optional) over rows [M, D] of x, H rows (heads) per position: y [M, D].
+// The attention kernel's query (paged_attention.cc) and the keys' ai.tandem.cpu::NormRope.
+struct NormRope {
+  const float *norm = nullptr, *cos = nullptr, *sin = nullptr;
+  const int64_t* perm = nullptr;
+  float epsilon = 0.0f;
+  bool fast = false;
+
+  bool any() const { return norm != nullptr || cos != nullptr; }
+  void apply(const float* x, int64_t M, int64_t H, int64_t D, float* y) const;
+};
+
 // The output dims of a matmul over K into N columns for A's dims `ad`: [..., K] -> [..., N]; with a
 // group norm of G (G > 0) also [..., K / G, G] -> [..., N]. False where A is neither.
 bool product_dims(const std::vector<int64_t>& ad, int64_t K, int64_t N, int64_t G, std::vector<int64_t>* yd);
