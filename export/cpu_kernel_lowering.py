@@ -146,6 +146,40 @@ def lower_norm_rope_to_kernel(model: onnx.ModelProto) -> int:
     return made
 
 
+def elide_output_identities(graph: onnx.GraphProto) -> int:
+    """Identity(x) -> y, y a graph output: x's producer makes y itself and x's readers read y (the
+    exporter names outputs through Identity nodes; ONNX Runtime keeps an Identity whose output is a
+    graph output). Skipped where x is a graph input, output or initializer, or a subgraph reads it.
+    Returns how many went."""
+    outputs = {o.name for o in graph.output}
+    fixed = outputs | {i.name for i in graph.input} | {t.name for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    in_subgraphs = set().union(*(names_read(n) - set(n.input) for n in graph.node))
+    renamed: dict[str, str] = {}
+    for node in graph.node:
+        if node.op_type == "Identity" and node.domain in ("", "ai.onnx") and node.output[0] in outputs:
+            x = node.input[0]
+            if x not in fixed and x not in in_subgraphs and x in producers and x not in renamed:
+                renamed[x] = node.output[0]
+    if not renamed:
+        return 0
+    kept = []
+    for node in graph.node:
+        if node.op_type == "Identity" and renamed.get(node.input[0]) == node.output[0]:
+            continue
+        for i, name in enumerate(node.input):
+            node.input[i] = renamed.get(name, name)
+        for i, name in enumerate(node.output):
+            node.output[i] = renamed.get(name, name)
+        kept.append(node)
+    del graph.node[:]
+    graph.node.extend(kept)
+    info = [v for v in graph.value_info if v.name not in renamed]
+    del graph.value_info[:]
+    graph.value_info.extend(info)
+    return len(renamed)
+
+
 def lower_matmul_nbits_to_kernel(model: onnx.ModelProto) -> bool:
     """Rewrite in place the 4-bit and 8-bit MatMulNBits of an optimized graph that compute with int8
     activations (accuracy level 4) and whose blocks the kernel reads (a power of two >= 32 inputs,

@@ -105,3 +105,28 @@ def test_lowered_graphs_match_function_bodies(tiny_root, tmp_path, kind):
         b = PagedState(desc, 2).run(low, {c.INPUT_IDS: ids, **extra})
         for key in a:
             np.testing.assert_allclose(a[key], b[key], atol=2e-5, err_msg=f"{name}:{key}")
+
+
+def test_output_identities_go_and_their_producers_make_the_outputs():
+    """Identity(x) -> output: x's producer makes the output and x's readers read it; an Identity of a
+    graph input stays (nothing else could make its output)."""
+    from onnx import numpy_helper
+
+    from tandem.engines.backends import onnxruntime_backend
+    from tandem.export.cpu_kernel_lowering import elide_output_identities
+    info = helper.make_tensor_value_info
+    nodes = [helper.make_node("Mul", ["a", "two"], ["x"]), helper.make_node("Add", ["x", "a"], ["z"]),
+             helper.make_node("Identity", ["x"], ["y"]), helper.make_node("Identity", ["a"], ["a_out"]),
+             helper.make_node("Identity", ["z"], ["z_out"])]
+    graph = helper.make_graph(nodes, "g", [info("a", TensorProto.FLOAT, [3])],
+                              [info(n, TensorProto.FLOAT, [3]) for n in ("y", "a_out", "z_out")],
+                              [numpy_helper.from_array(np.full(3, 2, np.float32), "two")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    model.ir_version = 10
+    feeds = {"a": np.arange(3, dtype=np.float32)}
+    want = onnxruntime_backend.session(model).run(None, feeds)
+    assert elide_output_identities(model.graph) == 2
+    assert [(n.op_type, list(n.input), list(n.output)) for n in model.graph.node] == [
+        ("Mul", ["a", "two"], ["y"]), ("Add", ["y", "a"], ["z_out"]), ("Identity", ["a"], ["a_out"])]
+    for got, expected in zip(onnxruntime_backend.session(model).run(None, feeds), want):
+        np.testing.assert_array_equal(got, expected)
