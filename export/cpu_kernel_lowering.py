@@ -8,6 +8,7 @@ plugins/cpu_kernels.py), in the domain `ai.tandem.cpu`:
         but `selected`; reads the committed K/V through the block table where it lies, no copies;
         with the query's norm and RoPE and the output gate where they are the exporter's)
     a key's RMSNormalization -> RoPE nodes        -> ai.tandem.cpu::NormRope
+    the rotary tables those read (14 nodes)       -> ai.tandem.cpu::RotaryTables
     com.microsoft::MatMulNBits, 4 / 8 bits, level 4 -> ai.tandem.cpu::MatMulNBits   (same inputs and
         math; in the saved optimized graph, after ONNX Runtime's optimizer made it from
         DequantizeLinear + MatMul: plugins/cpu/matmul_nbits.cc)
@@ -46,6 +47,7 @@ from tandem.export.cpu_prologues import (
     match_conv_commit,
     match_norm_rope,
     match_prologue,
+    match_rotary_tables,
 )
 from tandem.export.ops import gated_deltanet
 
@@ -144,6 +146,38 @@ def lower_norm_rope_to_kernel(model: onnx.ModelProto) -> int:
         graph.node.extend(_without_unread(nodes, {o.name for o in graph.output}))
         import_cpu_domain(model)
     return made
+
+
+def lower_rotary_tables_to_kernel(model: onnx.ModelProto) -> int:
+    """The exporter's rotary tables (export/cpu_prologues.py, match_rotary_tables) that tandem's
+    NormRope and attention nodes read -> one ai.tandem.cpu::RotaryTables node each, where the graph
+    made the cos table; returns how many. Every graph makes its tables with it, so queries and keys
+    are rotated alike in all of them."""
+    graph = model.graph
+    index = GraphIndex(graph)
+    pairs: dict[tuple[str, str], object] = {}
+    for node in graph.node:
+        at = {"NormRope": 2, "PagedAttention": 8}.get(node.op_type) if node.domain == CPU_DOMAIN else None
+        if at is not None and len(node.input) > at + 1 and node.input[at]:
+            pair = (node.input[at], node.input[at + 1])
+            if pair not in pairs:
+                pairs[pair] = match_rotary_tables(index, *pair)
+    found = {t.cos: t for t in pairs.values() if t is not None}
+    if not found:
+        return 0
+    sines = {t.sin for t in found.values()}
+    nodes = []
+    for node in graph.node:
+        tables = found.get(node.output[0]) if node.output else None
+        if tables is not None:             # the cos table's place: after the positions, before its readers
+            nodes.append(helper.make_node("RotaryTables", [tables.positions, tables.inv_freq], [tables.cos, tables.sin],
+                                          domain=CPU_DOMAIN, name=f"{node.name}/RotaryTables",
+                                          head_dim=tables.head_dim))
+        elif not (node.output and node.output[0] in sines):
+            nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(_without_unread(nodes, {o.name for o in graph.output}))
+    return len(found)
 
 
 def elide_output_identities(graph: onnx.GraphProto) -> int:

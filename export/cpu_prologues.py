@@ -269,3 +269,62 @@ def match_norm_rope(g: GraphIndex, add: onnx.NodeProto) -> tuple[str, str, float
         return None
     raw, scale, eps = _normed(g, rotated[0])
     return raw, scale, eps or 0.0, *rotated[1:]
+
+
+@dataclass(frozen=True)
+class RotaryTables:
+    positions: str          # [B, W] int64
+    inv_freq: str           # [rd / 2] float32 constant
+    head_dim: int
+    cos: str                # the tables the graph made: the kernel makes them under these names
+    sin: str
+
+
+def match_rotary_tables(g: GraphIndex, cos: str, sin: str) -> RotaryTables | None:
+    """The exporter's rotary_tables (export/layers.py) behind a (cos, sin) pair: E = Unsqueeze(Concat(F,
+    F), [2]), F = Mul(Unsqueeze(Cast(positions), [2]), inv_freq); cos = Concat(Cos(E), Expand(ones))
+    or Cos(E), sin = Concat(Mul(Sin(E), sign), Expand(zeros)) or Mul(Sin(E), sign), sign -1 on the
+    first half and 1 on the second; None for anything else."""
+    (c, pad), (signed, sin_pad) = _padded(g, cos, 1.0), _padded(g, sin, 0.0)
+    cos_node, mul = g.node(c, "Cos") if c else None, g.node(signed, "Mul") if signed else None
+    if cos_node is None or mul is None or pad != sin_pad:
+        return None
+    sin_node = next((n for n in (g.node(i, "Sin") for i in mul.input) if n is not None), None)
+    sign = g.value(next((i for i in mul.input if sin_node is None or i != sin_node.output[0]), ""))
+    if sin_node is None or sin_node.input[0] != cos_node.input[0] or sign is None:
+        return None
+    emb = g.node(cos_node.input[0], "Unsqueeze")
+    twice = g.node(emb.input[0], "Concat") if emb is not None and _axes(g, emb) == [2] else None
+    if twice is None or len(twice.input) != 2 or twice.input[0] != twice.input[1]:
+        return None
+    freqs = _binary_const(g, twice.input[0], "Mul")
+    pos = g.node(freqs[0], "Unsqueeze") if freqs is not None else None
+    cast = g.node(pos.input[0], "Cast") if pos is not None and _axes(g, pos) == [2] else None
+    if cast is None or _attr(cast, "to") != onnx.TensorProto.FLOAT:
+        return None
+    half = int(freqs[1].size)
+    if sign.reshape(-1).tolist() != [-1.0] * half + [1.0] * half:
+        return None
+    return RotaryTables(cast.input[0], freqs[2], 2 * half + pad, cos, sin)
+
+
+def _padded(g: GraphIndex, name: str, fill: float) -> tuple[str, int]:
+    """Concat(x, Expand(fill, shape), axis -1) -> (x, the padding's length); else (name, 0)."""
+    cat = g.node(name, "Concat")
+    if cat is None or len(cat.input) != 2 or _attr(cat, "axis") != -1:
+        return name, 0
+    expand = g.node(cat.input[1], "Expand")
+    value = g.value(expand.input[0]) if expand is not None else None
+    if value is None or value.ndim != 1 or not np.all(value == fill):
+        return "", 0
+    return cat.input[0], int(value.size)
+
+
+def _binary_const(g: GraphIndex, name: str, op_type: str) -> tuple[str, np.ndarray, str] | None:
+    """op(x, c) or op(c, x) with c an inline float32 constant -> (x, c's value, c's name)."""
+    node = g.node(name, op_type)
+    for x, c in ((node.input, reversed(node.input)) if node is not None else ()):
+        value = g.value(c)
+        if value is not None and value.dtype == np.float32 and value.ndim == 1:
+            return x, value, c
+    return None

@@ -39,6 +39,7 @@ from tandem.export.cpu_kernel_lowering import (
     lower_attention_to_kernel,
     lower_gdn_to_kernel,
     lower_norm_rope_to_kernel,
+    lower_rotary_tables_to_kernel,
 )
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
@@ -58,6 +59,7 @@ def lower_for_onnxruntime(model: onnx.ModelProto, rows: int | None = None, cpu_k
     if cpu_kernels:
         dense -= lower_attention_to_kernel(out, dense)
         lower_norm_rope_to_kernel(out)
+        lower_rotary_tables_to_kernel(out)
         elide_output_identities(out.graph)
     picks = gated_deltanet.row_state_picks(out.graph)
     replays = {}             # row_states tensor -> its node's replay (inputs packed for LinearAttention)

@@ -69,7 +69,8 @@ def _fused(model, norms: bool = True, gate: bool = True):
     (keys,) = [n for n in lowered.graph.node if n.op_type == "NormRope"]
     assert kernel.input[0] == "q" and len(kernel.input) == 11 + gate, list(kernel.input)
     assert keys.input[0] == "k" and bool(keys.input[1]) == norms, list(keys.input)
-    assert not {"RMSNormalization", "Gather", "Sigmoid"} & set(ops), ops
+    assert not {"RMSNormalization", "Gather", "Sigmoid", "Cos", "Sin"} & set(ops), ops
+    assert ops["RotaryTables"] == 1, ops                     # the tables: one node for both
     return lowered
 
 
@@ -135,7 +136,29 @@ def test_every_attention_layer_of_a_built_dir_takes_its_query_prologue_and_gate(
         nodes = onnx.load(str(path), load_external_data=False).graph.node
         kernels = [n for n in nodes if n.op_type == "PagedAttention"]
         assert all(len(n.input) == 12 for n in kernels), path.name
-        left = [n.name for n in nodes if any(s in n.name for s in ("q_norm", "k_norm", "rotate_half"))]
+        left = [n.name for n in nodes if any(s in n.name for s in ("q_norm", "k_norm", "rotate_half"))
+                or n.op_type in ("Cos", "Sin")]
         assert not left, (path.name, left)       # the keys' too, in round graphs' re-anchored heads as well
         checked += bool(kernels)
     assert checked >= 3
+
+
+def test_rotary_tables_kernel_rotates_as_the_exporters_nodes_at_any_position(library):
+    """RoPE at positions up to 10^6 (float32 angles of 10^6 radians): the kernel's tables (one
+    float32 product, then cos and sin) rotate within 1e-6 of ONNX Runtime's Cast -> Mul -> Cos / Sin."""
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_dim=128, rotary_dim=32, rope_theta=1e7)
+    b = GraphBuilder()
+    cos, sin = rotary_tables(b, spec, "pos")
+    b.op("Identity", apply_rotary(b, "x", cos, sin, 128, 32, "float32"), outputs=["y"])
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(b.nodes, "g", [info("pos", I64, ["B", "W"]), info("x", F, ["B", "W", 2, 128])],
+                              [info("y", F, None)], [numpy_helper.from_array(v, n) for n, v in b.initializers.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)])
+    model.ir_version = IR_VERSION
+    lowered = lower_for_onnxruntime(model, cpu_kernels=True)
+    assert sorted(n.op_type for n in lowered.graph.node) == ["NormRope", "RotaryTables"]
+    feeds = {"pos": np.array([[0, 1, 7, 100, 1000, 32767, 131071, 1_000_000]], np.int64),
+             "x": np.random.default_rng(0).standard_normal((1, 8, 2, 128)).astype(np.float32)}
+    want = onnxruntime_backend.session(model).run(None, feeds)[0]
+    got = onnxruntime_backend.session(lowered, kernels=library).run(None, feeds)[0]
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)

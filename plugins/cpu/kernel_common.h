@@ -176,6 +176,7 @@ extern const OrtCustomOp kGatedDeltaNet;
 extern const OrtCustomOp kConvGatedDeltaNet;
 extern const OrtCustomOp kPagedAttention;
 extern const OrtCustomOp kNormRope;
+extern const OrtCustomOp kRotaryTables;
 extern const OrtCustomOp kMatMulNBits;
 extern const OrtCustomOp kMatMul;
 

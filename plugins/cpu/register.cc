@@ -18,7 +18,8 @@ OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base)
     OrtCustomOpDomain* made = nullptr;
     failed = api.CreateCustomOpDomain("ai.tandem.cpu", &made);
     for (const OrtCustomOp* op : {&tandem::kGatedDeltaNet, &tandem::kConvGatedDeltaNet, &tandem::kPagedAttention,
-                                  &tandem::kNormRope, &tandem::kMatMulNBits, &tandem::kMatMul}) {
+                                  &tandem::kNormRope, &tandem::kRotaryTables, &tandem::kMatMulNBits,
+                                  &tandem::kMatMul}) {
       if (failed == nullptr) failed = api.CustomOpDomainAdd(made, op);
     }
     return made;

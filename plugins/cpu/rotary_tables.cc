@@ -1,0 +1,77 @@
+// ai.tandem.cpu::RotaryTables: the (cos, signed sin) tables of NeoX RoPE as one ONNX Runtime CPU
+// kernel (export/cpu_kernel_lowering.py makes it from the exporter's 14 nodes, rotary_tables in
+// export/layers.py).
+//
+// Inputs   positions [B, W] int64; inv_freq [rd / 2] float32
+// Outputs  cos, sin [B, W, 1, D]: over dims j < rd, a = float(position) inv_freq[j mod rd/2] (one
+//          float32 product, as the graph's Cast and Mul), cos(a) and sin(a) negated on the first
+//          half (rotate_half's sign); over rd <= j < D cos 1 and sin 0 (the dims RoPE passes through)
+// Attrs    head_dim D
+//
+// Why: once per graph, but 14 nodes at every step. Every graph that uses the tables makes them with
+// this node (the lowering rewrites each such subgraph), so the queries and keys they rotate have
+// the same bits in every graph.
+
+#include <cmath>
+#include <vector>
+
+#include "kernel_common.h"
+
+namespace tandem {
+namespace {
+
+constexpr const char* kOp = "RotaryTables";
+
+struct Kernel {
+  OrtApiTable api;
+  int64_t D;
+
+  void compute(OrtKernelContext* context) const {
+    std::vector<int64_t> pd, fd;
+    const int64_t* positions = input<int64_t>(api, context, 0, &pd);
+    const float* inv_freq = input<float>(api, context, 1, &fd);
+    expect(pd.size() == 2 && fd.size() == 1, kOp, "expected positions [B, W] and inv_freq [rd / 2]");
+    const int64_t half = fd[0], rd = 2 * half;
+    expect(rd <= D, kOp, "the rotary dims are more than head_dim");
+    const std::vector<int64_t> dims = {pd[0], pd[1], 1, D};
+    float* cos_out = output(api, context, 0, dims);
+    float* sin_out = output(api, context, 1, dims);
+    for (int64_t r = 0; r < pd[0] * pd[1]; ++r) {
+      const float at = static_cast<float>(positions[r]);
+      float* c = cos_out + r * D;
+      float* s = sin_out + r * D;
+      for (int64_t j = 0; j < rd; ++j) {
+        const float a = at * inv_freq[j % half];
+        c[j] = std::cos(a);
+        s[j] = j < half ? -std::sin(a) : std::sin(a);
+      }
+      for (int64_t j = rd; j < D; ++j) c[j] = 1.0f, s[j] = 0.0f;
+    }
+  }
+};
+
+const char* op_name(const OrtCustomOp*) { return kOp; }
+int op_input_type(const OrtCustomOp*, size_t index) { return index == 0 ? kTensorInt64 : kTensorFloat; }
+size_t op_input_count(const OrtCustomOp*) { return 2; }
+int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
+size_t op_output_count(const OrtCustomOp*) { return 2; }
+int op_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+
+void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
+  OrtApiTable table(api);
+  int64_t D = 0;
+  check(table, table.KernelInfoGetAttributeInt64(info, "head_dim", &D));
+  expect(D > 0, kOp, "head_dim must be positive");
+  return new Kernel{table, D};
+}
+
+}  // namespace
+
+const OrtCustomOp kRotaryTables = {
+    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
+    op_input_type, op_input_count, op_output_type, op_output_count,
+    kernel_compute<Kernel>, kernel_destroy<Kernel>,
+    op_characteristic, op_characteristic, default_memory,
+};
+
+}  // namespace tandem
