@@ -34,13 +34,13 @@ from tandem.export.attention_lowering import (
     static_pool_dims,
 )
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
-from tandem.export.cpu_kernel_lowering import (
+from tandem.export.cpu_attention_lowering import (
     elide_output_identities,
     lower_attention_to_kernel,
-    lower_gdn_to_kernel,
     lower_norm_rope_to_kernel,
     lower_rotary_tables_to_kernel,
 )
+from tandem.export.cpu_kernel_lowering import lower_gdn_to_kernel
 from tandem.export.ops import gated_deltanet, paged_sparse_attention
 
 

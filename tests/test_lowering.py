@@ -113,7 +113,7 @@ def test_output_identities_go_and_their_producers_make_the_outputs():
     from onnx import numpy_helper
 
     from tandem.engines.backends import onnxruntime_backend
-    from tandem.export.cpu_kernel_lowering import elide_output_identities
+    from tandem.export.cpu_attention_lowering import elide_output_identities
     info = helper.make_tensor_value_info
     nodes = [helper.make_node("Mul", ["a", "two"], ["x"]), helper.make_node("Add", ["x", "a"], ["z"]),
              helper.make_node("Identity", ["x"], ["y"]), helper.make_node("Identity", ["a"], ["a_out"]),
