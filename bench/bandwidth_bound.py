@@ -10,10 +10,13 @@ faster of ONNX Runtime's MatMul and, where the build uses it here, tandem's (ai.
 over the weight panels; it streams faster than MLAS, so the bound is the better of the two). Per
 engine dir: the target step's weight bytes per token (initializers read by its MatMuls, Convs and
 MatMulNBits; those only gathered from, the embedding table, count one row), decode tokens/s (plain
-greedy, batch 1, prompt 32, prefill excluded), and achieved / bound. Every decode (`--rounds` per
-dir, the dirs in turn) is divided by the bound measured just before and just after it (their
-mean): the machine's memory speed moves by 1.5x within minutes. The bound for int8 / int4 engines
-is the same bytes/s: fewer bytes per token should give proportionally more tokens/s.
+greedy, batch 1, prompt 32, prefill excluded), and achieved / bound. The machine's memory speed
+moves by 1.5-2x within seconds, so decoding (`--tokens` per decode, `--rounds` decodes per dir, the
+dirs in turn) is timed in segments of `--segment` steps, host work included, each divided by the
+GEMV run just before and just after it (their mean, one call each); the figure is the median over
+the segments. The bound
+for int8 / int4 engines is the same bytes/s: fewer bytes per token should give proportionally more
+tokens/s.
 """
 
 from __future__ import annotations
@@ -100,13 +103,40 @@ class GemvProbe:
             speeds[name] = self.nbytes / statistics.median(times)
         return speeds
 
+    def bound(self) -> float:
+        """Bytes/s of the faster GEMV, one call each, now."""
+        return max(self.measure(calls=1).values())
+
 
 def decode_speed(llm: LLM, tokens: int) -> float:
+    """Tokens/s of one plain greedy decode at batch 1 (32-token prompt; the first token not counted)."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, speculative=False)
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, llm.desc.vocab_size, 32)]
     result = llm.generate([prompt], params)[0]
     m = result.metrics
     return (len(result.token_ids) - 1) / (m.finished - m.first_token)
+
+
+def decode_steps(llm: LLM, tokens: int, probe: GemvProbe, segment: int) -> tuple[float, list[tuple[float, float]]]:
+    """One plain decode at batch 1 in segments of `segment` steps: (tokens/s, [(seconds per step of
+    a segment, the bound measured right before and after it)]). A GEMV evicts the caches, so the
+    first step after one starts colder than decoding does; a segment of 8 dilutes that to 1/8."""
+    rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, speculative=False)
+    seq = llm.add_request([int(t) for t in rng.integers(3, llm.desc.vocab_size, 32)], params)
+    while seq.num_generated == 0:                  # the prefill and first token: not timed
+        llm.step()
+    segments, before, total, steps = [], probe.bound(), 0.0, 0
+    while seq.finish_reason is None:
+        t, n = time.perf_counter(), 0
+        while seq.finish_reason is None and n < segment:
+            llm.step()
+            n += 1
+        dt = time.perf_counter() - t
+        after = probe.bound()
+        segments.append((dt / n, (before + after) / 2))
+        before, total, steps = after, total + dt, steps + n
+    return steps / total, segments
 
 
 def main() -> None:
@@ -115,37 +145,34 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gemv-mib", type=int, default=256)
+    parser.add_argument("--segment", type=int, default=8, help="decode steps between two GEMVs")
     args = parser.parse_args()
     llms = {d: LLM(d, EngineConfig(speculative=False)) for d in args.engine_dirs}
-    for llm in llms.values():
-        decode_speed(llm, 8)                        # warm-up: sessions, bindings
-    print(f"machine: {machine()}; onnxruntime {ort.__version__}; plain decoding, batch 1, {args.tokens} tokens")
-    ratios = {d: [] for d in llms}
-    rows = {d: [] for d in llms}
-    bounds, gemvs = [], {"onnxruntime": [], "tandem": []}
     probe = GemvProbe(args.gemv_mib, cpu_kernels.library() if cpu_kernels.f32_matmul() else None)
-    after = probe.measure()
+    for llm in llms.values():
+        decode_steps(llm, 8, probe, args.segment)   # warm-up: sessions, bindings
+    print(f"machine: {machine()}; onnxruntime {ort.__version__}; plain decoding, batch 1, {args.tokens} tokens")
+    speeds = {d: [] for d in llms}
+    ratios = {d: [] for d in llms}
+    bounds = []
     for _ in range(args.rounds):
         for d, llm in llms.items():
-            before = after
-            speed = decode_speed(llm, args.tokens)
-            after = probe.measure()
-            # the bound while this decode ran: the faster GEMV, averaged over just before and just after
-            bound = max((before[name] + after[name]) / 2 for name in after)
-            for name in after:
-                gemvs[name].append(after[name])
-            bounds.append(bound)
-            rows[d].append(speed)
-            ratios[d].append(weight_bytes_per_token(d) * speed / bound)
-    print(f"GEMV bound: {statistics.median(bounds) / 1e9:.1f} GB/s (median of {len(bounds)} decodes; "
-          f"{min(bounds) / 1e9:.1f}-{max(bounds) / 1e9:.1f}); " + ", ".join(
-              f"{name}'s GEMV {statistics.median(g) / 1e9:.1f}" for name, g in gemvs.items() if g))
-    print("engine dir | weight MiB per token | tokens/s | bound tokens/s | achieved / bound")
+            speed, steps = decode_steps(llm, args.tokens, probe, args.segment)
+            per_token = weight_bytes_per_token(d)
+            speeds[d].append(speed)
+            ratios[d] += [per_token / dt / bound for dt, bound in steps]
+            bounds += [bound for _, bound in steps]
+    gemvs = probe.measure()
+    print(f"GEMV bound: {statistics.median(bounds) / 1e9:.1f} GB/s (median over {len(bounds)} segments; "
+          f"{min(bounds) / 1e9:.1f}-{max(bounds) / 1e9:.1f}); at the end " + ", ".join(
+              f"{name}'s GEMV {g / 1e9:.1f}" for name, g in gemvs.items()))
+    print("engine dir | weight MiB per token | tokens/s | bound tokens/s | achieved / bound (median segment; "
+          "quartiles)")
     for d in llms:
         per_token = weight_bytes_per_token(d)
-        print(f"{d} | {per_token / 2**20:.1f} | {statistics.median(rows[d]):.1f} | "
-              f"{statistics.median(bounds) / per_token:.1f} | {statistics.median(ratios[d]):.0%} "
-              f"(rounds: {', '.join(f'{r:.0%}' for r in ratios[d])})")
+        q1, q2, q3 = statistics.quantiles(ratios[d], n=4)
+        print(f"{d} | {per_token / 2**20:.1f} | {statistics.median(speeds[d]):.1f} | "
+              f"{statistics.median(bounds) / per_token:.1f} | {q2:.0%} ({q1:.0%}-{q3:.0%})")
 
 
 if __name__ == "__main__":
