@@ -3,7 +3,8 @@ serves (export/lowering.py calls these after export/cpu_kernel_lowering.py's Gat
 
     ai.tandem::PagedSparseAttention, dense, fp32  -> ai.tandem.cpu::PagedAttention (no `selected`;
         reads the committed K/V through the block table where it lies, no copies), taking the
-        query's RMS norm and RoPE and the output gate where they are the exporter's
+        query's RMS norm and RoPE and the output gate where they are the exporter's (from the q
+        projection's [B, W, Hq, 2 D] itself where the query and gate are its heads' halves)
     a key's RMSNormalization -> RoPE nodes        -> ai.tandem.cpu::NormRope
     the rotary tables those read (14 nodes)       -> ai.tandem.cpu::RotaryTables
     Identity nodes that name graph outputs        -> gone: the producers make the outputs
@@ -43,8 +44,10 @@ def lower_attention_to_kernel(model: onnx.ModelProto, dense: set[str]) -> set[st
             node.attribute.extend([helper.make_attribute("scale", float(attrs["scale"])),
                                    helper.make_attribute("sliding_window", int(attrs.get("sliding_window", 0)))])
             if fused is not None:
-                kept[0] = fused.q_raw
-                kept += [fused.q_norm, fused.cos, fused.sin, fused.perm, fused.gate]
+                kept[0] = fused.packed or fused.q_raw          # packed: the query and the gate in one
+                kept += [fused.q_norm, fused.cos, fused.sin, fused.perm, "" if fused.packed else fused.gate]
+                if fused.packed:
+                    node.attribute.append(helper.make_attribute("packed_gate", 1))
                 while kept[-1] == "":
                     kept.pop()
                 if fused.gated:                        # the node makes the gated output in the Mul's place

@@ -112,11 +112,12 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
             nodes.append(node)
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        inputs, output = list(node.input) + [""] * (8 - len(node.input)), node.output[0]
+        inputs, output = list(node.input) + [""] * (9 - len(node.input)), node.output[0]
         if inputs[7]:                          # a column split: the whole product, then a Split node
             split_outputs, output = list(node.output), f"{node.name}/exact_whole"
             del node.output[:]
             node.output.append(output)
+            heads = _constant(model, inputs[8]) if inputs[8] else [0] * len(split_outputs)
         if attrs.get("norm_group"):
             nodes += _gated_norm_nodes(model, node.name, inputs[0], inputs[5], inputs[6], attrs, norm_op)
             inputs[0] = f"{node.name}/exact_gated_norm"
@@ -136,9 +137,17 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
         if residual:
             node.output[0] = f"{output}/exact_product"
             nodes.append(helper.make_node("Add", [node.output[0], residual], [output], name=f"{node.name}/exact_add"))
-        if inputs[7]:
-            nodes.append(helper.make_node("Split", [output, inputs[7]], split_outputs, axis=-1,
+        if inputs[7]:                          # and Reshapes of its outputs to heads [0, 0, h, width / h]
+            parts = [f"{o}/exact_part" if h else o for o, h in zip(split_outputs, heads)]
+            nodes.append(helper.make_node("Split", [output, inputs[7]], parts, axis=-1,
                                           name=f"{node.name}/exact_split"))
+            widths = _constant(model, inputs[7])
+            for part, out, h, width in zip(parts, split_outputs, heads, widths):
+                if h:
+                    shape = f"{out}/exact_heads"
+                    model.graph.initializer.append(numpy_helper.from_array(np.array([0, 0, h, width // h], np.int64),
+                                                                           shape))
+                    nodes.append(helper.make_node("Reshape", [part, shape], [out], name=f"{out}/exact_reshape"))
         if attrs.get("swiglu"):
             product, halves = f"{output}/exact_product", f"{output}/exact_halves"
             node.output[0] = product
@@ -149,6 +158,11 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
                       helper.make_node("Mul", [f"{product}/silu", f"{product}/up"], [output])]
     del model.graph.node[:]
     model.graph.node.extend(nodes)
+
+
+def _constant(model: onnx.ModelProto, name: str) -> list[int]:
+    """An inline int64 initializer's values."""
+    return numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == name)).reshape(-1).tolist()
 
 
 def _gated_norm_nodes(model: onnx.ModelProto, name: str, x: str, scale: str, gate: str, attrs: dict,

@@ -14,7 +14,8 @@ saved optimized graphs of ONNX Runtime's CPU provider (engines/backends/onnxrunt
         QuickGelu(Z))), W) (Gated DeltaNet's           norm_group=len(s))  (and the same for
         gated norm before out_proj)                     tandem's MatMulNBits)
     Split(MatMul(A, W), widths, axis=-1), the      -> ai.tandem.cpu::MatMul(A, ..., split=widths) with the
-        matmul's only reader (fused projections)      Split's outputs (and the same for MatMulNBits)
+        matmul's only reader (fused projections),     Split's outputs, as heads where a Reshape to heads
+        and Reshapes of its outputs to heads          read one (and the same for MatMulNBits)
 
 Why: ONNX Runtime's MatMul packs its own copy of each weight per session at load; the panels are
 written once into optimized.bin and every session maps them. The norm before a projection, the
@@ -311,7 +312,8 @@ def _fuse_column_splits(graph: onnx.GraphProto, tensors, outputs: set) -> bool:
     """Each of tandem's matmul nodes with no residual and no swiglu whose product only a Split of its
     last axis into at most 4 constant widths reads (linears' fused projections: Gated DeltaNet's
     in_proj, attention's qkv_proj) makes the Split's outputs itself: the widths go in as its
-    `split` input, and the Split goes."""
+    `split` input, and the Split goes; so does a Reshape to heads [0, 0, h, d] that is an output's
+    only reader (`split_heads`: that output comes out as [..., h, d])."""
     readers, inits = _readers(graph), {t.name: t for t in graph.initializer}
     taken = set()
     for node in graph.node:
@@ -332,12 +334,24 @@ def _fuse_column_splits(graph: onnx.GraphProto, tensors, outputs: set) -> bool:
         graph.initializer.append(numpy_helper.from_array(np.array(widths, np.int64), name))
         node.input.extend([""] * (at + 1 - len(node.input)))
         node.input[at] = name
+        outs, heads = list(split.output), [0] * len(widths)
+        for i, out in enumerate(split.output):        # a Reshape to heads [0, 0, h, width / h] after an output
+            reshape = _only_reader(out, readers, outputs)
+            shape = read(inits[reshape.input[1]]) if reshape is not None and reshape.op_type == "Reshape" \
+                and reshape.input[1] in inits else None
+            if shape is not None and shape.tolist()[:2] == [0, 0] and len(shape) == 4 \
+                    and shape[2] > 0 and shape[2] * shape[3] == widths[i]:
+                outs[i], heads[i] = reshape.output[0], int(shape[2])
+                taken.add(reshape.name or reshape.output[0])
+        if any(heads):
+            graph.initializer.append(numpy_helper.from_array(np.array(heads, np.int64), f"{node.name}/split_heads"))
+            node.input.append(f"{node.name}/split_heads")
         del node.output[:]
-        node.output.extend(split.output)
+        node.output.extend(outs)
         taken.add(split.name or split.output[0])
     if not taken:
         return False
-    kept = [n for n in graph.node if not (n.op_type == "Split" and (n.name or n.output[0]) in taken)]
+    kept = [n for n in graph.node if not (n.op_type in ("Split", "Reshape") and (n.name or n.output[0]) in taken)]
     del graph.node[:]
     graph.node.extend(kept)
     return True

@@ -208,6 +208,7 @@ class AttentionPrologue:
     perm: str
     gate: str               # "" where there is no output gate
     gated: str              # the Mul the gate fuses into ("" without one): the kernel's output then
+    packed: str             # [B, W, Hq, 2 D] whose heads' halves the query and the gate are sliced from, or ""
 
 
 def _normed(g: GraphIndex, name: str) -> tuple[str, str, float | None]:
@@ -244,7 +245,28 @@ def match_attention(g: GraphIndex, attention: onnx.NodeProto) -> AttentionProlog
         return None
     q_raw, q_norm, eps = _normed(g, q[0])
     gate, gated = _output_gate(g, attention.output[0])
-    return AttentionPrologue(q_raw, q_norm, eps or 0.0, *q[1:], gate, gated)
+    return AttentionPrologue(q_raw, q_norm, eps or 0.0, *q[1:], gate, gated, _packed(g, q_raw, gate))
+
+
+def _packed(g: GraphIndex, query: str, gate: str) -> str:
+    """qg where query = Slice(qg, [0], [D], [3]) and gate = Reshape(Slice(qg, [D], [2 D], [3])) (the
+    exporter's output gate: q_proj makes each head's query, then its gate); else ""."""
+    reshape = g.node(gate, "Reshape") if gate else None
+    q, z = _head_part(g, query), _head_part(g, reshape.input[0]) if reshape is not None else None
+    if q is None or z is None or q[0] != z[0] or q[1] != 0 or z[1] != q[2] or z[2] != 2 * q[2]:
+        return ""
+    return q[0]
+
+
+def _head_part(g: GraphIndex, name: str) -> tuple[str, int, int] | None:
+    """Slice(x, [start], [end], [3]) -> (x, start, end)."""
+    cut = g.node(name, "Slice")
+    if cut is None or len(cut.input) != 4:
+        return None
+    starts, ends, axes = (g.value(n) for n in cut.input[1:4])
+    if any(v is None or v.size != 1 for v in (starts, ends, axes)) or int(axes.reshape(-1)[0]) != 3:
+        return None
+    return cut.input[0], int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
 
 
 def _output_gate(g: GraphIndex, out: str) -> tuple[str, str]:

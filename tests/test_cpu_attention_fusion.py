@@ -26,31 +26,35 @@ HQ, HKV, D, PAGE = 4, 2, 24, 4
 SPEC = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, rotary_dim=8, rope_theta=1e4)
 
 
-def _layer_graph(norms: bool = True, gate: bool = True):
+def _layer_graph(norms: bool = True, gate: bool = True, packed: bool = False):
     """q, k [B, W, H, D] -> (norms) -> RoPE at context_lens + w -> PagedSparseAttention -> (gate)
     Reshape * sigmoid(g), written with the exporter's own helpers; outputs: the attention output and
-    the new K rows (as the graph commits them)."""
+    the new K rows (as the graph commits them). packed: q and the gate are the heads' halves of one
+    input qg [B, W, Hq, 2 D], sliced as export/layers.py's attention does."""
     b = GraphBuilder()
     rng = np.random.default_rng(0)
     q, k = "q", "k"
+    if packed:
+        q = b.slice("qg", [0], [D], [3])
+        gate_in = b.reshape(b.slice("qg", [D], [2 * D], [3]), [0, 0, HQ * D])
     if norms:
         q = rms_norm(b, q, b.weight("q_norm", (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)), 1e-6, "q_norm")
         k = rms_norm(b, k, b.weight("k_norm", (1 + 0.3 * rng.standard_normal(D)).astype(np.float32)), 1e-6, "k_norm")
     positions = b.op("Add", b.unsqueeze("ctx", [1]), b.unsqueeze(b.op("Range", b.const(np.array(0, np.int64)),
-                     b.squeeze(b.shape_of("q", 1, 2), [0]), b.const(np.array(1, np.int64))), [0]))
+                     b.squeeze(b.shape_of("k", 1, 2), [0]), b.const(np.array(1, np.int64))), [0]))
     cos, sin = rotary_tables(b, SPEC, positions)
     q = apply_rotary(b, q, cos, sin, D, SPEC.rotary_dim, "float32")
     k = apply_rotary(b, k, cos, sin, D, SPEC.rotary_dim, "float32")
     out = b.op(psa.OP_TYPE, q, k, "v", "kc", "vc", "tables", "ctx", b.const(np.zeros((1, 1, 0), np.int64)),
                domain=TANDEM_DOMAIN, scale=0.3, sliding_window=0, name="PagedSparseAttention")
     if gate:
-        out = b.op("Mul", b.reshape(out, [0, 0, HQ * D]), b.op("Sigmoid", "g"))
+        out = b.op("Mul", b.reshape(out, [0, 0, HQ * D]), b.op("Sigmoid", gate_in if packed else "g"))
     b.op("Identity", out, outputs=["o"])
     b.op("Identity", k, outputs=["k_rows"])
     info = helper.make_tensor_value_info
-    inputs = [info(n, F, None) for n in ("q", "k", "v", "kc", "vc")] + [info("tables", I64, None),
-                                                                        info("ctx", I64, None)]
-    inputs += [info("g", F, None)] if gate else []
+    inputs = [info(n, F, None) for n in ("qg" if packed else "q", "k", "v", "kc", "vc")] + [
+        info("tables", I64, None), info("ctx", I64, None)]
+    inputs += [info("g", F, None)] if gate and not packed else []
     graph = helper.make_graph(b.nodes, "attn", inputs, [info("o", F, None), info("k_rows", F, None)],
                               [numpy_helper.from_array(v, n) for n, v in b.initializers.items()])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET),
@@ -60,43 +64,48 @@ def _layer_graph(norms: bool = True, gate: bool = True):
     return model
 
 
-def _fused(model, norms: bool = True, gate: bool = True):
-    """The kernel lowering; the query's norm and RoPE and the gate are in the kernel node, the keys'
-    in a NormRope node of their own: no RMSNormalization, Gather or Sigmoid is left."""
+def _fused(model, norms: bool = True, gate: bool = True, packed: bool = False):
+    """The kernel lowering; the query's norm and RoPE and the gate are in the kernel node (packed: read
+    from qg itself, no Slice or Reshape left), the keys' in a NormRope node of their own: no
+    RMSNormalization, Gather or Sigmoid is left."""
     lowered = lower_for_onnxruntime(model, cpu_kernels=True)
     ops = collections.Counter(n.op_type for n in lowered.graph.node)
     (kernel,) = [n for n in lowered.graph.node if n.op_type == "PagedAttention"]
     (keys,) = [n for n in lowered.graph.node if n.op_type == "NormRope"]
-    assert kernel.input[0] == "q" and len(kernel.input) == 11 + gate, list(kernel.input)
+    if packed:
+        assert kernel.input[0] == "qg" and len(kernel.input) == 11 and not {"Slice", "Reshape"} & set(ops), ops
+    else:
+        assert kernel.input[0] == "q" and len(kernel.input) == 11 + gate, list(kernel.input)
     assert keys.input[0] == "k" and bool(keys.input[1]) == norms, list(keys.input)
     assert not {"RMSNormalization", "Gather", "Sigmoid", "Cos", "Sin"} & set(ops), ops
     assert ops["RotaryTables"] == 1, ops                     # the tables: one node for both
     return lowered
 
 
-def _feeds(rng, ctx, W, pages=16, gate=True):
+def _feeds(rng, ctx, W, pages=16, gate=True, packed=False):
     B = len(ctx)
     width = max(-(-(c + W) // PAGE) for c in ctx)
-    f = {"q": rng.standard_normal((B, W, HQ, D)).astype(np.float32),
+    f = {"qg" if packed else "q": rng.standard_normal((B, W, HQ, 2 * D if packed else D)).astype(np.float32),
          "k": rng.standard_normal((B, W, HKV, D)).astype(np.float32),
          "v": rng.standard_normal((B, W, HKV, D)).astype(np.float32),
          "kc": rng.standard_normal((pages, PAGE, HKV, D)).astype(np.float32),
          "vc": rng.standard_normal((pages, PAGE, HKV, D)).astype(np.float32),
          "tables": rng.permutation(pages)[:B * width].reshape(B, width).astype(np.int64),
          "ctx": np.array(ctx, np.int64)}
-    if gate:
+    if gate and not packed:
         f["g"] = rng.standard_normal((B, W, HQ * D)).astype(np.float32)
     return f
 
 
-@pytest.mark.parametrize("norms,gate", [(True, True), (False, True), (True, False)],
-                         ids=["norms-gate", "rope-gate", "norms-no-gate"])
+@pytest.mark.parametrize("norms,gate,packed", [(True, True, False), (False, True, False), (True, False, False),
+                                               (True, True, True)],
+                         ids=["norms-gate", "rope-gate", "norms-no-gate", "packed-query-gate"])
 @pytest.mark.parametrize("W", [1, 3])
-def test_fused_attention_equals_the_exporters_nodes(library, W, norms, gate):
-    model = _layer_graph(norms, gate)
-    f = _feeds(np.random.default_rng(W), ctx=[0, 5, 9], W=W, gate=gate)
+def test_fused_attention_equals_the_exporters_nodes(library, W, norms, gate, packed):
+    model = _layer_graph(norms, gate, packed)
+    f = _feeds(np.random.default_rng(W), ctx=[0, 5, 9], W=W, gate=gate, packed=packed)
     want = onnxruntime_backend.session(model).run(None, f)
-    got = onnxruntime_backend.session(_fused(model, norms, gate), kernels=library).run(None, f)
+    got = onnxruntime_backend.session(_fused(model, norms, gate, packed), kernels=library).run(None, f)
     np.testing.assert_allclose(got[0], want[0], rtol=0, atol=5e-6, err_msg="output")
     np.testing.assert_allclose(got[1], want[1], rtol=0, atol=2e-6, err_msg="keys")
 
@@ -129,13 +138,15 @@ def test_portable_and_avx512_forms_give_the_same_bits(library, monkeypatch):
 
 def test_every_attention_layer_of_a_built_dir_takes_its_query_prologue_and_gate(engine_dirs):
     """Decode, verify, MTP head and round graphs alike: every PagedAttention node takes its query's
-    norm and RoPE and its output gate, and no norm or RoPE node of a query or key is left (a verify
+    norm and RoPE and its output gate (both from q_proj's packed heads), and no norm or RoPE node of
+    a query or key is left (a verify
     row and a decode step, and every graph that makes a layer's keys, must run the same code)."""
     checked = 0
     for path in sorted(engine_dirs["qwen3_5_mtp3"].glob("*.opt.onnx")):
         nodes = onnx.load(str(path), load_external_data=False).graph.node
         kernels = [n for n in nodes if n.op_type == "PagedAttention"]
-        assert all(len(n.input) == 12 for n in kernels), path.name
+        packed = [a.i for n in kernels for a in n.attribute if a.name == "packed_gate"]
+        assert all(len(n.input) == 11 for n in kernels) and packed == [1] * len(kernels), path.name
         left = [n.name for n in nodes if any(s in n.name for s in ("q_norm", "k_norm", "rotate_half"))
                 or n.op_type in ("Cos", "Sin")]
         assert not left, (path.name, left)       # the keys' too, in round graphs' re-anchored heads as well

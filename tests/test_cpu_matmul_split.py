@@ -118,3 +118,29 @@ def test_int4_split_node_and_its_exact_copy(library, tmp_path):
     level0 = onnxruntime_backend.session(graph(0)).run(None, feeds)
     for a, b in zip(onnxruntime_backend.session(copy).run(None, feeds), level0):
         np.testing.assert_array_equal(a, b)
+
+
+def test_reshapes_of_split_outputs_to_heads_go_into_the_node(library):
+    """Split outputs each read by a Reshape to [0, 0, h, d] only (qkv_proj's q, k and v) come out of
+    the node as [..., h, d] (input split_heads); a Reshape to another shape stays. (The int4 exact
+    copy's Reshapes: every quantized engine build verifies through them, tests/test_quantized_engines.py.)"""
+    rng = np.random.default_rng(6)
+    K, N = 32, sum(WIDTHS)
+    W = (rng.standard_normal((K, N)) * 0.2).astype(np.float32)
+    model = _graph(helper.make_node("MatMul", ["X", "W"], ["p"]), [numpy_helper.from_array(W, "W")], K)
+    shapes = {"y0": [0, 0, 5, 8], "y1": [0, 0, 3, 8], "y2": [0, -1]}        # y2: not to heads: stays
+    for out, shape in shapes.items():
+        model.graph.node.append(helper.make_node("Reshape", [out, f"{out}_shape"], [f"{out}_h"]))
+        model.graph.initializer.append(numpy_helper.from_array(np.array(shape, np.int64), f"{out}_shape"))
+        model.graph.output.append(helper.make_tensor_value_info(f"{out}_h", TensorProto.FLOAT, None))
+    for name in shapes:
+        model.graph.output.remove(next(o for o in model.graph.output if o.name == name))
+    feeds = {"X": rng.standard_normal((2, 3, K)).astype(np.float32)}
+    names = [o.name for o in model.graph.output]
+    expected = dict(zip(names, onnxruntime_backend.session(model).run(None, feeds)))
+    assert lower_matmul_to_kernel(model, _Tensors())
+    assert _kinds(model) == [("MatMul", CPU_DOMAIN), ("Reshape", "")]
+    got = dict(zip(names, onnxruntime_backend.session(model, kernels=library).run(None, feeds)))
+    for name in names:
+        assert got[name].shape == expected[name].shape, name
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-5, atol=1e-5)

@@ -116,33 +116,53 @@ inline size_t output_count(const OrtApiTable& api, OrtKernelContext* context) {
 
 constexpr size_t kMaxSplits = 4;   // outputs of a split matmul node
 
-// A matmul node's column split (export/cpu_matmul_lowering.py takes the Split after its product
-// into it): input `index`, widths [n] int64 summing to N, one per output; empty without one.
-inline std::vector<int64_t> column_split(const OrtApiTable& api, OrtKernelContext* context, size_t index, int64_t N,
-                                         const char* op) {
-  std::vector<int64_t> sd;
+// A matmul node's column split (export/cpu_matmul_lowering.py takes the Split after its product,
+// and the Reshapes to heads after that, into it): input `index`, widths [n] int64 summing to N, one
+// per output; input index + 1 (optional), heads [n]: output i is [..., heads[i], widths[i] /
+// heads[i]] where heads[i] > 0, else [..., widths[i]]. No widths: no split.
+struct ColumnSplit {
+  std::vector<int64_t> widths, heads;
+  bool empty() const { return widths.empty(); }
+};
+
+inline ColumnSplit column_split(const OrtApiTable& api, OrtKernelContext* context, size_t index, int64_t N,
+                                const char* op) {
+  std::vector<int64_t> sd, hd;
   const int64_t* split = optional_input<int64_t>(api, context, index, &sd);
   if (split == nullptr) return {};
-  std::vector<int64_t> widths(split, split + numel(sd));
+  ColumnSplit c{std::vector<int64_t>(split, split + numel(sd)), std::vector<int64_t>(numel(sd), 0)};
   int64_t total = 0;
-  for (int64_t w : widths) {
+  for (int64_t w : c.widths) {
     expect(w >= 0, op, "a split width is negative");
     total += w;
   }
-  expect(total == N && widths.size() == output_count(api, context), op, "split widths must sum to N, one per output");
-  return widths;
+  expect(total == N && c.widths.size() == output_count(api, context), op, "split widths must sum to N, one per output");
+  if (const int64_t* heads = optional_input<int64_t>(api, context, index + 1, &hd)) {
+    expect(numel(hd) == numel(sd), op, "split heads must be one per output");
+    for (size_t i = 0; i < c.widths.size(); ++i) {
+      expect(heads[i] >= 0 && (heads[i] == 0 || c.widths[i] % heads[i] == 0), op, "split heads must divide their widths");
+      c.heads[i] = heads[i];
+    }
+  }
+  return c;
 }
 
-// The columns of product [..., N] (dims yd) into outputs 0..n-1 [..., widths[i]].
+// The columns of product [..., N] (dims yd) into the split's outputs.
 inline void split_columns(const OrtApiTable& api, OrtKernelContext* context, const float* product,
-                          std::vector<int64_t> yd, const std::vector<int64_t>& widths) {
+                          const std::vector<int64_t>& yd, const ColumnSplit& split) {
   const int64_t N = yd.back(), M = N > 0 ? numel(yd) / N : 0;
   int64_t at = 0;
-  for (size_t i = 0; i < widths.size(); ++i) {
-    yd.back() = widths[i];
-    float* out = output(api, context, i, yd);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * widths[i], product + m * N + at, sizeof(float) * widths[i]);
-    at += widths[i];
+  for (size_t i = 0; i < split.widths.size(); ++i) {
+    const int64_t w = split.widths[i], h = split.heads[i];
+    std::vector<int64_t> dims(yd.begin(), yd.end() - 1);
+    if (h > 0) {
+      dims.insert(dims.end(), {h, w / h});
+    } else {
+      dims.push_back(w);
+    }
+    float* out = output(api, context, i, dims);
+    for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * w, product + m * N + at, sizeof(float) * w);
+    at += w;
   }
 }
 

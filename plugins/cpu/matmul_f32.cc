@@ -9,7 +9,8 @@
 //          DeltaNet's output, [..., K / G, G] or [..., K]) becomes A (r norm_scale) silu(gate), r per
 //          group of G (row_ops.h, gated_group_norm): the norm, gate and reshape before out_proj;
 //          split (optional, input 5) [n <= 4] int64: the product's columns go to outputs 0..n-1,
-//          [..., split[i]] each (the Split after a fused projection, in the node)
+//          [..., split[i]] each (the Split after a fused projection, in the node); split_heads
+//          (optional, input 6) [n]: output i as [..., heads, split[i] / heads] where heads > 0
 // Attrs    N; norm_group (0: none); swiglu (0 or 1): B holds the gate and up projections' panels in turns (gate panel q,
 //          then up panel q: 2 ceil(N / 16) panels) and y = silu(gate) * up, N columns, where
 //          silu(x) = x / (1 + exp(-x)) (the MLP's Split, sigmoid-gate and Mul in the node);
@@ -232,11 +233,11 @@ struct Kernel {
     if (norm_group > 0) A = normed_input(context, A, numel(ad), bd[1]);
     expect(residual == nullptr || rd == yd, "MatMul", "the residual's shape is not the output's [..., N]");
     expect(residual == nullptr || !swiglu, "MatMul", "a swiglu node takes no residual");
-    const std::vector<int64_t> widths = column_split(api, context, 5, N, "MatMul");
-    expect(widths.empty() || (!swiglu && residual == nullptr), "MatMul", "a split node takes no residual or swiglu");
+    const ColumnSplit split = column_split(api, context, 5, N, "MatMul");
+    expect(split.empty() || (!swiglu && residual == nullptr), "MatMul", "a split node takes no residual or swiglu");
     thread_local std::vector<float> whole;     // the product before a split (the calling thread's)
-    if (!widths.empty()) whole.resize(static_cast<size_t>(numel(yd)));
-    float* y = widths.empty() ? output(api, context, 0, yd) : whole.data();
+    if (!split.empty()) whole.resize(static_cast<size_t>(numel(yd)));
+    float* y = split.empty() ? output(api, context, 0, yd) : whole.data();
     const int64_t M = numel(yd) / N;
     thread_local std::vector<float> scales;    // the calling thread's, kept across calls
     if (rms_norm) {
@@ -245,7 +246,7 @@ struct Kernel {
     }
     const Call call{A, B, residual, rms_norm ? scales.data() : nullptr, y, M, bd[1], N, swiglu};
     if (numel(yd) == 0) {
-      if (!widths.empty()) split_columns(api, context, y, yd, widths);
+      if (!split.empty()) split_columns(api, context, y, yd, split);
       return;
     }
     auto chunk = [&](int64_t first, int64_t last) {
@@ -253,14 +254,14 @@ struct Kernel {
       fast ? panels_avx512(call, p0, p1) : panels_portable(call, p0, p1);
     };
     parallel_for(api, context, (P + kChunkPanels - 1) / kChunkPanels, chunk);
-    if (!widths.empty()) split_columns(api, context, y, yd, widths);
+    if (!split.empty()) split_columns(api, context, y, yd, split);
   }
 };
 
 const char* op_name(const OrtCustomOp*) { return "MatMul"; }
-int op_input_type(const OrtCustomOp*, size_t index) { return index == 5 ? kTensorInt64 : kTensorFloat; }
+int op_input_type(const OrtCustomOp*, size_t index) { return index >= 5 ? kTensorInt64 : kTensorFloat; }
 int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 6; }
+size_t op_input_count(const OrtCustomOp*) { return 7; }
 size_t op_output_count(const OrtCustomOp*) { return kMaxSplits; }
 int op_input_characteristic(const OrtCustomOp*, size_t index) {
   return index >= 2 ? kInputOutputOptional : kInputOutputRequired;

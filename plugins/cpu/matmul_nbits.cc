@@ -11,7 +11,8 @@
 //          gate (optional, input 6) [like A]: with norm_group G, A (Gated DeltaNet's output,
 //          [..., K / G, G] or [..., K]) becomes A (r norm_scale) silu(gate), r per group of G and
 //          norm_scale [G] (row_ops.h, gated_group_norm); split (optional, input 7) [n <= 4] int64:
-//          the product's columns go to outputs 0..n-1, [..., split[i]] each (the Split after it)
+//          the product's columns go to outputs 0..n-1, [..., split[i]] each (the Split after it);
+//          split_heads (optional, input 8) [n]: output i as [..., heads, split[i] / heads] where > 0
 // Attrs    K, N, bits (4 or 8), block_size (a power of two >= 32); rms_norm (0 or 1), norm_group
 //          (0: none), epsilon;
 //          swiglu (0 or 1): the output is silu(gate) * up of the product's halves [gate | up],
@@ -168,15 +169,15 @@ struct Kernel {
     expect_mm(!norm_group || (gate != nullptr && numel(gd) == numel(ad)), "norm_group needs a gate of A's size");
     expect_mm(residual == nullptr || rd == yd, "the residual's shape is not the output's [..., N]");
     expect_mm(residual == nullptr || !swiglu, "a swiglu node takes no residual");
-    const std::vector<int64_t> widths = column_split(api, context, 7, N, "MatMulNBits");
-    expect_mm(widths.empty() || (!swiglu && residual == nullptr), "a split node takes no residual or swiglu");
+    const ColumnSplit split = column_split(api, context, 7, N, "MatMulNBits");
+    expect_mm(split.empty() || (!swiglu && residual == nullptr), "a split node takes no residual or swiglu");
     thread_local std::vector<float> product;    // swiglu: the whole product, gated after; a split's, split after
-    if (swiglu || !widths.empty()) product.resize(static_cast<size_t>(numel(ad) / K * N));
-    float* y = widths.empty() ? output(api, context, 0, yd) : product.data();
+    if (swiglu || !split.empty()) product.resize(static_cast<size_t>(numel(ad) / K * N));
+    float* y = split.empty() ? output(api, context, 0, yd) : product.data();
     MatMulNBitsCall call{A, B, scales, zeros, swiglu ? product.data() : y, numel(ad) / K, K, N, bits, block_size,
                          blocks};
     if (call.M == 0) {
-      if (!widths.empty()) split_columns(api, context, y, yd, widths);
+      if (!split.empty()) split_columns(api, context, y, yd, split);
       return;
     }
     thread_local std::vector<float> normed, r;    // the calling thread's, kept across calls
@@ -216,15 +217,15 @@ struct Kernel {
       for (int64_t i = 0; i < call.M * N; ++i) y[i] += residual[i];
     }
     if (swiglu) swiglu_rows(product.data(), call.M, N / 2, fast, y);
-    if (!widths.empty()) split_columns(api, context, y, yd, widths);
+    if (!split.empty()) split_columns(api, context, y, yd, split);
   }
 };
 
 const char* op_name(const OrtCustomOp*) { return "MatMulNBits"; }
 int op_input_type(const OrtCustomOp*, size_t index) {
-  return index == 1 || index == 3 ? kTensorUInt8 : index == 7 ? kTensorInt64 : kTensorFloat;
+  return index == 1 || index == 3 ? kTensorUInt8 : index >= 7 ? kTensorInt64 : kTensorFloat;
 }
-size_t op_input_count(const OrtCustomOp*) { return 8; }
+size_t op_input_count(const OrtCustomOp*) { return 9; }
 int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
 size_t op_output_count(const OrtCustomOp*) { return kMaxSplits; }
 int op_input_characteristic(const OrtCustomOp*, size_t index) {

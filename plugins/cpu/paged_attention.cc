@@ -12,7 +12,9 @@
 //          unified round's re-anchored heads make them without attention, so the same nodes make
 //          them everywhere (the same bits in every graph).
 // Output   [B, W, Hq, Dv] ([B, W, Hq Dv] with a gate)
-// Attrs    scale (float), sliding_window (int, 0: none), norm_epsilon (float, with q_norm)
+// Attrs    scale (float), sliding_window (int, 0: none), norm_epsilon (float, with q_norm),
+//          packed_gate (int, default 0; 1: the query input is [B, W, Hq, 2 D], each head's query then
+//          its output gate, as the q projection makes them: no gate input)
 //
 // Row w of sequence b sits at position p = context_lens[b] + w and sees positions j <= p with
 // p - j < window (if any): committed ones (j < context_lens[b]) in the pool, at page
@@ -27,6 +29,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "kernel_common.h"
@@ -71,7 +74,7 @@ struct Kernel {
   float scale;
   int64_t window;
   float norm_epsilon;
-  bool fast;
+  bool fast, packed_gate;
 
   // q_norm, cos, sin, rotate_perm (inputs 7-10; each optional) for a call of B W rows of D
   NormRope query_prologue(OrtKernelContext* context, int64_t B, int64_t W, int64_t D) const {
@@ -105,7 +108,8 @@ struct Kernel {
                   td.size() == 2 && cd.size() == 1,
               "expected query [B, W, Hq, D], key / value [B, W, Hkv, D], caches [N, S, Hkv, D], "
               "block_tables [B, P], context_lens [B]");
-    const int64_t B = qd[0], W = qd[1], hq = qd[2], D = qd[3], hkv = kd[2], dv = vd[3];
+    const int64_t B = qd[0], W = qd[1], hq = qd[2], D = packed_gate ? qd[3] / 2 : qd[3], hkv = kd[2], dv = vd[3];
+    expect_pa(!packed_gate || (qd[3] % 2 == 0 && dv == D), "a packed query and gate must be [B, W, Hq, 2 D], D = Dv");
     const int64_t pages = kcd[0], S = kcd[1], P = td[1];
     expect_pa(kd[0] == B && kd[1] == W && kd[3] == D && vd[0] == B && vd[1] == W && vd[2] == hkv,
               "the new rows disagree with the query on B, W or heads");
@@ -119,16 +123,26 @@ struct Kernel {
         expect_pa(id >= 0 && id < pages, "a block table names a page outside the cache");
       }
     }
+    // the output gate: head h's elements at gate + (row Hq + h) gate_row, a tensor of its own or each
+    // head's second half of a packed query
+    const float* gate = nullptr;
+    int64_t gate_row = dv;
+    thread_local std::vector<float> q_rows, q_buffer;    // the calling thread's, kept across calls
+    if (packed_gate) {
+      q_rows.resize(static_cast<size_t>(B * W * hq * D));
+      for (int64_t m = 0; m < B * W * hq; ++m) std::memcpy(q_rows.data() + m * D, q + m * 2 * D, sizeof(float) * D);
+      gate = q + D, gate_row = 2 * D, q = q_rows.data();
+    } else {
+      std::vector<int64_t> gd;
+      gate = optional_input<float>(api, context, 11, &gd);
+      expect_pa(gate == nullptr || numel(gd) == B * W * hq * dv, "the gate must be [B, W, Hq Dv]");
+    }
     const NormRope query = query_prologue(context, B, W, D);
-    thread_local std::vector<float> q_buffer;    // the calling thread's, kept across calls
     if (query.any()) {
       q_buffer.resize(static_cast<size_t>(B * W * hq * D));
       query.apply(q, B * W * hq, hq, D, q_buffer.data());
       q = q_buffer.data();
     }
-    std::vector<int64_t> gd;
-    const float* gate = optional_input<float>(api, context, 11, &gd);
-    expect_pa(gate == nullptr || numel(gd) == B * W * hq * dv, "the gate must be [B, W, Hq Dv]");
     float* out = gate != nullptr ? output(api, context, 0, {B, W, hq * dv}) : output(api, context, 0, {B, W, hq, dv});
     const int64_t G = hq / hkv;
     auto heads = [&](int64_t first, int64_t last) {
@@ -168,7 +182,10 @@ struct Kernel {
           if (gate == nullptr) {
             for (int64_t e = 0; e < G * dv; ++e) o[e] = acc[e];
           } else {                                          // the output gate: o sigmoid(gate)
-            for (int64_t e = 0; e < G * dv; ++e) o[e] = acc[e] * (1.0f / (1.0f + std::exp(-gate[at + e])));
+            for (int64_t g = 0; g < G; ++g) {
+              const float* z = gate + ((b * W + w) * hq + h * G + g) * gate_row;
+              for (int64_t e = 0; e < dv; ++e) o[g * dv + e] = acc[g * dv + e] * (1.0f / (1.0f + std::exp(-z[e])));
+            }
           }
         }
       }
@@ -199,7 +216,7 @@ void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) 
   if (OrtStatus* status = table.KernelInfoGetAttributeFloat(info, "norm_epsilon", &norm_epsilon)) {
     table.ReleaseStatus(status);       // a node without the norms has none
   }
-  return new Kernel{table, scale, window, norm_epsilon, avx512f()};
+  return new Kernel{table, scale, window, norm_epsilon, avx512f(), optional_int(table, info, "packed_gate", 0) != 0};
 }
 
 }  // namespace
