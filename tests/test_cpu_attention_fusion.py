@@ -21,8 +21,10 @@ from tandem.export.layers import apply_rotary, rms_norm, rotary_tables
 from tandem.export.lowering import lower_for_onnxruntime
 from tandem.export.ops import paged_sparse_attention as psa
 
+from .test_cpu_kernels import PAGE, _attention_inputs
+
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
-HQ, HKV, D, PAGE = 4, 2, 24, 4
+HQ, HKV, D = 4, 2, 24
 SPEC = AttentionSpec(num_heads=HQ, num_kv_heads=HKV, head_dim=D, rotary_dim=8, rope_theta=1e4)
 
 
@@ -83,17 +85,11 @@ def _fused(model, norms: bool = True, gate: bool = True, packed: bool = False):
 
 
 def _feeds(rng, ctx, W, pages=16, gate=True, packed=False):
-    B = len(ctx)
-    width = max(-(-(c + W) // PAGE) for c in ctx)
-    f = {"qg" if packed else "q": rng.standard_normal((B, W, HQ, 2 * D if packed else D)).astype(np.float32),
-         "k": rng.standard_normal((B, W, HKV, D)).astype(np.float32),
-         "v": rng.standard_normal((B, W, HKV, D)).astype(np.float32),
-         "kc": rng.standard_normal((pages, PAGE, HKV, D)).astype(np.float32),
-         "vc": rng.standard_normal((pages, PAGE, HKV, D)).astype(np.float32),
-         "tables": rng.permutation(pages)[:B * width].reshape(B, width).astype(np.int64),
-         "ctx": np.array(ctx, np.int64)}
-    if gate and not packed:
-        f["g"] = rng.standard_normal((B, W, HQ * D)).astype(np.float32)
+    f = _attention_inputs(rng, ctx, W, hq=HQ, hkv=HKV, d=D, pages=pages)
+    if packed:      # each head's query, then its gate
+        f["qg"] = np.concatenate([f.pop("q"), rng.standard_normal((len(ctx), W, HQ, D)).astype(np.float32)], -1)
+    elif gate:
+        f["g"] = rng.standard_normal((len(ctx), W, HQ * D)).astype(np.float32)
     return f
 
 
