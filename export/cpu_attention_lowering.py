@@ -111,9 +111,10 @@ def lower_rotary_tables_to_kernel(model: onnx.ModelProto) -> int:
     for node in graph.node:
         tables = found.get(node.output[0]) if node.output else None
         if tables is not None:             # the cos table's place: after the positions, before its readers
-            nodes.append(helper.make_node("RotaryTables", [tables.positions, tables.inv_freq], [tables.cos, tables.sin],
-                                          domain=CPU_DOMAIN, name=f"{node.name}/RotaryTables",
-                                          head_dim=tables.head_dim))
+            inputs = (["", tables.inv_freq, tables.context_lens, tables.ids] if tables.context_lens
+                      else [tables.positions, tables.inv_freq])        # positions made in the node, or given
+            nodes.append(helper.make_node("RotaryTables", inputs, [tables.cos, tables.sin], domain=CPU_DOMAIN,
+                                          name=f"{node.name}/RotaryTables", head_dim=tables.head_dim))
         elif not (node.output and node.output[0] in sines):
             nodes.append(node)
     del graph.node[:]

@@ -300,6 +300,8 @@ class RotaryTables:
     head_dim: int
     cos: str                # the tables the graph made: the kernel makes them under these names
     sin: str
+    context_lens: str       # where positions = context_lens + w for the rows of `ids`: the kernel
+    ids: str                # makes them itself ("" otherwise)
 
 
 def match_rotary_tables(g: GraphIndex, cos: str, sin: str) -> RotaryTables | None:
@@ -327,7 +329,30 @@ def match_rotary_tables(g: GraphIndex, cos: str, sin: str) -> RotaryTables | Non
     half = int(freqs[1].size)
     if sign.reshape(-1).tolist() != [-1.0] * half + [1.0] * half:
         return None
-    return RotaryTables(cast.input[0], freqs[2], 2 * half + pad, cos, sin)
+    return RotaryTables(cast.input[0], freqs[2], 2 * half + pad, cos, sin, *_row_positions(g, cast.input[0]))
+
+
+def _row_positions(g: GraphIndex, positions: str) -> tuple[str, str]:
+    """(context_lens, ids) where positions = Add(Unsqueeze(context_lens, [1]), Unsqueeze(Range(0,
+    Squeeze(Shape(ids, start=1, end=2), [0]), 1), [0])) (export/graphs.py's _paging); else ("", "")."""
+    add = g.node(positions, "Add")
+    for lens, rows in ((add.input, reversed(add.input)) if add is not None else ()):
+        lens_1, rows_1 = g.node(lens, "Unsqueeze"), g.node(rows, "Unsqueeze")
+        if lens_1 is None or rows_1 is None or _axes(g, lens_1) != [1] or _axes(g, rows_1) != [0]:
+            continue
+        span = g.node(rows_1.input[0], "Range")
+        if span is None or [_scalar(g, span.input[0]), _scalar(g, span.input[2])] != [0, 1]:
+            continue
+        count = g.node(span.input[1], "Squeeze")
+        shape = g.node(count.input[0], "Shape") if count is not None else None
+        if shape is not None and _attr(shape, "start", 0) == 1 and _attr(shape, "end") == 2:
+            return lens_1.input[0], shape.input[0]
+    return "", ""
+
+
+def _scalar(g: GraphIndex, name: str) -> int | None:
+    value = g.value(name)
+    return int(value.reshape(-1)[0]) if value is not None and value.size == 1 else None
 
 
 def _padded(g: GraphIndex, name: str, fill: float) -> tuple[str, int]:

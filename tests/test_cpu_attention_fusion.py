@@ -80,7 +80,8 @@ def _fused(model, norms: bool = True, gate: bool = True, packed: bool = False):
         assert kernel.input[0] == "q" and len(kernel.input) == 11 + gate, list(kernel.input)
     assert keys.input[0] == "k" and bool(keys.input[1]) == norms, list(keys.input)
     assert not {"RMSNormalization", "Gather", "Sigmoid", "Cos", "Sin"} & set(ops), ops
-    assert ops["RotaryTables"] == 1, ops                     # the tables: one node for both
+    (tables,) = [n for n in lowered.graph.node if n.op_type == "RotaryTables"]   # one node for both tables
+    assert list(tables.input)[0::2] == ["", "ctx"], list(tables.input)          # positions ctx + w: in it
     return lowered
 
 
@@ -164,6 +165,7 @@ def test_rotary_tables_kernel_rotates_as_the_exporters_nodes_at_any_position(lib
     model.ir_version = IR_VERSION
     lowered = lower_for_onnxruntime(model, cpu_kernels=True)
     assert sorted(n.op_type for n in lowered.graph.node) == ["NormRope", "RotaryTables"]
+    assert next(n for n in lowered.graph.node if n.op_type == "RotaryTables").input[0] == "pos"   # given
     feeds = {"pos": np.array([[0, 1, 7, 100, 1000, 32767, 131071, 1_000_000]], np.int64),
              "x": np.random.default_rng(0).standard_normal((1, 8, 2, 128)).astype(np.float32)}
     want = onnxruntime_backend.session(model).run(None, feeds)[0]

@@ -2,7 +2,9 @@
 // kernel (export/cpu_kernel_lowering.py makes it from the exporter's 14 nodes, rotary_tables in
 // export/layers.py).
 //
-// Inputs   positions [B, W] int64; inv_freq [rd / 2] float32
+// Inputs   positions [B, W] int64 (optional); inv_freq [rd / 2] float32; context_lens [B] int64 and
+//          rows [B, W, ...] (any type: its shape only) where positions is omitted: position
+//          context_lens[b] + w (the exporter's positions, made in the node)
 // Outputs  cos, sin [B, W, 1, D]: over dims j < rd, a = float(position) inv_freq[j mod rd/2] (one
 //          float32 product, as the graph's Cast and Mul), cos(a) and sin(a) negated on the first
 //          half (rotate_half's sign); over rd <= j < D cos 1 and sin 0 (the dims RoPE passes through)
@@ -27,9 +29,19 @@ struct Kernel {
   int64_t D;
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> pd, fd;
-    const int64_t* positions = input<int64_t>(api, context, 0, &pd);
+    std::vector<int64_t> pd, fd, cd, rd_;
+    const int64_t* positions = optional_input<int64_t>(api, context, 0, &pd);
     const float* inv_freq = input<float>(api, context, 1, &fd);
+    const int64_t* context_lens = nullptr;
+    if (positions == nullptr) {       // context_lens[b] + w for the W rows of input 3
+      context_lens = optional_input<int64_t>(api, context, 2, &cd);
+      const OrtValue* rows = nullptr;
+      check(api, api.KernelContextGetInput(context, 3, &rows));
+      expect(context_lens != nullptr && rows != nullptr, kOp, "without positions, context_lens and rows are needed");
+      pd = dims_of(api, rows);
+      expect(pd.size() >= 2 && cd == std::vector<int64_t>({pd[0]}), kOp, "expected context_lens [B] and rows [B, W, ...]");
+      pd.resize(2);
+    }
     expect(pd.size() == 2 && fd.size() == 1, kOp, "expected positions [B, W] and inv_freq [rd / 2]");
     const int64_t half = fd[0], rd = 2 * half;
     expect(rd <= D, kOp, "the rotary dims are more than head_dim");
@@ -37,7 +49,7 @@ struct Kernel {
     float* cos_out = output(api, context, 0, dims);
     float* sin_out = output(api, context, 1, dims);
     for (int64_t r = 0; r < pd[0] * pd[1]; ++r) {
-      const float at = static_cast<float>(positions[r]);
+      const float at = static_cast<float>(positions != nullptr ? positions[r] : context_lens[r / pd[1]] + r % pd[1]);
       float* c = cos_out + r * D;
       float* s = sin_out + r * D;
       for (int64_t j = 0; j < rd; ++j) {
@@ -51,11 +63,17 @@ struct Kernel {
 };
 
 const char* op_name(const OrtCustomOp*) { return kOp; }
-int op_input_type(const OrtCustomOp*, size_t index) { return index == 0 ? kTensorInt64 : kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 2; }
+// rows (input 3): any element type (0: undefined), only its shape is read
+int op_input_type(const OrtCustomOp*, size_t index) {
+  return index == 1 ? kTensorFloat : index == 3 ? 0 : kTensorInt64;
+}
+size_t op_input_count(const OrtCustomOp*) { return 4; }
 int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
 size_t op_output_count(const OrtCustomOp*) { return 2; }
-int op_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
+int op_input_characteristic(const OrtCustomOp*, size_t index) {
+  return index == 1 ? kInputOutputRequired : kInputOutputOptional;
+}
+int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
 
 void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
   OrtApiTable table(api);
@@ -71,7 +89,7 @@ const OrtCustomOp kRotaryTables = {
     kOrtCustomOpVersion, op_create, op_name, cpu_provider,
     op_input_type, op_input_count, op_output_type, op_output_count,
     kernel_compute<Kernel>, kernel_destroy<Kernel>,
-    op_characteristic, op_characteristic, default_memory,
+    op_input_characteristic, op_output_characteristic, default_memory,
 };
 
 }  // namespace tandem
