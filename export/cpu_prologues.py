@@ -86,15 +86,20 @@ def _attr(node: onnx.NodeProto, name: str, default=None):
 def _slice_of(g: GraphIndex, name: str) -> tuple[str, int, int] | None:
     """Reshape(Slice(x, [start], [end], [axis 2 or -1])) -> (x, start, end)."""
     reshape = g.node(name, "Reshape")
-    cut = g.node(reshape.input[0], "Slice") if reshape is not None else None
+    return _slice(g, reshape.input[0], (2, -1)) if reshape is not None else None
+
+
+def _slice(g: GraphIndex, name: str, axes: tuple[int, ...]) -> tuple[str, int, int] | None:
+    """Slice(x, [start], [end], [axis], [1]) along one of `axes` -> (x, start, end)."""
+    cut = g.node(name, "Slice")
     if cut is None or len(cut.input) not in (4, 5):
         return None
-    starts, ends, axes = (g.value(n) for n in cut.input[1:4])
+    starts, ends, axis = (g.value(n) for n in cut.input[1:4])
     steps = g.value(cut.input[4]) if len(cut.input) == 5 else np.ones(1)
-    if any(v is None or v.size != 1 for v in (starts, ends, axes, steps)) or int(axes[0]) not in (2, -1) \
-            or int(steps[0]) != 1:
+    if any(v is None or v.size != 1 for v in (starts, ends, axis, steps)) or int(axis.reshape(-1)[0]) not in axes \
+            or int(steps.reshape(-1)[0]) != 1:
         return None
-    return cut.input[0], int(starts[0]), int(ends[0])
+    return cut.input[0], int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
 
 
 def _l2_norm(g: GraphIndex, name: str) -> tuple[str, int, int, float, float] | None:
@@ -252,21 +257,10 @@ def _packed(g: GraphIndex, query: str, gate: str) -> str:
     """qg where query = Slice(qg, [0], [D], [3]) and gate = Reshape(Slice(qg, [D], [2 D], [3])) (the
     exporter's output gate: q_proj makes each head's query, then its gate); else ""."""
     reshape = g.node(gate, "Reshape") if gate else None
-    q, z = _head_part(g, query), _head_part(g, reshape.input[0]) if reshape is not None else None
+    q, z = _slice(g, query, (3,)), _slice(g, reshape.input[0], (3,)) if reshape is not None else None
     if q is None or z is None or q[0] != z[0] or q[1] != 0 or z[1] != q[2] or z[2] != 2 * q[2]:
         return ""
     return q[0]
-
-
-def _head_part(g: GraphIndex, name: str) -> tuple[str, int, int] | None:
-    """Slice(x, [start], [end], [3]) -> (x, start, end)."""
-    cut = g.node(name, "Slice")
-    if cut is None or len(cut.input) != 4:
-        return None
-    starts, ends, axes = (g.value(n) for n in cut.input[1:4])
-    if any(v is None or v.size != 1 for v in (starts, ends, axes)) or int(axes.reshape(-1)[0]) != 3:
-        return None
-    return cut.input[0], int(starts.reshape(-1)[0]), int(ends.reshape(-1)[0])
 
 
 def _output_gate(g: GraphIndex, out: str) -> tuple[str, str]:

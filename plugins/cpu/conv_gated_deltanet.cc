@@ -78,6 +78,22 @@ struct Prologue {
 };
 
 struct Kernel {
+  static constexpr const char* kName = kOp;
+  static constexpr int kInputs[] = {kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat,
+      kTensorFloat, kTensorFloat, kTensorFloat, kTensorInt64, kTensorInt64, kTensorInt64};
+  static constexpr uint32_t kOptionalInputs = from_index(10);
+  static constexpr size_t kOutputs = 5;
+  static constexpr uint32_t kOptionalOutputs = from_index(1);
+
+  static Kernel* create(const OrtApiTable& api, const OrtKernelInfo* info) {
+    float scale = 1.0f, norm_epsilon = 0.0f, norm_scale = 1.0f;
+    check(api, api.KernelInfoGetAttributeFloat(info, "scale", &scale));
+    check(api, api.KernelInfoGetAttributeFloat(info, "norm_epsilon", &norm_epsilon));
+    check(api, api.KernelInfoGetAttributeFloat(info, "norm_scale", &norm_scale));
+    return new Kernel{api, scale, norm_epsilon, norm_scale, optional_int(api, info, "emit_output", 1) != 0,
+                      avx512f()};
+  }
+
   OrtApiTable api;
   float scale, norm_epsilon, norm_scale;
   bool emit_output, fast;
@@ -172,35 +188,8 @@ struct Kernel {
   }
 };
 
-const char* op_name(const OrtCustomOp*) { return kOp; }
-int op_input_type(const OrtCustomOp*, size_t index) { return index >= 8 ? kTensorInt64 : kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 11; }
-int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_output_count(const OrtCustomOp*) { return 5; }
-int op_input_characteristic(const OrtCustomOp*, size_t index) {
-  return index == 10 ? kInputOutputOptional : kInputOutputRequired;
-}
-int op_output_characteristic(const OrtCustomOp*, size_t index) {
-  return index == 0 ? kInputOutputRequired : kInputOutputOptional;
-}
-
-void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
-  OrtApiTable table(api);
-  float scale = 1.0f, norm_epsilon = 0.0f, norm_scale = 1.0f;
-  check(table, table.KernelInfoGetAttributeFloat(info, "scale", &scale));
-  check(table, table.KernelInfoGetAttributeFloat(info, "norm_epsilon", &norm_epsilon));
-  check(table, table.KernelInfoGetAttributeFloat(info, "norm_scale", &norm_scale));
-  return new Kernel{table, scale, norm_epsilon, norm_scale, optional_int(table, info, "emit_output", 1) != 0,
-                    avx512f()};
-}
-
 }  // namespace
 
-const OrtCustomOp kConvGatedDeltaNet = {
-    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
-    op_input_type, op_input_count, op_output_type, op_output_count,
-    kernel_compute<Kernel>, kernel_destroy<Kernel>,
-    op_input_characteristic, op_output_characteristic, default_memory,
-};
+const OrtCustomOp kConvGatedDeltaNet = custom_op<Kernel>();
 
 }  // namespace tandem

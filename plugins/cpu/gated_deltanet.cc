@@ -105,7 +105,9 @@ RowFn row_for(int64_t dv) {
 
 void delta_rule_outputs(const OrtApiTable& api, OrtKernelContext* context, const char* op, int64_t P,
                         DeltaRuleCall* c) {
-  for (int64_t b = 0; b < c->B; ++b) expect(c->slots[b] >= 0 && c->slots[b] < P, op, "a state slot is outside the pool");
+  for (int64_t b = 0; b < c->B; ++b) {
+    expect(c->slots[b] >= 0 && c->slots[b] < P, op, "a state slot is outside the pool");
+  }
   expect(c->hk > 0 && c->hv % c->hk == 0, op, "value heads must be a multiple of key heads");
   expect(c->dv <= 1024, op, "value head dim above 1024");
   const size_t outputs = output_count(api, context);
@@ -147,6 +149,19 @@ void delta_rule(const OrtApiTable& api, OrtKernelContext* context, const DeltaRu
 namespace {
 
 struct Kernel {
+  static constexpr const char* kName = "GatedDeltaNet";
+  static constexpr int kInputs[] = {kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat,
+      kTensorFloat, kTensorInt64, kTensorInt64};
+  static constexpr uint32_t kOptionalInputs = 0;
+  static constexpr size_t kOutputs = 3;
+  static constexpr uint32_t kOptionalOutputs = from_index(1);
+
+  static Kernel* create(const OrtApiTable& api, const OrtKernelInfo* info) {
+    float scale = 1.0f;
+    check(api, api.KernelInfoGetAttributeFloat(info, "scale", &scale));
+    return new Kernel{api, scale, optional_int(api, info, "emit_output", 1) != 0};
+  }
+
   OrtApiTable api;
   float scale;
   bool emit_output;   // 0: a replay that only wants the state (rows past state_rows are skipped)
@@ -176,30 +191,8 @@ struct Kernel {
   }
 };
 
-const char* op_name(const OrtCustomOp*) { return "GatedDeltaNet"; }
-int op_input_type(const OrtCustomOp*, size_t index) { return index >= 6 ? kTensorInt64 : kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 8; }
-int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_output_count(const OrtCustomOp*) { return 3; }
-int op_input_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
-int op_output_characteristic(const OrtCustomOp*, size_t index) {
-  return index == 0 ? kInputOutputRequired : kInputOutputOptional;
-}
-
-void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
-  OrtApiTable table(api);
-  float scale = 1.0f;
-  check(table, table.KernelInfoGetAttributeFloat(info, "scale", &scale));
-  return new Kernel{table, scale, optional_int(table, info, "emit_output", 1) != 0};
-}
-
 }  // namespace
 
-const OrtCustomOp kGatedDeltaNet = {
-    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
-    op_input_type, op_input_count, op_output_type, op_output_count,
-    kernel_compute<Kernel>, kernel_destroy<Kernel>,
-    op_input_characteristic, op_output_characteristic, default_memory,
-};
+const OrtCustomOp kGatedDeltaNet = custom_op<Kernel>();
 
 }  // namespace tandem

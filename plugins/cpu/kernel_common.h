@@ -140,7 +140,8 @@ inline ColumnSplit column_split(const OrtApiTable& api, OrtKernelContext* contex
   if (const int64_t* heads = optional_input<int64_t>(api, context, index + 1, &hd)) {
     expect(numel(hd) == numel(sd), op, "split heads must be one per output");
     for (size_t i = 0; i < c.widths.size(); ++i) {
-      expect(heads[i] >= 0 && (heads[i] == 0 || c.widths[i] % heads[i] == 0), op, "split heads must divide their widths");
+      expect(heads[i] >= 0 && (heads[i] == 0 || c.widths[i] % heads[i] == 0), op,
+             "split heads must divide their widths");
       c.heads[i] = heads[i];
     }
   }
@@ -183,13 +184,43 @@ inline void parallel_for(const OrtApiTable& api, OrtKernelContext* context, int6
                                           const_cast<std::function<void(int64_t, int64_t)>*>(&fn)));
 }
 
-// Callbacks every op of the library shares (K: its kernel type, with compute(context)).
+// The OrtCustomOp ONNX Runtime reads for an op, from its kernel type K, which declares:
+//   static constexpr const char* kName;
+//   static constexpr int kInputs[];           the element type of each input (0: any)
+//   static constexpr uint32_t kOptionalInputs; bit i set: input i may be omitted
+//   static constexpr size_t kOutputs;          float32 outputs
+//   static constexpr uint32_t kOptionalOutputs;
+//   static K* create(const OrtApiTable&, const OrtKernelInfo*);  and  void compute(OrtKernelContext*)
+constexpr uint32_t from_index(int i) { return ~0u << i; }    // bits i and up: every input from i on
+
 template <typename K>
-void kernel_compute(void* kernel, OrtKernelContext* context) { static_cast<K*>(kernel)->compute(context); }
+struct OpCallbacks {
+  static void* create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
+    return K::create(OrtApiTable(api), info);
+  }
+  static const char* name(const OrtCustomOp*) { return K::kName; }
+  static const char* provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
+  static int input_type(const OrtCustomOp*, size_t i) { return K::kInputs[i]; }
+  static size_t input_count(const OrtCustomOp*) { return sizeof(K::kInputs) / sizeof(K::kInputs[0]); }
+  static int output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
+  static size_t output_count(const OrtCustomOp*) { return K::kOutputs; }
+  static void compute(void* kernel, OrtKernelContext* context) { static_cast<K*>(kernel)->compute(context); }
+  static void destroy(void* kernel) { delete static_cast<K*>(kernel); }
+  static int input_characteristic(const OrtCustomOp*, size_t i) {
+    return (K::kOptionalInputs >> i) & 1u ? kInputOutputOptional : kInputOutputRequired;
+  }
+  static int output_characteristic(const OrtCustomOp*, size_t i) {
+    return (K::kOptionalOutputs >> i) & 1u ? kInputOutputOptional : kInputOutputRequired;
+  }
+  static int memory(const OrtCustomOp*, size_t) { return 0; }   // OrtMemTypeDefault
+};
+
 template <typename K>
-void kernel_destroy(void* kernel) { delete static_cast<K*>(kernel); }
-inline const char* cpu_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
-inline int default_memory(const OrtCustomOp*, size_t) { return 0; }  // OrtMemTypeDefault
+constexpr OrtCustomOp custom_op() {
+  using C = OpCallbacks<K>;
+  return {kOrtCustomOpVersion, C::create, C::name, C::provider, C::input_type, C::input_count, C::output_type,
+          C::output_count, C::compute, C::destroy, C::input_characteristic, C::output_characteristic, C::memory};
+}
 
 // The ops of the library (one file each), registered by register.cc.
 extern const OrtCustomOp kGatedDeltaNet;

@@ -112,7 +112,9 @@ TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0) {
   for (int64_t k = 0; k < c.K; ++k, b += kLanes) {
     __m512 w[V];
     if (PF) {
-      for (int v = 0; v < V; ++v) _mm_prefetch(reinterpret_cast<const char*>(b + v * panel + kAhead * kLanes), _MM_HINT_NTA);
+      for (int v = 0; v < V; ++v) {
+        _mm_prefetch(reinterpret_cast<const char*>(b + v * panel + kAhead * kLanes), _MM_HINT_NTA);
+      }
     }
     for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_ps(b + v * panel);
     for (int r = 0; r < R; ++r) {
@@ -198,6 +200,21 @@ void panels_avx512(const Call& c, int64_t p0, int64_t p1) { panels_portable(c, p
 #endif
 
 struct Kernel {
+  static constexpr const char* kName = "MatMul";
+  static constexpr int kInputs[] = {kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat,
+      kTensorInt64, kTensorInt64};
+  static constexpr uint32_t kOptionalInputs = from_index(2);
+  static constexpr size_t kOutputs = kMaxSplits;
+  static constexpr uint32_t kOptionalOutputs = from_index(1);
+
+  static Kernel* create(const OrtApiTable& api, const OrtKernelInfo* info) {
+    int64_t N = 0;
+    check(api, api.KernelInfoGetAttributeInt64(info, "N", &N));
+    expect(N > 0, "MatMul", "N must be positive");
+    const MatMulFusions f = matmul_fusions(api, info, "MatMul");
+    return new Kernel{api, N, f.norm_group, f.swiglu, f.rms_norm, f.epsilon, avx512f()};
+  }
+
   OrtApiTable api;
 
   // A (r norm_scale) silu(gate) per group of norm_group (inputs 3 and 4), in the calling thread's
@@ -258,34 +275,8 @@ struct Kernel {
   }
 };
 
-const char* op_name(const OrtCustomOp*) { return "MatMul"; }
-int op_input_type(const OrtCustomOp*, size_t index) { return index >= 5 ? kTensorInt64 : kTensorFloat; }
-int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 7; }
-size_t op_output_count(const OrtCustomOp*) { return kMaxSplits; }
-int op_input_characteristic(const OrtCustomOp*, size_t index) {
-  return index >= 2 ? kInputOutputOptional : kInputOutputRequired;
-}
-int op_output_characteristic(const OrtCustomOp*, size_t index) {
-  return index >= 1 ? kInputOutputOptional : kInputOutputRequired;
-}
-
-void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
-  OrtApiTable table(api);
-  int64_t N = 0;
-  check(table, table.KernelInfoGetAttributeInt64(info, "N", &N));
-  expect(N > 0, "MatMul", "N must be positive");
-  const MatMulFusions f = matmul_fusions(table, info, "MatMul");
-  return new Kernel{table, N, f.norm_group, f.swiglu, f.rms_norm, f.epsilon, avx512f()};
-}
-
 }  // namespace
 
-const OrtCustomOp kMatMul = {
-    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
-    op_input_type, op_input_count, op_output_type, op_output_count,
-    kernel_compute<Kernel>, kernel_destroy<Kernel>,
-    op_input_characteristic, op_output_characteristic, default_memory,
-};
+const OrtCustomOp kMatMul = custom_op<Kernel>();
 
 }  // namespace tandem

@@ -139,6 +139,27 @@ void columns_portable(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t 
 }
 
 struct Kernel {
+  static constexpr const char* kName = "MatMulNBits";
+  static constexpr int kInputs[] = {kTensorFloat, kTensorUInt8, kTensorFloat, kTensorUInt8, kTensorFloat,
+      kTensorFloat, kTensorFloat, kTensorInt64, kTensorInt64};
+  static constexpr uint32_t kOptionalInputs = from_index(3);
+  static constexpr size_t kOutputs = kMaxSplits;
+  static constexpr uint32_t kOptionalOutputs = from_index(1);
+
+  static Kernel* create(const OrtApiTable& api, const OrtKernelInfo* info) {
+    int64_t K = 0, N = 0, bits = 0, block_size = 0;
+    check(api, api.KernelInfoGetAttributeInt64(info, "K", &K));
+    check(api, api.KernelInfoGetAttributeInt64(info, "N", &N));
+    check(api, api.KernelInfoGetAttributeInt64(info, "bits", &bits));
+    check(api, api.KernelInfoGetAttributeInt64(info, "block_size", &block_size));
+    expect_mm(bits == 4 || bits == 8, "bits must be 4 or 8");
+    expect_mm(block_size >= kGroup && (block_size & (block_size - 1)) == 0, "block_size must be a power of two >= 32");
+    expect_mm(K > 0 && N > 0 && K % block_size == 0, "K must be a positive multiple of block_size");
+    const MatMulFusions f = matmul_fusions(api, info, "MatMulNBits");
+    expect_mm(!f.swiglu || N % 2 == 0, "a swiglu node needs an even N (gate and up halves)");
+    return new Kernel{api, K, N, bits, block_size, avx512_vnni(), f.rms_norm, f.swiglu, f.norm_group, f.epsilon};
+  }
+
   OrtApiTable api;
   int64_t K, N, bits, block_size;
   bool fast;     // AVX-512 VNNI here
@@ -221,42 +242,8 @@ struct Kernel {
   }
 };
 
-const char* op_name(const OrtCustomOp*) { return "MatMulNBits"; }
-int op_input_type(const OrtCustomOp*, size_t index) {
-  return index == 1 || index == 3 ? kTensorUInt8 : index >= 7 ? kTensorInt64 : kTensorFloat;
-}
-size_t op_input_count(const OrtCustomOp*) { return 9; }
-int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_output_count(const OrtCustomOp*) { return kMaxSplits; }
-int op_input_characteristic(const OrtCustomOp*, size_t index) {
-  return index >= 3 ? kInputOutputOptional : kInputOutputRequired;
-}
-int op_output_characteristic(const OrtCustomOp*, size_t index) {
-  return index >= 1 ? kInputOutputOptional : kInputOutputRequired;
-}
-
-void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
-  OrtApiTable table(api);
-  int64_t K = 0, N = 0, bits = 0, block_size = 0;
-  check(table, table.KernelInfoGetAttributeInt64(info, "K", &K));
-  check(table, table.KernelInfoGetAttributeInt64(info, "N", &N));
-  check(table, table.KernelInfoGetAttributeInt64(info, "bits", &bits));
-  check(table, table.KernelInfoGetAttributeInt64(info, "block_size", &block_size));
-  expect_mm(bits == 4 || bits == 8, "bits must be 4 or 8");
-  expect_mm(block_size >= kGroup && (block_size & (block_size - 1)) == 0, "block_size must be a power of two >= 32");
-  expect_mm(K > 0 && N > 0 && K % block_size == 0, "K must be a positive multiple of block_size");
-  const MatMulFusions f = matmul_fusions(table, info, "MatMulNBits");
-  expect_mm(!f.swiglu || N % 2 == 0, "a swiglu node needs an even N (gate and up halves)");
-  return new Kernel{table, K, N, bits, block_size, avx512_vnni(), f.rms_norm, f.swiglu, f.norm_group, f.epsilon};
-}
-
 }  // namespace
 
-const OrtCustomOp kMatMulNBits = {
-    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
-    op_input_type, op_input_count, op_output_type, op_output_count,
-    kernel_compute<Kernel>, kernel_destroy<Kernel>,
-    op_input_characteristic, op_output_characteristic, default_memory,
-};
+const OrtCustomOp kMatMulNBits = custom_op<Kernel>();
 
 }  // namespace tandem

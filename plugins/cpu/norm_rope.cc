@@ -23,54 +23,55 @@ namespace {
 constexpr const char* kOp = "NormRope";
 
 struct Kernel {
+  static constexpr const char* kName = kOp;
+  static constexpr int kInputs[] = {kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat, kTensorInt64};
+  static constexpr uint32_t kOptionalInputs = 1u << 1;      // norm_scale
+  static constexpr size_t kOutputs = 1;
+  static constexpr uint32_t kOptionalOutputs = 0;
+
+  static Kernel* create(const OrtApiTable& api, const OrtKernelInfo* info) {
+    float epsilon = 0.0f;
+    if (OrtStatus* status = api.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon)) {
+      api.ReleaseStatus(status);       // a node without a norm has none
+    }
+    return new Kernel{api, epsilon, avx512f()};
+  }
+
   OrtApiTable api;
   float epsilon;
   bool fast;
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> xd, nd, cd, sd, pd;
+    std::vector<int64_t> xd;
     const float* x = input<float>(api, context, 0, &xd);
-    NormRope p;
-    p.norm = optional_input<float>(api, context, 1, &nd);
-    p.cos = input<float>(api, context, 2, &cd);
-    p.sin = input<float>(api, context, 3, &sd);
-    p.perm = input<int64_t>(api, context, 4, &pd);
-    p.epsilon = epsilon, p.fast = fast;
     expect(xd.size() == 4, kOp, "x must be [B, W, H, D]");
     const int64_t B = xd[0], W = xd[1], H = xd[2], D = xd[3];
-    expect(p.norm == nullptr || numel(nd) == D, kOp, "norm_scale must be [D]");
-    expect(numel(cd) == B * W * D && sd == cd && numel(pd) == D, kOp, "cos, sin must be [B, W, 1, D], rotate_perm [D]");
-    for (int64_t i = 0; i < D; ++i) expect(p.perm[i] >= 0 && p.perm[i] < D, kOp, "rotate_perm names a dim outside D");
+    NormRope p = norm_rope_inputs(api, context, 1, B, W, D, kOp);
+    p.epsilon = epsilon, p.fast = fast;
     p.apply(x, B * W * H, H, D, output(api, context, 0, xd));
   }
 };
 
-const char* op_name(const OrtCustomOp*) { return kOp; }
-int op_input_type(const OrtCustomOp*, size_t index) { return index == 4 ? kTensorInt64 : kTensorFloat; }
-size_t op_input_count(const OrtCustomOp*) { return 5; }
-int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_output_count(const OrtCustomOp*) { return 1; }
-int op_input_characteristic(const OrtCustomOp*, size_t index) {
-  return index == 1 ? kInputOutputOptional : kInputOutputRequired;
-}
-int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
-
-void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
-  OrtApiTable table(api);
-  float epsilon = 0.0f;
-  if (OrtStatus* status = table.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon)) {
-    table.ReleaseStatus(status);       // a node without a norm has none
-  }
-  return new Kernel{table, epsilon, avx512f()};
-}
-
 }  // namespace
 
-const OrtCustomOp kNormRope = {
-    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
-    op_input_type, op_input_count, op_output_type, op_output_count,
-    kernel_compute<Kernel>, kernel_destroy<Kernel>,
-    op_input_characteristic, op_output_characteristic, default_memory,
-};
+NormRope norm_rope_inputs(const OrtApiTable& api, OrtKernelContext* context, size_t first, int64_t B, int64_t W,
+                          int64_t D, const char* op) {
+  std::vector<int64_t> nd, cd, sd, pd;
+  NormRope p;
+  p.norm = optional_input<float>(api, context, first, &nd);
+  p.cos = optional_input<float>(api, context, first + 1, &cd);
+  p.sin = optional_input<float>(api, context, first + 2, &sd);
+  p.perm = optional_input<int64_t>(api, context, first + 3, &pd);
+  expect(p.norm == nullptr || numel(nd) == D, op, "the norm scale must be [D]");
+  expect((p.cos == nullptr) == (p.sin == nullptr) && (p.cos == nullptr) == (p.perm == nullptr), op,
+         "RoPE needs cos, sin and rotate_perm together");
+  if (p.cos != nullptr) {
+    expect(numel(cd) == B * W * D && sd == cd && numel(pd) == D, op, "cos, sin must be [B, W, 1, D], rotate_perm [D]");
+    for (int64_t i = 0; i < D; ++i) expect(p.perm[i] >= 0 && p.perm[i] < D, op, "rotate_perm names a dim outside D");
+  }
+  return p;
+}
+
+const OrtCustomOp kNormRope = custom_op<Kernel>();
 
 }  // namespace tandem

@@ -70,30 +70,29 @@ void head_dots(const float* q, const float* key, int64_t D, int64_t G, float sca
 }
 
 struct Kernel {
+  static constexpr const char* kName = "PagedAttention";
+  static constexpr int kInputs[] = {kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat,
+      kTensorInt64, kTensorInt64, kTensorFloat, kTensorFloat, kTensorFloat, kTensorInt64, kTensorFloat};
+  static constexpr uint32_t kOptionalInputs = from_index(7);
+  static constexpr size_t kOutputs = 1;
+  static constexpr uint32_t kOptionalOutputs = 0;
+
+  static Kernel* create(const OrtApiTable& api, const OrtKernelInfo* info) {
+    float scale = 1.0f, norm_epsilon = 0.0f;
+    int64_t window = 0;
+    check(api, api.KernelInfoGetAttributeFloat(info, "scale", &scale));
+    check(api, api.KernelInfoGetAttributeInt64(info, "sliding_window", &window));
+    if (OrtStatus* status = api.KernelInfoGetAttributeFloat(info, "norm_epsilon", &norm_epsilon)) {
+      api.ReleaseStatus(status);       // a node without q_norm has none
+    }
+    return new Kernel{api, scale, window, norm_epsilon, avx512f(), optional_int(api, info, "packed_gate", 0) != 0};
+  }
+
   OrtApiTable api;
   float scale;
   int64_t window;
   float norm_epsilon;
   bool fast, packed_gate;
-
-  // q_norm, cos, sin, rotate_perm (inputs 7-10; each optional) for a call of B W rows of D
-  NormRope query_prologue(OrtKernelContext* context, int64_t B, int64_t W, int64_t D) const {
-    std::vector<int64_t> nd, cd, sd, pd;
-    NormRope p;
-    p.norm = optional_input<float>(api, context, 7, &nd);
-    p.cos = optional_input<float>(api, context, 8, &cd);
-    p.sin = optional_input<float>(api, context, 9, &sd);
-    p.perm = optional_input<int64_t>(api, context, 10, &pd);
-    p.epsilon = norm_epsilon, p.fast = fast;
-    expect_pa(p.norm == nullptr || numel(nd) == D, "q_norm must be [D]");
-    expect_pa((p.cos == nullptr) == (p.sin == nullptr) && (p.cos == nullptr) == (p.perm == nullptr),
-              "RoPE needs cos, sin and rotate_perm together");
-    if (p.cos != nullptr) {
-      expect_pa(numel(cd) == B * W * D && sd == cd && numel(pd) == D, "cos, sin must be [B, W, 1, D], rotate_perm [D]");
-      for (int64_t i = 0; i < D; ++i) expect_pa(p.perm[i] >= 0 && p.perm[i] < D, "rotate_perm names a dim outside D");
-    }
-    return p;
-  }
 
   void compute(OrtKernelContext* context) const {
     std::vector<int64_t> qd, kd, vd, kcd, vcd, td, cd;
@@ -137,7 +136,8 @@ struct Kernel {
       gate = optional_input<float>(api, context, 11, &gd);
       expect_pa(gate == nullptr || numel(gd) == B * W * hq * dv, "the gate must be [B, W, Hq Dv]");
     }
-    const NormRope query = query_prologue(context, B, W, D);
+    NormRope query = norm_rope_inputs(api, context, 7, B, W, D, "PagedAttention");   // q_norm, cos, sin, perm
+    query.epsilon = norm_epsilon, query.fast = fast;
     if (query.any()) {
       q_buffer.resize(static_cast<size_t>(B * W * hq * D));
       query.apply(q, B * W * hq, hq, D, q_buffer.data());
@@ -194,38 +194,8 @@ struct Kernel {
   }
 };
 
-const char* op_name(const OrtCustomOp*) { return "PagedAttention"; }
-int op_input_type(const OrtCustomOp*, size_t index) {
-  return index == 5 || index == 6 || index == 10 ? kTensorInt64 : kTensorFloat;
-}
-size_t op_input_count(const OrtCustomOp*) { return 12; }
-int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_output_count(const OrtCustomOp*) { return 1; }
-int op_input_characteristic(const OrtCustomOp*, size_t index) {
-  return index >= 7 ? kInputOutputOptional : kInputOutputRequired;
-}
-int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
-
-void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
-  OrtApiTable table(api);
-  float scale = 1.0f;
-  int64_t window = 0;
-  check(table, table.KernelInfoGetAttributeFloat(info, "scale", &scale));
-  check(table, table.KernelInfoGetAttributeInt64(info, "sliding_window", &window));
-  float norm_epsilon = 0.0f;
-  if (OrtStatus* status = table.KernelInfoGetAttributeFloat(info, "norm_epsilon", &norm_epsilon)) {
-    table.ReleaseStatus(status);       // a node without the norms has none
-  }
-  return new Kernel{table, scale, window, norm_epsilon, avx512f(), optional_int(table, info, "packed_gate", 0) != 0};
-}
-
 }  // namespace
 
-const OrtCustomOp kPagedAttention = {
-    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
-    op_input_type, op_input_count, op_output_type, op_output_count,
-    kernel_compute<Kernel>, kernel_destroy<Kernel>,
-    op_input_characteristic, op_output_characteristic, default_memory,
-};
+const OrtCustomOp kPagedAttention = custom_op<Kernel>();
 
 }  // namespace tandem

@@ -25,6 +25,20 @@ namespace {
 constexpr const char* kOp = "RotaryTables";
 
 struct Kernel {
+  static constexpr const char* kName = kOp;
+  // rows (input 3): any element type (0), only its shape is read
+  static constexpr int kInputs[] = {kTensorInt64, kTensorFloat, kTensorInt64, 0};
+  static constexpr uint32_t kOptionalInputs = ~(1u << 1);   // all but inv_freq
+  static constexpr size_t kOutputs = 2;
+  static constexpr uint32_t kOptionalOutputs = 0;
+
+  static Kernel* create(const OrtApiTable& api, const OrtKernelInfo* info) {
+    int64_t D = 0;
+    check(api, api.KernelInfoGetAttributeInt64(info, "head_dim", &D));
+    expect(D > 0, kOp, "head_dim must be positive");
+    return new Kernel{api, D};
+  }
+
   OrtApiTable api;
   int64_t D;
 
@@ -39,7 +53,8 @@ struct Kernel {
       check(api, api.KernelContextGetInput(context, 3, &rows));
       expect(context_lens != nullptr && rows != nullptr, kOp, "without positions, context_lens and rows are needed");
       pd = dims_of(api, rows);
-      expect(pd.size() >= 2 && cd == std::vector<int64_t>({pd[0]}), kOp, "expected context_lens [B] and rows [B, W, ...]");
+      expect(pd.size() >= 2 && cd == std::vector<int64_t>({pd[0]}), kOp,
+             "expected context_lens [B] and rows [B, W, ...]");
       pd.resize(2);
     }
     expect(pd.size() == 2 && fd.size() == 1, kOp, "expected positions [B, W] and inv_freq [rd / 2]");
@@ -62,34 +77,8 @@ struct Kernel {
   }
 };
 
-const char* op_name(const OrtCustomOp*) { return kOp; }
-// rows (input 3): any element type (0: undefined), only its shape is read
-int op_input_type(const OrtCustomOp*, size_t index) {
-  return index == 1 ? kTensorFloat : index == 3 ? 0 : kTensorInt64;
-}
-size_t op_input_count(const OrtCustomOp*) { return 4; }
-int op_output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
-size_t op_output_count(const OrtCustomOp*) { return 2; }
-int op_input_characteristic(const OrtCustomOp*, size_t index) {
-  return index == 1 ? kInputOutputRequired : kInputOutputOptional;
-}
-int op_output_characteristic(const OrtCustomOp*, size_t) { return kInputOutputRequired; }
-
-void* op_create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
-  OrtApiTable table(api);
-  int64_t D = 0;
-  check(table, table.KernelInfoGetAttributeInt64(info, "head_dim", &D));
-  expect(D > 0, kOp, "head_dim must be positive");
-  return new Kernel{table, D};
-}
-
 }  // namespace
 
-const OrtCustomOp kRotaryTables = {
-    kOrtCustomOpVersion, op_create, op_name, cpu_provider,
-    op_input_type, op_input_count, op_output_type, op_output_count,
-    kernel_compute<Kernel>, kernel_destroy<Kernel>,
-    op_input_characteristic, op_output_characteristic, default_memory,
-};
+const OrtCustomOp kRotaryTables = custom_op<Kernel>();
 
 }  // namespace tandem

@@ -9,6 +9,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "kernel_common.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define TANDEM_AVX512F __attribute__((target("avx512f")))
@@ -83,6 +85,12 @@ struct NormRope {
   bool any() const { return norm != nullptr || cos != nullptr; }
   void apply(const float* x, int64_t M, int64_t H, int64_t D, float* y) const;
 };
+
+// A node's norm and RoPE inputs at first .. first + 3 (norm scale [D], cos and sin [B, W, 1, D],
+// rotate_perm [D]; each may be omitted, RoPE's three together) for a call of B W rows of head dim D,
+// checked (`op` names the node's op in errors); epsilon and fast are the caller's (norm_rope.cc).
+NormRope norm_rope_inputs(const OrtApiTable& api, OrtKernelContext* context, size_t first, int64_t B, int64_t W,
+                          int64_t D, const char* op);
 
 // The output dims of a matmul over K into N columns for A's dims `ad`: [..., K] -> [..., N]; with a
 // group norm of G (G > 0) also [..., K / G, G] -> [..., N]. False where A is neither.
