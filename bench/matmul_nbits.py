@@ -32,6 +32,7 @@ from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
 from tandem.export.builder import MS_DOMAIN  # noqa: E402
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN  # noqa: E402
 from tandem.export.cpu_matmul_lowering import weight_panels  # noqa: E402
+from tandem.export.nbits_tiles import tile_weights  # noqa: E402
 from tandem.plugins import cpu_kernels  # noqa: E402
 
 BLOCK = 32
@@ -45,12 +46,12 @@ def graph(domain: str, K: int, N: int, bits: int, nodes: int, seed: int = 0):
     for i in range(nodes):
         q = rng.integers(0, 2**bits, size=(N, nb, BLOCK), dtype=np.uint8)
         packed = q if bits == 8 else (q[..., 0::2] | (q[..., 1::2] << 4))
-        inits += [numpy_helper.from_array(packed, f"B{i}"),
-                  numpy_helper.from_array(rng.random(N * nb, dtype=np.float32) * 0.02, f"s{i}")]
-        ins = ["A", f"B{i}", f"s{i}"]
-        if bits == 4:
-            inits.append(numpy_helper.from_array(rng.integers(0, 256, N * ((nb + 1) // 2), dtype=np.uint8), f"z{i}"))
-            ins.append(f"z{i}")
+        scales = rng.random(N * nb, dtype=np.float32) * 0.02
+        zeros = rng.integers(0, 256, N * ((nb + 1) // 2), dtype=np.uint8) if bits == 4 else None
+        weights = tile_weights(packed, scales, zeros, N, K, bits, BLOCK) if domain == CPU_DOMAIN else \
+            (packed, scales, zeros)
+        ins = ["A", f"B{i}", f"s{i}", f"z{i}"][: 3 if zeros is None else 4]
+        inits += [numpy_helper.from_array(w, name) for w, name in zip(weights, ins[1:])]
         extra = {"accuracy_level": 4} if domain == MS_DOMAIN else {}
         ops.append(helper.make_node("MatMulNBits", ins, [f"Y{i}"], domain=domain, K=K, N=N, bits=bits,
                                     block_size=BLOCK, **extra))

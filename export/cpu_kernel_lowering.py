@@ -6,9 +6,9 @@ plugins/cpu_kernels.py), in the domain `ai.tandem.cpu`:
         are the exporter's: export/cpu_prologues.py; 16 nodes fewer per layer)
     ai.tandem::PagedSparseAttention, dense, fp32  -> ai.tandem.cpu::PagedAttention, with the keys'
         NormRope and the RotaryTables (export/cpu_attention_lowering.py)
-    com.microsoft::MatMulNBits, 4 / 8 bits, level 4 -> ai.tandem.cpu::MatMulNBits   (same inputs and
-        math; in the saved optimized graph, after ONNX Runtime's optimizer made it from
-        DequantizeLinear + MatMul: plugins/cpu/matmul_nbits.cc)
+    com.microsoft::MatMulNBits, 4 / 8 bits, level 4 -> ai.tandem.cpu::MatMulNBits   (the same math,
+        its weights in column tiles: export/nbits_tiles.py; in the saved optimized graph, after
+        ONNX Runtime's optimizer made it from DequantizeLinear + MatMul: plugins/cpu/matmul_nbits.cc)
     MatMul(A, W) with W a float32 [K, N] constant  -> ai.tandem.cpu::MatMul (export/cpu_matmul_lowering.py)
 
     GatedDeltaNet(q, k, v, g, beta, Gather(pool, slots), rows)
@@ -38,6 +38,7 @@ from onnx import helper, numpy_helper
 
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
 from tandem.export.cpu_prologues import GDN_OP, GraphIndex, match_conv_commit, match_prologue
+from tandem.export.nbits_tiles import tile_weights, untiled_inputs
 from tandem.export.ops import gated_deltanet
 
 CPU_DOMAIN = "ai.tandem.cpu"
@@ -74,29 +75,63 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
     return lowered
 
 
-def lower_matmul_nbits_to_kernel(model: onnx.ModelProto) -> bool:
+def lower_matmul_nbits_to_kernel(model: onnx.ModelProto, tensors=None) -> bool:
     """Rewrite in place the 4-bit and 8-bit MatMulNBits of an optimized graph that compute with int8
     activations (accuracy level 4) and whose blocks the kernel reads (a power of two >= 32 inputs,
-    float32 scales, no g_idx or bias); returns whether any was. 8-bit nodes moved once the norm,
-    residual and gate fusions came with the kernel (150M int8 plain decode 1.13x; the batch-8
-    4-row verify stays 0.93x of MLAS's: docs/performance.md)."""
-    f32 = {t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT}
-    done = False
+    float32 scales, no g_idx or bias); returns whether any was. Their weights, scales and zero
+    points become the kernel's column tiles (export/nbits_tiles.py), written with `tensors`
+    (array(tensor) -> ndarray; add(name, array) -> TensorProto: the saved graph's tensor store;
+    None: inside the graph). 8-bit nodes moved once the norm, residual and gate fusions came with
+    the kernel (150M int8 plain decode 1.13x: docs/performance.md)."""
+    tensors = tensors or _InlineTensors()
+    inits = {t.name: t for t in model.graph.initializer}
+    tiled: dict[str, tuple[str, str, str]] = {}           # (B, scales, zeros) -> the tiles' names
     for node in model.graph.node:
         if node.domain != MS_DOMAIN or node.op_type != "MatMulNBits":
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         block = attrs.get("block_size", 0)
-        if attrs.get("bits") in (4, 8) and attrs.get("accuracy_level") == 4 and len(node.input) <= 4 \
-                and block >= 32 and not block & (block - 1) and attrs["K"] % block == 0 and node.input[2] in f32:
-            kept = [a for a in node.attribute if a.name in ("K", "N", "bits", "block_size")]
-            del node.attribute[:]
-            node.attribute.extend(kept)
-            node.domain = CPU_DOMAIN
-            done = True
-    if done:
-        import_cpu_domain(model)
-    return done
+        weights = list(node.input[1:4]) + [""] * (4 - len(node.input))
+        if not (attrs.get("bits") in (4, 8) and attrs.get("accuracy_level") == 4 and len(node.input) <= 4
+                and block >= 32 and not block & (block - 1) and attrs["K"] % block == 0
+                and all(w in inits for w in weights if w)
+                and inits[weights[1]].data_type == onnx.TensorProto.FLOAT):
+            continue
+        key = "|".join(weights)
+        if key not in tiled:
+            arrays = [tensors.array(inits[w]) if w else None for w in weights]
+            made = tile_weights(*arrays, attrs["N"], attrs["K"], attrs["bits"], block)
+            tiled[key] = tuple(f"{w}/tiles" if w else "" for w in weights)
+            for name, array in zip(tiled[key], made):
+                if name and name not in inits:
+                    inits[name] = tensors.add(name, array)
+                    model.graph.initializer.append(inits[name])
+        inputs = [node.input[0], *(w for w in tiled[key] if w)]
+        del node.input[:]
+        node.input.extend(inputs)
+        kept = [a for a in node.attribute if a.name in ("K", "N", "bits", "block_size")]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        node.domain = CPU_DOMAIN
+    if not tiled:
+        return False
+    read = {o.name for o in model.graph.output}.union(*(names_read(n) for n in model.graph.node))
+    for tensor in [t for t in model.graph.initializer if t.name not in read]:
+        model.graph.initializer.remove(tensor)          # ONNX Runtime's layout, where no node reads it
+    import_cpu_domain(model)
+    return True
+
+
+class _InlineTensors:
+    """The tensor store of a graph whose initializers are inside it."""
+
+    @staticmethod
+    def array(tensor: onnx.TensorProto) -> np.ndarray:
+        return numpy_helper.to_array(tensor)
+
+    @staticmethod
+    def add(name: str, array: np.ndarray) -> onnx.TensorProto:
+        return numpy_helper.from_array(array, name)
 
 
 def exact_matmul_nbits(model: onnx.ModelProto) -> None:
@@ -112,6 +147,8 @@ def exact_matmul_nbits(model: onnx.ModelProto) -> None:
             nodes.append(node)
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.domain == CPU_DOMAIN:          # the weights back in ONNX Runtime's layout
+            nodes += untiled_inputs(model, node, attrs)
         inputs, output = list(node.input) + [""] * (9 - len(node.input)), node.output[0]
         if inputs[7]:                          # a column split: the whole product, then a Split node
             split_outputs, output = list(node.output), f"{node.name}/exact_whole"

@@ -16,6 +16,7 @@ from tandem.engines.builder import build_engines
 from tandem.export.builder import MS_DOMAIN
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, lower_matmul_nbits_to_kernel
 from tandem.export.cpu_matmul_lowering import lower_matmul_to_kernel
+from tandem.export.nbits_tiles import tile_weights
 from tandem.plugins import cpu_kernels
 
 from .test_load_costs import SMALL
@@ -44,7 +45,11 @@ def _packed(rng, K, N, bits, bs, zero_points):
 
 
 def _model(K, N, bits, bs, B, scales, zeros, domain=CPU_DOMAIN, a_shape=("M", "K")) -> onnx.ModelProto:
-    inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales.reshape(-1), "scales")]
+    """One MatMulNBits node, ONNX Runtime's (MatMulNBits' layout) or tandem's (its column tiles)."""
+    scales = scales.reshape(-1)
+    if domain == CPU_DOMAIN:
+        B, scales, zeros = tile_weights(B, scales, zeros, N, K, bits, bs)
+    inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales, "scales")]
     if zeros is not None:
         inits.append(numpy_helper.from_array(zeros, "zeros"))
     attrs = dict(K=K, N=N, bits=bits, block_size=bs, **({"accuracy_level": 4} if domain == MS_DOMAIN else {}))
@@ -54,6 +59,14 @@ def _model(K, N, bits, bs, B, scales, zeros, domain=CPU_DOMAIN, a_shape=("M", "K
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(domain, 1)])
     m.ir_version = 10
     return m
+
+
+_TILES = ["B/tiles", "scales/tiles", "zeros/tiles"]      # the lowering's column tiles of B, scales, zeros
+
+
+def _without_untiling(model: onnx.ModelProto) -> list[onnx.NodeProto]:
+    """An exact copy's nodes but those that put the weights back in MatMulNBits' layout."""
+    return [n for n in model.graph.node if "/untiled_" not in n.name]
 
 
 def _reference(A, q, scales, zeros, bits, bs) -> np.ndarray:
@@ -111,7 +124,9 @@ def test_kernel_is_as_close_to_float_weights_as_onnxruntimes(library):
 def test_bad_weights_fail_that_call_with_a_clear_error(library):
     rng = np.random.default_rng(2)
     q, scales, zeros, B, packed = _packed(rng, 96, 40, 4, 32, True)
-    bad = _model(96, 40, 4, 32, B[:, :2], scales, packed)          # B holds 2 of the 3 blocks
+    bad = _model(96, 40, 4, 32, B, scales, packed)
+    tiles = numpy_helper.to_array(bad.graph.initializer[0])
+    bad.graph.initializer[0].CopyFrom(numpy_helper.from_array(tiles[:, :8], "B"))   # 2 of the 3 blocks
     with pytest.raises(Exception, match="B is not"):
         onnxruntime_backend.session(bad, kernels=library).run(None, {"A": np.ones((1, 96), np.float32)})
     good = onnxruntime_backend.session(_model(96, 40, 4, 32, B, scales, packed, a_shape=("M", "any")),
@@ -122,22 +137,32 @@ def test_bad_weights_fail_that_call_with_a_clear_error(library):
 
 
 def test_lowering_takes_level4_nodes_and_the_exact_copy_undoes_it(tmp_path):
+    """The lowering tiles the weights (ONNX Runtime's layout leaves the graph); the exact copy
+    untiles them for ONNX Runtime's node at level 0: equal to that node on the original weights."""
     rng = np.random.default_rng(3)
-    models = {}
+    models, exact = {}, {}
     for name, bits in (("int4", 4), ("int8", 8), ("level0", 8)):
         q, scales, zeros, B, packed = _packed(rng, 96, 40, bits, 32, bits == 4)
-        models[name] = _model(96, 40, bits, 32, B, scales, packed, MS_DOMAIN)
+        models[name], exact[name] = (_model(96, 40, bits, 32, B, scales, packed, MS_DOMAIN) for _ in range(2))
+        next(a for a in exact[name].graph.node[0].attribute if a.name == "accuracy_level").i = 0
     level = next(a for a in models["level0"].graph.node[0].attribute if a.name == "accuracy_level")
     level.i = 0                                                      # float compute: not the kernel's math
     assert lower_matmul_nbits_to_kernel(models["int4"]) and lower_matmul_nbits_to_kernel(models["int8"])
     assert not lower_matmul_nbits_to_kernel(models["level0"])
-    node = models["int4"].graph.node[0]
-    assert node.domain == CPU_DOMAIN and {a.name for a in node.attribute} == {"K", "N", "bits", "block_size"}
-    path = tmp_path / "g.opt.onnx"
-    onnx.save(models["int4"], str(path))
-    copy = onnx.load(str(exact_copy(path)))
-    attrs = {a.name: a.i for a in copy.graph.node[0].attribute}
-    assert copy.graph.node[0].domain == MS_DOMAIN and attrs["accuracy_level"] == 0 and attrs["bits"] == 4
+    for name, bits in (("int4", 4), ("int8", 8)):
+        node = models[name].graph.node[0]
+        assert node.domain == CPU_DOMAIN and {a.name for a in node.attribute} == {"K", "N", "bits", "block_size"}
+        weights = ("B", "scales", "zeros")[: len(node.input) - 1]
+        assert {t.name for t in models[name].graph.initializer} == {f"{w}/tiles" for w in weights}
+        path = tmp_path / f"{name}.opt.onnx"
+        onnx.save(models[name], str(path))
+        copy = onnx.load(str(exact_copy(path)))
+        (mm,) = [n for n in copy.graph.node if n.op_type == "MatMulNBits"]
+        attrs = {a.name: a.i for a in mm.attribute}
+        assert mm.domain == MS_DOMAIN and attrs["accuracy_level"] == 0 and attrs["bits"] == bits
+        A = {"A": rng.standard_normal((3, 96)).astype(np.float32)}
+        np.testing.assert_array_equal(onnxruntime_backend.session(copy, optimized=True).run(None, A)[0],
+                                      onnxruntime_backend.session(exact[name]).run(None, A)[0])
 
 
 def test_leaving_int4_to_onnxruntime_is_part_of_the_backends_versions(monkeypatch):
@@ -229,13 +254,13 @@ def test_lowering_folds_norms_and_residuals_into_int4_nodes_and_the_exact_copy_u
     assert lower_matmul_nbits_to_kernel(model)
     assert lower_matmul_to_kernel(model, None)                        # no float matmul: tensors unused
     (node,) = model.graph.node
-    assert node.domain == CPU_DOMAIN and list(node.input) == ["X", "B", "scales", "zeros", "X", "s"]
+    assert node.domain == CPU_DOMAIN and list(node.input) == ["X", *_TILES, "X", "s"]
     assert list(node.output) == ["Y"]
     path = tmp_path / "g.opt.onnx"
     onnx.save(model, str(path))
     copy = onnx.load(str(exact_copy(path)))
-    assert [(n.op_type, n.domain) for n in copy.graph.node] == [("RMSNormalization", ""), ("MatMulNBits", MS_DOMAIN),
-                                                                 ("Add", "")]
+    assert [(n.op_type, n.domain) for n in _without_untiling(copy)] == [
+        ("RMSNormalization", ""), ("MatMulNBits", MS_DOMAIN), ("Add", "")]
     feeds = {"X": rng.standard_normal((3, K)).astype(np.float32)}
     np.testing.assert_array_equal(onnxruntime_backend.session(copy).run(None, feeds)[0],
                                   onnxruntime_backend.session(exact).run(None, feeds)[0])
@@ -285,7 +310,7 @@ def test_the_mlps_gate_in_the_int4_node_and_back(library, tmp_path):
     path = tmp_path / "g.opt.onnx"
     onnx.save(model, str(path))
     copy = onnx.load(str(exact_copy(path)))
-    assert [n.op_type for n in copy.graph.node] == ["MatMulNBits", "Split", "QuickGelu", "Mul"]
+    assert [n.op_type for n in _without_untiling(copy)] == ["MatMulNBits", "Split", "QuickGelu", "Mul"]
     np.testing.assert_array_equal(onnxruntime_backend.session(copy).run(None, {"X": X})[0],
                                   onnxruntime_backend.session(exact).run(None, {"X": X})[0])
 
@@ -310,7 +335,7 @@ def test_gated_norm_before_an_int4_out_proj_and_back(library, tmp_path):
     model, exact = graph(4), graph(0)
     assert lower_matmul_nbits_to_kernel(model) and lower_matmul_to_kernel(model, None)
     (node,) = model.graph.node
-    assert list(node.input) == ["X", "B", "scales", "zeros", "", "s", "Z"]
+    assert list(node.input) == ["X", *_TILES, "", "s", "Z"]
     feeds = {n: (rng.standard_normal((2, 3, H, G)) * 2).astype(np.float32) for n in ("X", "Z")}
     y = onnxruntime_backend.session(model, kernels=library).run(None, feeds)[0]
     path = tmp_path / "g.opt.onnx"

@@ -37,7 +37,7 @@ def save_served_graphs(export_dir: Path, out_dir: Path, graphs: dict[str, tuple[
     f32 = kernels is not None and cpu_kernels.f32_matmul()
 
     def matmuls(model: onnx.ModelProto, tensors) -> bool:   # both run: no short circuit
-        quantized = bool(nbits and lower_matmul_nbits_to_kernel(model))
+        quantized = bool(nbits and lower_matmul_nbits_to_kernel(model, tensors))
         return bool(f32 and lower_matmul_to_kernel(model, tensors)) or quantized
 
     try:

@@ -1,9 +1,9 @@
 // ai.tandem.cpu::MatMulNBits: weight-only int4 / int8 matmul with int8 activations, the op
 // com.microsoft::MatMulNBits computes at accuracy level 4, as one ONNX Runtime CPU kernel.
 //
-// Inputs   A [..., K] float32; B [N, nb, bs * bits / 8] uint8 (nb = K / bs blocks of bs inputs per
-//          output column); scales [N * nb] float32; zero_points (optional) uint8, 4 bits:
-//          [N * ceil(nb / 2)] two per byte (block 2i low nibble), 8 bits: [N * nb]; absent: 2^(bits-1)
+// Inputs   A [..., K] float32; B, scales, zero_points (optional): the weights in column tiles of 16
+//          (matmul_nbits.h; the build writes them from com.microsoft::MatMulNBits' inputs with
+//          export/nbits_tiles.py); nb = K / bs blocks of bs inputs per column; no zero points: 2^(bits-1)
 //          residual (optional) [..., N]: added to the product; norm_scale (optional) [K]: with
 //          rms_norm, A's rows are RMS-normalized and scaled by it first (the RMSNormalization before
 //          the projection, in the node: A' = A (r scale), r = 1 / sqrt(mean(A^2) + epsilon))
@@ -18,8 +18,7 @@
 //          swiglu (0 or 1): the output is silu(gate) * up of the product's halves [gate | up],
 //          [..., N / 2] (the MLP's Split, sigmoid gate and Mul in the node)
 //
-// 4-bit blocks hold input 2j in byte j's low nibble and 2j + 1 in its high one; 8-bit ones a byte
-// per input. Weight w[n, k] = scale[n, b] (q[n, k] - zero[n, b]), b = k / bs. Each row of A is
+// Weight w[n, k] = scale[n, b] (q[n, k] - zero[n, b]), b = k / bs. Each row of A is
 // quantized per group of 32 inputs, as llama.cpp's Q8_0 and MLAS's int8 compute do:
 //     a = max |x|;  sx = a / 127;  xq = round_half_even(x * (127 / a)) in [-127, 127]
 // and with dot_g the exact integer sum of q xq over group g, and C_b = sum_{g in b} sx_g sum(xq_g):
@@ -47,46 +46,24 @@ namespace {
 
 void expect_mm(bool ok, const char* what) { expect(ok, "MatMulNBits", what); }
 
+constexpr int64_t kTaskBytes = 65536;   // weights per task of the pool (32-128 KB measured alike)
+
 }  // namespace
 
 void QuantizedRows::shape(const MatMulNBitsCall& call) {
   groups = call.K / kGroup;
-  step_groups = 4;
-  steps = (groups + step_groups - 1) / step_groups;
-  row_bytes = steps * step_groups * kGroup;
-  blocks_padded = (call.blocks + 15) / 16 * 16;
-  q.assign(static_cast<size_t>(call.M * row_bytes), 0);
+  q.resize(static_cast<size_t>(call.M * call.K));
   sx.resize(static_cast<size_t>(call.M * groups));
   sums.resize(sx.size());
-  sx_lanes.resize(static_cast<size_t>(call.M * steps * 16));
-  c.assign(static_cast<size_t>(call.M * blocks_padded), 0.0f);
-  const int64_t window_steps = 16 / step_groups, per_block = call.block_size / kGroup;
-  if (lane_block_steps == step_groups && lane_block_per_block == per_block) return;   // as the last call's
-  lane_block_steps = step_groups;
-  lane_block_per_block = per_block;
-  lane_block.resize(static_cast<size_t>(window_steps * 16));
-  for (int64_t j = 0; j < window_steps; ++j) {
-    for (int i = 0; i < 16; ++i) {
-      lane_block[j * 16 + i] = static_cast<int32_t>((j * step_groups + i / (16 / step_groups)) / per_block);
-    }
-  }
+  c.assign(static_cast<size_t>(call.M * call.blocks), 0.0f);
 }
 
-// C_b and the lane scales: the same scalar code behind both kernels
-void QuantizedRows::finish(const MatMulNBitsCall& call, bool lanes) {
+// C_b: the same scalar code behind both kernels
+void QuantizedRows::finish(const MatMulNBitsCall& call) {
   const int64_t per_block = call.block_size / kGroup;
   for (int64_t m = 0; m < call.M; ++m) {
-    const float* s = sx.data() + m * groups;
     for (int64_t g = 0; g < groups; ++g) {
-      c[m * blocks_padded + g / per_block] += s[g] * static_cast<float>(sums[m * groups + g]);
-    }
-    if (!lanes) continue;
-    for (int64_t j = 0; j < steps; ++j) {
-      float* l = sx_lanes.data() + (m * steps + j) * 16;
-      for (int i = 0; i < 16; ++i) {   // lane i sums group j * step_groups + i / (16 / step_groups)
-        const int64_t g = j * step_groups + i / (16 / step_groups);
-        l[i] = g < groups ? s[g] : 0.0f;
-      }
+      c[m * call.blocks + g / per_block] += sx[m * groups + g] * static_cast<float>(sums[m * groups + g]);
     }
   }
 }
@@ -101,38 +78,40 @@ void quantize_portable(const MatMulNBitsCall& call, QuantizedRows* rows) {
       const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
       int32_t sum = 0;
       for (int i = 0; i < kGroup; ++i) {
-        const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv));   // half to even, as vcvtps2dq
-        rows->q[m * rows->row_bytes + g * kGroup + i] = static_cast<int8_t>(std::clamp(v, -127, 127));
-        sum += std::clamp(v, -127, 127);
+        const int32_t v = std::clamp(static_cast<int32_t>(std::nearbyint(x[i] * inv)), -127, 127);   // half to even
+        rows->q[m * call.K + activation_slot(g * kGroup + i, call.bits)] = static_cast<int8_t>(v);
+        sum += v;
       }
       rows->sx[m * rows->groups + g] = amax / 127.0f;
       rows->sums[m * rows->groups + g] = sum;
     }
   }
-  rows->finish(call, false);
+  rows->finish(call);
 }
 
 namespace {
 
-// The portable kernel: columns [n0, n1) of every row, sums in group order.
-void columns_portable(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t n0, int64_t n1) {
-  const int64_t G = c.K / kGroup, per_block = c.block_size / kGroup, blob = c.block_size * c.bits / 8;
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* sw = c.scales + n * c.blocks;
+// The portable kernel: tiles [t0, t1) of every row, sums in group order.
+void tiles_portable(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t0, int64_t t1) {
+  const int64_t per_block = c.block_size / kGroup;
+  for (int64_t n = t0 * kTile; n < std::min(c.N, t1 * kTile); ++n) {
+    const uint8_t* tile = c.B + n / kTile * c.tile_bytes();
+    const float* sw = c.scales + n / kTile * c.blocks * kTile;
+    // input k of column n: in dword k * bits / 32 of the column, byte (k % per dword) * bits / 8
+    const auto weight = [&](int64_t k) {
+      const int64_t per_dword = 32 / c.bits, i = k % per_dword;
+      const uint8_t byte = tile[((k / per_dword) * kTile + n % kTile) * 4 + i * c.bits / 8];
+      return c.bits == 8 ? byte : (byte >> (4 * (i & 1))) & 15;
+    };
     for (int64_t m = 0; m < c.M; ++m) {
-      const int8_t* xq = a.q.data() + m * a.row_bytes;
+      const int8_t* xq = a.q.data() + m * c.K;
       float acc = 0.0f, corr = 0.0f;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t b = g / per_block;
-        const uint8_t* w = c.B + (n * c.blocks + b) * blob + (g % per_block) * kGroup * c.bits / 8;
+      for (int64_t g = 0; g < a.groups; ++g) {
         int32_t dot = 0;
-        for (int i = 0; i < kGroup; ++i) {
-          const int q = c.bits == 8 ? w[i] : (i % 2 == 0 ? w[i / 2] & 15 : w[i / 2] >> 4);
-          dot += q * xq[g * kGroup + i];      // natural order: quantize_portable writes it so
-        }
-        acc += static_cast<float>(dot) * (sw[b] * a.sx[m * a.groups + g]);
+        for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) dot += weight(k) * xq[activation_slot(k, c.bits)];
+        acc += static_cast<float>(dot) * (sw[g / per_block * kTile + n % kTile] * a.sx[m * a.groups + g]);
       }
-      for (int64_t b = 0; b < c.blocks; ++b) corr += sw[b] * c.zero(n, b) * a.c[m * a.blocks_padded + b];
+      for (int64_t b = 0; b < c.blocks; ++b) corr += sw[b * kTile + n % kTile] * c.zero(n, b) * a.c[m * c.blocks + b];
       c.y[m * c.N + n] = acc - corr;
     }
   }
@@ -177,13 +156,15 @@ struct Kernel {
     const float* residual = optional_input<float>(api, context, 4, &rd);
     const float* norm_scale = optional_input<float>(api, context, 5, &wd);
     const float* gate = optional_input<float>(api, context, 6, &gd);
-    const int64_t blocks = K / block_size, blob = block_size * bits / 8;
+    const int64_t blocks = K / block_size;
     std::vector<int64_t> yd;
     expect_mm(product_dims(ad, K, swiglu ? N / 2 : N, norm_group, &yd), "A's last dimension is not the node's K");
-    expect_mm(bd == std::vector<int64_t>({N, blocks, blob}), "B is not [N, K / block_size, block_size * bits / 8]");
-    expect_mm(numel(sd) == N * blocks, "scales do not hold N * K / block_size values");
-    const int64_t zero_bytes = bits == 4 ? N * ((blocks + 1) / 2) : N * blocks;
-    expect_mm(zeros == nullptr || numel(zd) == zero_bytes, "zero_points do not hold one per block");
+    const int64_t tiles = (N + kTile - 1) / kTile, zero_rows = bits == 4 ? (blocks + 1) / 2 : blocks;
+    expect_mm(bd == std::vector<int64_t>({tiles, K * bits / 32, kTile, 4}),
+              "B is not [ceil(N / 16), K * bits / 32, 16, 4] (column tiles: export/nbits_tiles.py)");
+    expect_mm(sd == std::vector<int64_t>({tiles, blocks, kTile}), "scales are not [ceil(N / 16), K / block_size, 16]");
+    expect_mm(zeros == nullptr || zd == std::vector<int64_t>({tiles, zero_rows, kTile}),
+              "zero_points are not [ceil(N / 16), blocks (8 bits) or ceil(blocks / 2) (4 bits), 16]");
     expect_mm(!rms_norm || (norm_scale != nullptr && numel(wd) == K), "rms_norm needs norm_scale [K]");
     expect_mm(!norm_group || (norm_scale != nullptr && numel(wd) == norm_group && K % norm_group == 0),
               "norm_group needs norm_scale [G], G dividing K");
@@ -223,17 +204,18 @@ struct Kernel {
     } else {
       quantize_portable(call, &rows);
     }
-    // column chunks are independent: ONNX Runtime's pool shares them out (each streams its weights)
-    constexpr int64_t kColumns = 16;
+    // tiles are independent: ONNX Runtime's pool shares them out, a few at a time (each task streams
+    // its weights; a tile is only 3-16 KB, too little to pay for a task of its own)
+    const int64_t per_task = std::max<int64_t>(1, kTaskBytes / call.tile_bytes());
     auto chunk = [&](int64_t first, int64_t last) {
-      const int64_t n0 = first * kColumns, n1 = std::min(N, last * kColumns);
+      const int64_t t0 = first * per_task, t1 = std::min(tiles, last * per_task);
       if (fast) {
-        columns_avx512(call, rows, n0, n1);
+        tiles_avx512(call, rows, t0, t1);
       } else {
-        columns_portable(call, rows, n0, n1);
+        tiles_portable(call, rows, t0, t1);
       }
     };
-    parallel_for(api, context, (N + kColumns - 1) / kColumns, chunk);
+    parallel_for(api, context, (tiles + per_task - 1) / per_task, chunk);
     if (residual != nullptr) {   // the residual Add after the projection, in the node
       for (int64_t i = 0; i < call.M * N; ++i) y[i] += residual[i];
     }

@@ -1,6 +1,16 @@
 // What ai.tandem.cpu::MatMulNBits' two kernels share (matmul_nbits.cc: the op and the portable
-// kernel; matmul_nbits_avx512.cc: the AVX-512 VNNI one): one call's operands and its rows of A
-// quantized to int8 per group of 32 inputs.
+// kernel; matmul_nbits_avx512.cc: the AVX-512 VNNI one): one call's operands, the column-tile
+// layout of its weights, and its rows of A quantized to int8 per group of 32 inputs.
+//
+// Column tiles (written by the build: export/nbits_tiles.py). Columns go in tiles of 16; a tile
+// holds, for every 4 bytes of a column's packed inputs, those 4 bytes of its 16 columns side by
+// side, so one 64-byte load is the next inputs of 16 columns (one vpdpbusd lane each):
+//     B       [T, K * bits / 32, 16, 4] uint8   T = ceil(N / 16); 8 bits: 4 inputs a dword;
+//                                               4 bits: 8, byte i = inputs 2i (low nibble), 2i + 1
+//     scales  [T, blocks, 16] float32
+//     zeros   [T, blocks, 16] uint8 (8 bits); [T, ceil(blocks / 2), 16] (4 bits: block 2p in the
+//             low nibble, 2p + 1 in the high one); absent: 2^(bits-1)
+// Columns past N (the last tile's padding) hold zeros and are never written out.
 #pragma once
 
 #include <cstdint>
@@ -9,45 +19,53 @@
 namespace tandem {
 
 constexpr int kGroup = 32;   // inputs per activation scale (and per weight group)
+constexpr int kTile = 16;    // columns per tile
 
 struct MatMulNBitsCall {
   const float* A;              // [M, K]
-  const uint8_t* B;            // [N, blocks, block_size * bits / 8]
-  const float* scales;         // [N, blocks]
-  const uint8_t* zeros;        // see matmul_nbits.cc; null: 2^(bits-1)
+  const uint8_t* B;            // [T, K * bits / 32, 16, 4]
+  const float* scales;         // [T, blocks, 16]
+  const uint8_t* zeros;        // see above; null: 2^(bits-1)
   float* y;                    // [M, N]
   int64_t M, K, N, bits, block_size, blocks;
+
+  int64_t tiles() const { return (N + kTile - 1) / kTile; }
+  int64_t tile_bytes() const { return K * bits / 8 * kTile; }
+  int64_t zero_rows() const { return bits == 8 ? blocks : (blocks + 1) / 2; }   // per tile, of 16 bytes
 
   // zero point of column n's block b
   float zero(int64_t n, int64_t b) const {
     if (zeros == nullptr) return static_cast<float>(1 << (bits - 1));
-    if (bits == 8) return zeros[n * blocks + b];
-    return static_cast<float>((zeros[n * ((blocks + 1) / 2) + b / 2] >> (4 * (b & 1))) & 15);
+    const uint8_t* tile = zeros + n / kTile * zero_rows() * kTile;
+    if (bits == 8) return tile[b * kTile + n % kTile];
+    return static_cast<float>((tile[b / 2 * kTile + n % kTile] >> (4 * (b & 1))) & 15);
   }
 };
 
-// A's rows quantized per group of 32: xq in the layout the kernel reads, the scale sx per group,
-// and per block C_b = sum over its groups of sx_g * sum(xq_g), zero past the last block.
-// The AVX-512 kernel works in steps of 4 groups (64 bytes of 4-bit weights, 128 of 8-bit ones).
+// A's rows quantized per group of 32: xq (4 bits: each 8 inputs as their 4 even then their 4 odd
+// ones, the order of a dword's low then high nibbles; 8 bits: in order), the scale sx per group,
+// and per block C_b = sum over its groups of sx_g * sum(xq_g).
 struct QuantizedRows {
-  int64_t groups = 0, step_groups = 0, steps = 0, row_bytes = 0, blocks_padded = 0;
-  std::vector<int8_t> q;           // [M, row_bytes]: steps * step_groups * 32 (missing last groups: zeros)
+  int64_t groups = 0;
+  std::vector<int8_t> q;           // [M, K]
   std::vector<float> sx;           // [M, groups]
   std::vector<int32_t> sums;       // [M, groups]: sum(xq_g)
-  std::vector<float> sx_lanes;     // [M, steps, 16]: sx of the group each vpdpbusd lane sums (AVX-512)
-  std::vector<float> c;            // [M, blocks_padded]: blocks_padded a multiple of 16
-  // [16 / step_groups, 16]: the block (within a window of 16 groups) of the group each lane of a
-  // window's step sums: indices into that window's block scales (AVX-512)
-  std::vector<int32_t> lane_block;
-  int64_t lane_block_steps = 0, lane_block_per_block = 0;   // what lane_block was made for
+  std::vector<float> c;            // [M, blocks]
 
   void shape(const MatMulNBitsCall& call);      // sizes the buffers (kept across calls: no allocation)
-  void finish(const MatMulNBitsCall& call, bool lanes);   // c (and sx_lanes) from sx and sums
+  void finish(const MatMulNBitsCall& call);     // c from sx and sums
 };
 
-void quantize_portable(const MatMulNBitsCall& call, QuantizedRows* rows);   // natural order
-void quantize_avx512(const MatMulNBitsCall& call, QuantizedRows* rows);     // vpdpbusd's order
-void columns_avx512(const MatMulNBitsCall& call, const QuantizedRows& rows, int64_t n0, int64_t n1);
+// the position in a quantized row of input k (4 bits: evens, then odds, per 8 inputs)
+inline int64_t activation_slot(int64_t k, int64_t bits) {
+  if (bits == 8) return k;
+  const int64_t i = k % 8;
+  return k - i + (i % 2) * 4 + i / 2;
+}
+
+void quantize_portable(const MatMulNBitsCall& call, QuantizedRows* rows);
+void quantize_avx512(const MatMulNBitsCall& call, QuantizedRows* rows);     // the same bytes, faster
+void tiles_avx512(const MatMulNBitsCall& call, const QuantizedRows& rows, int64_t t0, int64_t t1);
 bool avx512_vnni();   // the AVX-512 VNNI kernel runs here (and TANDEM_CPU_KERNELS_PORTABLE is not 1)
 
 }  // namespace tandem
