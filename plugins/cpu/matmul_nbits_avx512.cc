@@ -61,7 +61,7 @@ TANDEM_AVX512 inline __m512 block_zeros(const MatMulNBitsCall& c, int64_t t, int
 template <int BITS, int R>
 TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t, int64_t m0) {
   constexpr int kLoads = BITS == 8 ? 8 : 4;                // 64-byte loads per group of 32 inputs
-  constexpr int kChains = R == 1 ? 4 : R == 2 ? 2 : 1;     // (R rows are R chains already)
+  constexpr int kChains = R == 1 ? 4 : 2;   // even and odd loads' sums (R rows are R chains already)
   const int block_shift = __builtin_ctzll(static_cast<uint64_t>(c.block_size / kGroup));   // a power of two
   const uint8_t* w = c.B + t * c.tile_bytes();
   const float* scales = c.scales + t * c.blocks * kTile;
@@ -98,20 +98,26 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
           sum = _mm512_dpbusd_epi32(sum, bytes, _mm512_set1_epi32(*reinterpret_cast<const dword_t*>(xd)));
         }
       } else {
-        const __m512i lo = _mm512_and_si512(bytes, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble);
+        // low nibbles as they are; high nibbles left in place (16 q), so the odd chains sum 16 x
+        // their dots, shifted back once per group (exact: multiples of 16): one shift fewer a load
+        const __m512i lo = _mm512_and_si512(bytes, nibble), hi16 = _mm512_andnot_si512(nibble, bytes);
         for (int r = 0; r < R; ++r) {   // the dword's 4 even inputs, then its 4 odd ones (activation_slot)
           const int8_t* xd = x[r] + g * kGroup + l * 8;
           __m512i& even = dot[r][(2 * l) % kChains];
           __m512i& odd = dot[r][(2 * l + 1) % kChains];
           even = _mm512_dpbusd_epi32(even, lo, _mm512_set1_epi32(*reinterpret_cast<const dword_t*>(xd)));
-          odd = _mm512_dpbusd_epi32(odd, hi, _mm512_set1_epi32(*reinterpret_cast<const dword_t*>(xd + 4)));
+          odd = _mm512_dpbusd_epi32(odd, hi16, _mm512_set1_epi32(*reinterpret_cast<const dword_t*>(xd + 4)));
         }
       }
     }
     const __m512 sw = _mm512_loadu_ps(scales + (g >> block_shift) * kTile);
     for (int r = 0; r < R; ++r) {
-      __m512i total = dot[r][0];
-      for (int i = 1; i < kChains; ++i) total = _mm512_add_epi32(total, dot[r][i]);
+      __m512i total = dot[r][0], odd = dot[r][1];
+      for (int i = 2; i < kChains; i += 2) {
+        total = _mm512_add_epi32(total, dot[r][i]);
+        odd = _mm512_add_epi32(odd, dot[r][i + 1]);
+      }
+      total = _mm512_add_epi32(total, BITS == 4 ? _mm512_srai_epi32(odd, 4) : odd);
       const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(a.sx[(m0 + r) * a.groups + g]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[r]);
     }
