@@ -23,16 +23,14 @@
 //     a = max |x|;  sx = a / 127;  xq = round_half_even(x * (127 / a)) in [-127, 127]
 // and with dot_g the exact integer sum of q xq over group g, and C_b = sum_{g in b} sx_g sum(xq_g):
 //     y[n] = sum_g scale[n, b(g)] sx_g dot_g  -  sum_b scale[n, b] zero[n, b] C_b
-// Why a kernel: on int4 engines MLAS's MatMulNBits is compute-bound (the 150M model's 49 matmuls
-// read at 18.7 GB/s where float ones read at 27), most of all with the few rows of a verify. This
-// one (AVX-512 VNNI, matmul_nbits_avx512.cc) made the 150M int4 target step 1.20x faster at batch 1
-// and 1.10x at batch 8, its verify 1.09-1.15x (docs/performance.md). Its int8 path alone was even
-// with MLAS's on the step and slower on the batch-8 verify (32 rows); with the norm, residual and
-// gate fused into the node (which MLAS's node cannot take) the 150M int8 step is 1.15-1.17x and
-// plain decode 1.13x, so 8-bit nodes are lowered too (export/cpu_kernel_lowering.py). Every row runs
-// the same instructions in the same order whatever the call's rows, so a verify row equals a decode
-// step bit for bit. CPUs without AVX-512 VNNI run the portable loop (the same quantized activations,
-// float sums in another order); tandem lowers to this op only where the fast path runs.
+// Why a kernel: MLAS's MatMulNBits is compute-bound on int4 / int8 engines, most of all with the
+// few rows of a verify, and cannot take the norm, residual, gate or split fused into this node.
+// On column tiles (matmul_nbits.h) the AVX-512 VNNI kernel (matmul_nbits_avx512.cc) runs the 150M
+// model's layer shapes 1.3x faster than MLAS at 1 row, 1.7-2.1x at 4 and 1.7-2.2x at 32
+// (bench/matmul_nbits.py; docs/performance.md, "The int4 / int8 kernel on column tiles"). Every row
+// runs the same instructions in the same order whatever the call's rows, so a verify row equals a
+// decode step bit for bit. CPUs without AVX-512 VNNI run the portable loop (the same quantized
+// activations, float sums in another order); tandem lowers to this op only where the fast path runs.
 
 #include <cmath>
 #include <vector>
