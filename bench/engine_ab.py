@@ -53,18 +53,19 @@ def feeds(sess, desc, batch: int, rows: int, context: int, page_size: int) -> di
     state = PagedState(desc, batch, page_size=page_size, pages_per_seq=1 << max(0, pages - 1).bit_length())
     state.lens[:] = context
     rng = np.random.default_rng(0)
-    extra = {c.INPUT_IDS: rng.integers(0, desc.vocab_size, (batch, rows)), c.STATE_ROWS: np.full(batch, rows)}
+    extra = {c.INPUT_IDS: rng.integers(0, desc.vocab_size, (batch, rows)), c.STATE_ROWS: np.full(batch, rows),
+             c.LAST_ROW: np.full(batch, rows - 1)}
     names = [i.name for i in sess.get_inputs()]
     f = {**state.feeds(names), **{k: np.asarray(v, np.int64) for k, v in extra.items()}}
     f.update(relaxed_off((batch, rows)))
     f = {k: v for k, v in f.items() if k in names}
-    return {**f, **_rest(sess, f, rng)}
+    pages = {"num_pages": state.tables.size + 3, "page_size": page_size}     # (PagedState's pools: an MTP head's)
+    return {**f, **_rest(sess, f, rng, pages)}
 
 
-def _rest(sess, given: dict, rng) -> dict:
-    """The inputs PagedState does not make (the heads' pools of a unified round, the grammar mask):
-    random pools / all-allowed masks, their symbolic dims read off the inputs already given."""
-    dims = {}
+def _rest(sess, given: dict, rng, dims: dict) -> dict:
+    """The inputs PagedState does not make (the heads' pools, hidden_in, the grammar mask): random
+    tensors / all-allowed masks, their symbolic dims read off the inputs already given (and `dims`)."""
     for i in sess.get_inputs():
         if i.name in given:
             dims.update({d: n for d, n in zip(i.shape, given[i.name].shape) if isinstance(d, str)})

@@ -245,7 +245,9 @@ def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
     b = GraphBuilder()
     run = head_pass(b, desc, w, head, c.INPUT_IDS, c.HIDDEN_IN, c.LAST_ROW, bitmask=c.TOKEN_BITMASK)
     produced = {c.DRAFT_TOKEN: run.draft, c.DRAFT_PROB: run.prob, c.HIDDEN_OUT: run.hidden_last,
-                c.HIDDEN_ROWS: run.hidden_rows, **head_rows_outputs(desc, head, run.rows)}
+                **head_rows_outputs(desc, head, run.rows)}
+    if run.hidden_rows is not None:
+        produced[c.HIDDEN_ROWS] = run.hidden_rows
     return _finish(b, GraphKind.mtp_head(head).name, ins, outs, produced,
                    _functions(desc, row_states=False, gdn=False))
 
@@ -258,14 +260,15 @@ def head_rows_outputs(desc: ModelDescription, head: int, rows: dict[str, str]) -
 @dataclass(frozen=True)
 class HeadPass:
     """One MTP head layer over R rows: the greedy draft at last_row [B], its probability [B], the
-    head hidden at last_row [B, H] and at every row [B, R, H], and the rows' new paged rows by
+    head hidden at last_row [B, H] and at every row [B, R, H] (heads anchored on the previous head;
+    else None: past attention only last_row runs), and the rows' new paged rows by
     pool name (K/V, or the latent and index keys), and the top-k its rows attended [B, R, K] (None
     without sparse attention)."""
 
     draft: str
     prob: str
     hidden_last: str
-    hidden_rows: str
+    hidden_rows: str | None
     rows: dict[str, str]
     selected: str | None = None
 
@@ -288,11 +291,20 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
             out, rows, picked = attention_layer(b, desc, layer.mixer, w, xn, p, paging, layer_name, selected)
             return out, (rows, picked)
 
-        x, (rows, picked) = decoder_layer(b, desc, w, x, p, layer, mixer)
+        # every row's new K/V goes to the pool, but only last_row's output is read, unless the next
+        # head pairs with every row's hidden: the MLP and the norm then run on that row alone (a
+        # re-anchor over 64 rows no longer pays 64 rows' MLP; rows are independent past attention)
+        every_row = desc.mtp.anchor == "previous_head"
+        last = None if every_row else (lambda h: b.op("GatherND", h, b.unsqueeze(last_row, [1, 2]), batch_dims=1,
+                                                      name="last_row"))                       # [B, 1, H]
+        x, (rows, picked) = decoder_layer(b, desc, w, x, p, layer, mixer, kept_rows=last)
         nextn = desc.mtp.form == "nextn"
         g = rms_norm(b, x, norm_scale(b, desc, w, p + "shared_head.norm.weight" if nextn else "mtp.norm.weight"),
-                     desc.rms_norm_eps, "norm")                                                     # [B, R, H]
-        g_last = b.op("GatherND", g, b.unsqueeze(last_row, [1]), batch_dims=1, name="last_row")    # [B, H]
+                     desc.rms_norm_eps, "norm")                                            # [B, R or 1, H]
+        if every_row:
+            g_last = b.op("GatherND", g, b.unsqueeze(last_row, [1]), batch_dims=1, name="last_row")  # [B, H]
+        else:
+            g_last = b.squeeze(g, [1])
     logits = _lm_head(b, w, g_last, p + "shared_head.head.weight" if desc.mtp.own_lm_head else "lm_head.weight",
                       draft=True)
     with b.scope("draft"):
@@ -303,7 +315,7 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
             draft, prob = acceptance.under_grammar(
                 b, b.unsqueeze(logits, [1]), b.unsqueeze(mask_last, [1]),
                 lambda g, lg, _: _greedy_draft(g, g.squeeze(lg, [1])), (TensorProto.INT64, TensorProto.FLOAT))
-    return HeadPass(draft, prob, g_last, g, rows, picked)
+    return HeadPass(draft, prob, g_last, g if every_row else None, rows, picked)
 
 
 def _greedy_draft(b: GraphBuilder, logits: str) -> list[str]:

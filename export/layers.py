@@ -220,13 +220,17 @@ def l2_norm(b: GraphBuilder, x: str, dim: int) -> str:
 
 
 def decoder_layer(b: GraphBuilder, desc: ModelDescription, w: Weights, x: str, p: str, layer: LayerSpec,
-                  mixer) -> tuple[str, object]:
+                  mixer, kept_rows=None) -> tuple[str, object]:
     """Pre-norm residual block: x + mixer(norm(x)), then + mlp(norm(.)). `mixer(xn)` returns
-    (output, extra) where extra carries the layer's new K/V or state tensors."""
+    (output, extra) where extra carries the layer's new K/V or state tensors. `kept_rows(h)`: the
+    rows of the residual stream the MLP runs on, where the caller needs fewer than the mixer's (an
+    MTP head needs every row's new K/V but only its last row's output)."""
     eps = desc.rms_norm_eps
     xn = rms_norm(b, x, norm_scale(b, desc, w, p + "input_layernorm.weight"), eps, "input_layernorm")
     mixed, extra = mixer(xn)
     h = b.op("Add", x, mixed, name="residual_attn")
+    if kept_rows is not None:
+        h = kept_rows(h)
     hn = rms_norm(b, h, norm_scale(b, desc, w, p + "post_attention_layernorm.weight"), eps,
                   "post_attention_layernorm")
     return b.op("Add", h, mlp(b, desc, w, hn, p, layer), name="residual_mlp"), extra
