@@ -19,8 +19,12 @@
 // Row w of sequence b sits at position p = context_lens[b] + w and sees positions j <= p with
 // p - j < window (if any): committed ones (j < context_lens[b]) in the pool, at page
 // block_tables[b][j / S], slot j % S, and the call's own rows w' = j - context_lens[b] <= w.
-// Per KV head, its G = Hq / Hkv query heads read each key and value once:
+// Per KV head, its G = Hq / Hkv query heads read each key once:
 //     s_g[j] = scale q_g . K_j;  P_g = softmax_j(s_g);  out_g = sum_j P_g[j] V_j     (float32)
+// in the fixed order attend_portable spells out, which its AVX-512 form (D and Dv multiples of 16)
+// follows operation for operation: the same bits in both. The AVX-512 form (16-lane dots, the
+// softmax's exp as silu's polynomial, 16 positions a vector) ran an MTP head over 64 rows 1.2-1.3x
+// faster than the auto-vectorized loops with a scalar std::exp before it (docs/performance.md).
 // Why a kernel: the graph lowering (export/attention_lowering.py) gathers every page of the table,
 // transposes, scatters the new rows into the copy and pads the spare slots before the products; at
 // batch 8 and 1,000 tokens those copies took 3x the products (docs/performance.md). Here nothing is
@@ -40,34 +44,122 @@ namespace {
 
 void expect_pa(bool ok, const char* what) { expect(ok, "PagedAttention", what); }
 
-// scale * (q_g . key) for NG query heads at once (q_g = q + g * D), each over 16 fixed lanes summed
-// in a fixed order: 2 NG independent vector chains (not one latency-bound one), and the same
-// result for the same inputs wherever it runs.
-template <int NG>
-void dots(const float* __restrict q, const float* __restrict key, int64_t D, float scale, float* out) {
-  float lanes[NG][16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= D; i += 16) {
-    for (int g = 0; g < NG; ++g) {
-      for (int l = 0; l < 16; ++l) lanes[g][l] += q[g * D + i + l] * key[i + l];
+// The sum of 16 lanes in one fixed tree: [i] + [i + 8], then [i] + [i + 4], [i] + [i + 2], [0] + [1]
+// (the order of the AVX-512 form's halvings).
+inline float tree16(const float* lanes) {
+  float h[8], q[4];
+  for (int i = 0; i < 8; ++i) h[i] = lanes[i] + lanes[i + 8];
+  for (int i = 0; i < 4; ++i) q[i] = h[i] + h[i + 4];
+  return (q[0] + q[2]) + (q[1] + q[3]);
+}
+
+// One query row's attention for the G query heads of one KV head over positions lo..p, in either
+// form (the same operations in the same order, so the same bits):
+//     s_g[j] = scale tree16(lanes: fma over d, lane d % 16);  e = exp(s - max s) (row_ops.h's exp);
+//     sum = tree16(lanes: e_j into lane (j - lo) % 16, in j order);  P = e / sum;
+//     out_g = fma chain over j of P_g[j] V_j, from 0
+// scores [G, n] scratch (n = p - lo + 1); out [G, dv].
+template <class Key, class Value>
+void attend_portable(const float* q, int64_t G, int64_t D, int64_t dv, int64_t lo, int64_t p, float scale,
+                     const Key& key_at, const Value& value_at, float* scores, float* out) {
+  const int64_t n = p - lo + 1;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* key = key_at(lo + j);
+    for (int64_t g = 0; g < G; ++g) {
+      float lanes[16] = {};
+      for (int64_t i = 0; i < D; ++i) lanes[i % 16] = std::fma(q[g * D + i], key[i], lanes[i % 16]);
+      scores[g * n + j] = scale * tree16(lanes);
     }
   }
-  for (; i < D; ++i) {
-    for (int g = 0; g < NG; ++g) lanes[g][i % 16] += q[g * D + i] * key[i];
-  }
-  for (int g = 0; g < NG; ++g) {
-    float half[8];
-    for (int l = 0; l < 8; ++l) half[l] = lanes[g][l] + lanes[g][l + 8];
-    out[g] = scale * (((half[0] + half[1]) + (half[2] + half[3])) + ((half[4] + half[5]) + (half[6] + half[7])));
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    const float top = *std::max_element(s, s + n);
+    float lanes[16] = {};
+    for (int64_t j = 0; j < n; ++j) lanes[j % 16] += (s[j] = exp_clamped(s[j] - top));
+    const float sum = tree16(lanes);
+    for (int64_t j = 0; j < n; ++j) s[j] /= sum;
+    float* o = out + g * dv;
+    std::fill(o, o + dv, 0.0f);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* value = value_at(lo + j);
+      for (int64_t e = 0; e < dv; ++e) o[e] = std::fma(s[j], value[e], o[e]);
+    }
   }
 }
 
-// the G query heads of a KV head (consecutive in the query), four at a time
-void head_dots(const float* q, const float* key, int64_t D, int64_t G, float scale, float* out) {
-  int64_t g = 0;
-  for (; g + 4 <= G; g += 4) dots<4>(q + g * D, key, D, scale, out + g);
-  for (; g < G; ++g) dots<1>(q + g * D, key, D, scale, out + g);
+#ifdef TANDEM_AVX512F
+TANDEM_AVX512F inline float tree16_avx512(__m512 v) {
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  const __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  const __m128 r = _mm_add_ps(q, _mm_movehl_ps(q, q));                 // [0] + [2], [1] + [3]
+  return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
 }
+
+// scale (q_g . key) for NG heads (q_g = q + g D), D a multiple of 16: each key chunk loaded once
+template <int NG>
+TANDEM_AVX512F inline void dots_avx512(const float* q, const float* key, int64_t D, float scale, float* out,
+                                       int64_t stride) {
+  __m512 acc[NG];
+  for (int g = 0; g < NG; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512 k = _mm512_loadu_ps(key + i);
+    for (int g = 0; g < NG; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(q + g * D + i), k, acc[g]);
+  }
+  for (int g = 0; g < NG; ++g) out[g * stride] = scale * tree16_avx512(acc[g]);
+}
+
+// attend_portable's AVX-512 form, for D and dv multiples of 16
+template <class Key, class Value>
+TANDEM_AVX512F void attend_avx512(const float* q, int64_t G, int64_t D, int64_t dv, int64_t lo, int64_t p,
+                                  float scale, const Key& key_at, const Value& value_at, float* scores, float* out) {
+  const int64_t n = p - lo + 1;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* key = key_at(lo + j);
+    int64_t g = 0;
+    for (; g + 4 <= G; g += 4) dots_avx512<4>(q + g * D, key, D, scale, scores + g * n + j, n);
+    for (; g < G; ++g) dots_avx512<1>(q + g * D, key, D, scale, scores + g * n + j, n);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * n;
+    __m512 top = _mm512_set1_ps(s[0]);
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + j));
+    }
+    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));      // (a max: any order is exact)
+    __m512 lanes = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), peak));
+      _mm512_mask_storeu_ps(s + j, m, e);
+      lanes = _mm512_mask_add_ps(lanes, m, lanes, e);
+    }
+    const __m512 sum = _mm512_set1_ps(tree16_avx512(lanes));
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      _mm512_mask_storeu_ps(s + j, m, _mm512_div_ps(_mm512_maskz_loadu_ps(m, s + j), sum));
+    }
+    float* o = out + g * dv;
+    for (int64_t e0 = 0; e0 < dv; e0 += 128) {          // 8 accumulators at a time
+      const int64_t chunks = std::min<int64_t>(8, (dv - e0) / 16);
+      __m512 acc[8];
+      for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < n; ++j) {
+        const __m512 w = _mm512_set1_ps(s[j]);
+        const float* value = value_at(lo + j) + e0;
+        for (int c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * c), acc[c]);
+      }
+      for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(o + e0 + 16 * c, acc[c]);
+    }
+  }
+}
+#else
+template <class Key, class Value>
+void attend_avx512(const float* q, int64_t G, int64_t D, int64_t dv, int64_t lo, int64_t p, float scale,
+                   const Key& key_at, const Value& value_at, float* scores, float* out) {
+  attend_portable(q, G, D, dv, lo, p, scale, key_at, value_at, scores, out);
+}
+#endif
 
 struct Kernel {
   static constexpr const char* kName = "PagedAttention";
@@ -145,8 +237,10 @@ struct Kernel {
     }
     float* out = gate != nullptr ? output(api, context, 0, {B, W, hq * dv}) : output(api, context, 0, {B, W, hq, dv});
     const int64_t G = hq / hkv;
+    const bool vector_rows = fast && D % 16 == 0 && dv % 16 == 0;   // (else the portable form: other shapes)
     auto heads = [&](int64_t first, int64_t last) {
       thread_local std::vector<float> scores, acc;   // per pool thread, kept across calls
+      acc.resize(static_cast<size_t>(G * dv));
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / hkv, h = task % hkv, n_ctx = ctx[b];
         auto key_at = [&](int64_t j) {
@@ -158,24 +252,13 @@ struct Kernel {
                            : v + ((b * W + (j - n_ctx)) * hkv + h) * dv;
         };
         for (int64_t w = 0; w < W; ++w) {
-          const int64_t p = n_ctx + w, lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0, n = p - lo + 1;
-          scores.resize(static_cast<size_t>(G * n));     // [j][g]: the row's positions, then heads
+          const int64_t p = n_ctx + w, lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+          scores.resize(static_cast<size_t>(G * (p - lo + 1)));     // [g][j]
           const float* qrow = q + ((b * W + w) * hq + h * G) * D;
-          for (int64_t j = lo; j <= p; ++j) head_dots(qrow, key_at(j), D, G, scale, scores.data() + (j - lo) * G);
-          for (int64_t g = 0; g < G; ++g) {               // softmax over the row's positions
-            float top = scores[g], sum = 0.0f;
-            for (int64_t j = 1; j < n; ++j) top = std::max(top, scores[j * G + g]);
-            for (int64_t j = 0; j < n; ++j) sum += (scores[j * G + g] = std::exp(scores[j * G + g] - top));
-            for (int64_t j = 0; j < n; ++j) scores[j * G + g] /= sum;
-          }
-          acc.assign(static_cast<size_t>(G * dv), 0.0f);
-          for (int64_t j = lo; j <= p; ++j) {             // each value once for the G heads
-            const float* value = value_at(j);
-            for (int64_t g = 0; g < G; ++g) {
-              const float weight = scores[(j - lo) * G + g];
-              float* a = acc.data() + g * dv;
-              for (int64_t e = 0; e < dv; ++e) a[e] += weight * value[e];
-            }
+          if (vector_rows) {
+            attend_avx512(qrow, G, D, dv, lo, p, scale, key_at, value_at, scores.data(), acc.data());
+          } else {
+            attend_portable(qrow, G, D, dv, lo, p, scale, key_at, value_at, scores.data(), acc.data());
           }
           const int64_t at = ((b * W + w) * hq + h * G) * dv;
           float* o = out + at;

@@ -19,38 +19,42 @@
 namespace tandem {
 
 // e^x for x clamped to [-87.3, 88.3] (normal results): 2^n e^t, n = round(x log2 e), t = x - n ln 2
-// in two steps, e^t by Cephes expf's polynomial; silu(x) = x / (1 + e^-x) (fma, mul, add, div and an
-// exact scaling by 2^n in both forms).
+// in two steps, e^t by Cephes expf's polynomial, then an exact scaling by 2^n; silu(x) = x / (1 +
+// e^-x). Both in a portable and an AVX-512 form with the same operations (fma, mul, add, div), so
+// both give the same bits (silu, and the attention kernel's softmax).
 constexpr float kExpMin = -87.3f, kExpMax = 88.3f, kLog2e = 1.44269504088896341f, kLn2Hi = 0.693359375f,
                 kLn2Lo = -2.12194440e-4f;
 constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f,
                                1.6666665459e-1f, 5.0000001201e-1f};
 
-inline float silu(float x) {
-  const float v = std::min(std::max(-x, kExpMin), kExpMax);
+inline float exp_clamped(float x) {
+  const float v = std::min(std::max(x, kExpMin), kExpMax);
   const float n = std::nearbyint(v * kLog2e);
   float t = std::fma(n, -kLn2Hi, v);
   t = std::fma(n, -kLn2Lo, t);
   float p = kExpPoly[0];
   for (int i = 1; i < 6; ++i) p = std::fma(p, t, kExpPoly[i]);
-  const float e = std::ldexp(std::fma(p, t * t, t) + 1.0f, static_cast<int>(n));
-  return x / (1.0f + e);
+  return std::ldexp(std::fma(p, t * t, t) + 1.0f, static_cast<int>(n));
 }
 
+inline float silu(float x) { return x / (1.0f + exp_clamped(-x)); }
+
 #ifdef TANDEM_AVX512F
-// silu's AVX-512 form, operation for operation
-TANDEM_AVX512F inline __m512 silu_avx512(__m512 x) {
-  const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), x), _mm512_set1_ps(kExpMin)),
-                                 _mm512_set1_ps(kExpMax));
+// exp_clamped's AVX-512 form, operation for operation
+TANDEM_AVX512F inline __m512 exp_avx512(__m512 x) {
+  const __m512 v = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(kExpMin)), _mm512_set1_ps(kExpMax));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 t = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Hi), v);
   t = _mm512_fmadd_ps(n, _mm512_set1_ps(-kLn2Lo), t);
   __m512 p = _mm512_set1_ps(kExpPoly[0]);
   for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, t, _mm512_set1_ps(kExpPoly[i]));
-  const __m512 one = _mm512_set1_ps(1.0f);
-  const __m512 e = _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(t, t), t), one), n);
-  return _mm512_div_ps(x, _mm512_add_ps(one, e));
+  return _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(t, t), t), _mm512_set1_ps(1.0f)), n);
+}
+
+// silu's AVX-512 form
+TANDEM_AVX512F inline __m512 silu_avx512(__m512 x) {
+  return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 #endif
 
