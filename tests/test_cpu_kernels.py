@@ -236,12 +236,19 @@ def _attention_inputs(rng, ctx, W, hq=4, hkv=2, d=24, pages=16):
             "ctx": np.array(ctx, np.int64)}
 
 
+# head dim 24 and 2 query heads per KV head: the portable rows (not a multiple of 16); head dim 32
+# and 4 per KV head: the AVX-512 rows where the CPU has them, over contexts past 16 positions and
+# their tails
+SHAPES = {"d24-g2": dict(hq=4, d=24, ctx=[0, 5, 9]), "d32-g4": dict(hq=8, d=32, ctx=[0, 21, 37])}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("window", [0, 3], ids=["full", "window3"])
 @pytest.mark.parametrize("W", [1, 3])
-def test_attention_kernel_equals_the_function_body(library, W, window):
-    """GQA (2 query heads per KV head), scattered pages, a sequence with no committed context; head
-    dim 24 takes the kernel's tail path."""
-    f = _attention_inputs(np.random.default_rng(W + window), ctx=[0, 5, 9], W=W)
+def test_attention_kernel_equals_the_function_body(library, W, window, shape):
+    """GQA, scattered pages, a sequence with no committed context."""
+    s = SHAPES[shape]
+    f = _attention_inputs(np.random.default_rng(W + window), ctx=s["ctx"], W=W, hq=s["hq"], d=s["d"], pages=48)
     lowered = _attention_graph(True, window)
     assert [n.op_type for n in lowered.graph.node] == ["PagedAttention"]
     want = onnxruntime_backend.session(_attention_graph(False, window)).run(None, f)[0]
@@ -249,9 +256,11 @@ def test_attention_kernel_equals_the_function_body(library, W, window):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
 
 
-def test_attention_row_equals_the_decode_step_at_its_position_bit_for_bit(library):
+@pytest.mark.parametrize("shape", SHAPES)
+def test_attention_row_equals_the_decode_step_at_its_position_bit_for_bit(library, shape):
     """Row w of a 3-row call == a 1-row call at context + w with rows 0..w-1 committed to the pages."""
-    f = _attention_inputs(np.random.default_rng(5), ctx=[6, 1], W=3)
+    s = SHAPES[shape]
+    f = _attention_inputs(np.random.default_rng(5), ctx=[6, 30], W=3, hq=s["hq"], d=s["d"], pages=32)
     sess = _session(_attention_graph(True, 0), library)
     rows = sess.run(None, f)[0]
     kc, vc = f["kc"].copy(), f["vc"].copy()
@@ -262,6 +271,16 @@ def test_attention_row_equals_the_decode_step_at_its_position_bit_for_bit(librar
         for b, pos in enumerate(f["ctx"] + w):          # commit row w at its position
             page, slot = f["tables"][b, pos // PAGE], pos % PAGE
             kc[page, slot], vc[page, slot] = f["k"][b, w], f["v"][b, w]
+
+
+@pytest.mark.parametrize("window", [0, 5], ids=["full", "window5"])
+def test_attention_rows_portable_and_avx512_give_the_same_bits(library, monkeypatch, window):
+    """The AVX-512 rows (head dim 32) against the portable ones, operation for operation."""
+    f = _attention_inputs(np.random.default_rng(9), ctx=[0, 21, 37], W=3, hq=8, d=32, pages=48)
+    fast = _session(_attention_graph(True, window), library).run(None, f)[0]
+    monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1")
+    portable = _session(_attention_graph(True, window), library).run(None, f)[0]
+    assert np.array_equal(fast, portable)
 
 
 def test_attention_kernel_refuses_a_page_outside_the_cache(library):
