@@ -95,6 +95,14 @@ TANDEM_AVX512F inline float tree16_avx512(__m512 v) {
   return _mm_cvtss_f32(_mm_add_ss(r, _mm_shuffle_ps(r, r, 1)));
 }
 
+// Rows kAhead positions ahead are asked for while this one is read: pages lie scattered in the pool,
+// so the hardware prefetchers, which stop at page boundaries, start cold on every page.
+constexpr int64_t kAhead = 16;
+
+TANDEM_AVX512F inline void prefetch_row(const float* row, int64_t floats) {
+  for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(row + i), _MM_HINT_T0);
+}
+
 // scale (q_g . key) for NG heads (q_g = q + g D), D a multiple of 16: each key chunk loaded once
 template <int NG>
 TANDEM_AVX512F inline void dots_avx512(const float* q, const float* key, int64_t D, float scale, float* out,
@@ -115,6 +123,7 @@ TANDEM_AVX512F void attend_avx512(const float* q, int64_t G, int64_t D, int64_t 
   const int64_t n = p - lo + 1;
   for (int64_t j = 0; j < n; ++j) {
     const float* key = key_at(lo + j);
+    if (j + kAhead < n) prefetch_row(key_at(lo + j + kAhead), D);
     int64_t g = 0;
     for (; g + 4 <= G; g += 4) dots_avx512<4>(q + g * D, key, D, scale, scores + g * n + j, n);
     for (; g < G; ++g) dots_avx512<1>(q + g * D, key, D, scale, scores + g * n + j, n);
@@ -147,6 +156,7 @@ TANDEM_AVX512F void attend_avx512(const float* q, int64_t G, int64_t D, int64_t 
       for (int64_t j = 0; j < n; ++j) {
         const __m512 w = _mm512_set1_ps(s[j]);
         const float* value = value_at(lo + j) + e0;
+        if (j + kAhead < n) prefetch_row(value_at(lo + j + kAhead) + e0, std::min<int64_t>(128, dv - e0));
         for (int c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * c), acc[c]);
       }
       for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(o + e0 + 16 * c, acc[c]);
