@@ -231,6 +231,9 @@ class Engine:
                     seq.metrics.first_token = time.perf_counter()
                 seq.status = Status.DECODE
                 done.append(seq)
+        if self.width_control is not None and self.width_control.hopeless(len(self.scheduler.running)):
+            for s, _, _ in work:      # drafting cannot pay at this batch size: no heads to keep (_adaptive_round)
+                s.speculative = False
         spec = [(s, a, b, o) for (s, a, b), o in zip(work, outs.rows()) if s.speculative]
         if spec:  # re-anchor the heads over this chunk: row i pairs tokens[i+1] with h_i
             self._reanchor([(s, s.tokens[a + 1 : b + 1], o[c.HIDDEN][: b - a]) for s, a, b, o in spec])
@@ -303,6 +306,14 @@ class Engine:
             del self._lagging[s]
         batch = len(seqs)
         self._width = self._open_width(seqs, self.width_control.width(batch))
+        if self._width == 1 and self.width_control.hopeless(batch):
+            self._width = None
+            for s in seqs:        # plain decoding for good: no drafts, probes or heads' catch-up
+                s.speculative = False
+                self._lagging.pop(s, None)
+            with self._phase("decode"):
+                self._plain_round(seqs)
+            return
         try:
             off = [s for s in seqs if self.round_k(s, batch) == 0]
             on = [s for s in seqs if self.round_k(s, batch) > 0]

@@ -200,3 +200,23 @@ class WidthController:
     def choice(self, batch: int) -> int:
         """The width the bucket runs between probes."""
         return self._state(batch).choice
+
+    def hopeless(self, batch: int) -> bool:
+        """Whether no width can beat plain steps at this batch size even with every draft accepted:
+        the bucket off, plain steps measured, and every width w >= 2 costing at least w of them per
+        round (its own least round time or, not measured, the largest of a narrower width's: rounds
+        only grow with width). A tiny model's rounds (per-call overhead) or a compute-bound batch's
+        can be so; the engine then stops drafting for the bucket's sequences for good, and stops
+        keeping their heads current, which alone cost 11-17% of a run on the shipped model."""
+        st = self._state(batch)
+        est = self._estimates(st)
+        plain = est[0].cost
+        if plain is None or st.choice != 1:
+            return False
+        floor = 0.0
+        for e in est[1:]:
+            cost = e.cost if e.cost is not None else floor
+            if cost < e.width * plain:
+                return False
+            floor = max(floor, cost)
+        return True

@@ -144,24 +144,67 @@ def generate(llm: LLM, prompts, params=LONG) -> dict[int, list[int]]:
     return {i: s.output_ids() for i, s in enumerate(seqs)}
 
 
+class ModeledCost(WidthController):
+    """The engine's round times replaced by `cost` (COST by default): on tiny engines a round is all
+    per-call overhead (and the test machine's load adds its own), so whether drafting pays there
+    is not the point."""
+
+    cost = COST
+
+    def observe(self, batch, width, seconds, drafted, accepted):
+        super().observe(batch, width, None if seconds is None else self.cost[width], drafted, accepted)
+
+
 def test_wrong_heads_turn_drafting_off_and_probe_again(engine_dirs, plain, monkeypatch, widths):
     install_drafter(monkeypatch, "wrong")
-    outputs, llm = run(engine_dirs[KIND], PROMPTS, LONG)
-    assert outputs == plain
+    llm = LLM(engine_dirs[KIND])
+    llm.engine.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8])
+    assert generate(llm, PROMPTS) == plain
     off_from = widths.index(1)
     assert off_from <= 4                            # warm-up: the start width measured, then off
     after = widths[off_from:]
     assert after.count(1) >= 0.8 * len(after) and any(w > 1 for w in after)   # off, with probes
     assert llm.engine.width_control.choice(len(PROMPTS)) == 1
     assert llm.runner.calls.get("target_step", 0) >= 0.8 * len(widths)       # off rounds are plain steps
+    assert all(s.speculative for s in llm.test_sequences)     # a width-2 round could pay: not hopeless
 
 
-class ModeledCost(WidthController):
-    """The engine's round times replaced by COST: on tiny engines a round is all per-call overhead
-    (and the test machine's load adds its own), so whether drafting pays there is not the point."""
+# every round dearer than its width in plain steps (width 3, never measured from off, is bounded by
+# width 2's 3.1): the shipped model's rounds cost 3.4-3.9 steps at width 2
+DEAR = {1: 1.0, 2: 3.1, 3: 3.6, 4: 4.3}
 
-    def observe(self, batch, width, seconds, drafted, accepted):
-        super().observe(batch, width, None if seconds is None else COST[width], drafted, accepted)
+
+class Hopeless(ModeledCost):
+    cost = DEAR
+
+
+def test_rounds_that_cannot_pay_end_drafting_and_the_heads_catch_up(engine_dirs, plain, monkeypatch, widths):
+    """Rounds that cost more plain steps than their width (a tiny model's per-call overhead): once
+    the bucket is off and every width is known to lose even at full acceptance, its sequences decode
+    plain for good: no probes, no heads' catch-up, and a later request skips the heads in prefill."""
+    install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
+    llm = LLM(engine_dirs[KIND])
+    llm.engine.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
+    assert generate(llm, PROMPTS) == plain
+    assert llm.engine.width_control.hopeless(len(PROMPTS))
+    assert not any(s.speculative for s in llm.test_sequences)
+    assert len(widths) <= 24                       # the start width, off, three probes: then plain steps
+    reanchor = llm.engine.stats.phase_seconds.get("reanchor", 0.0)
+    heads = llm.runner.calls.get("mtp_head_0", 0)
+    assert generate(llm, PROMPTS) == plain
+    assert llm.runner.calls.get("mtp_head_0", 0) == heads         # the new requests' prefill ran no head
+    assert llm.engine.stats.phase_seconds.get("reanchor", 0.0) == reanchor
+
+
+def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
+    # width 2 at 1.9 steps could pay; width 2 at 2.5 bounds an unmeasured width 3 below 3 steps
+    for cost, hopeless in ((DEAR, True), ({**DEAR, 2: 1.9}, False), ({**DEAR, 2: 2.5}, False)):
+        ctl = WidthController([2, 3, 4], [1])
+        simulate(ctl, 100, lambda r, d: [0], cost=cost)
+        assert ctl.choice(1) == 1 and ctl.hopeless(1) == hopeless, cost
+    ctl = WidthController([2, 3, 4], [1])
+    simulate(ctl, 5, lambda r, d: [0], cost=DEAR)     # width 2 not measured yet: not known
+    assert ctl.choice(1) == 1 and not ctl.hopeless(1)
 
 
 def test_oracle_climbs_from_off_to_the_widest_built_width(engine_dirs, plain, monkeypatch, widths):
@@ -193,6 +236,9 @@ class Scripted:
 
     def observe(self, *args):
         pass
+
+    def hopeless(self, batch):
+        return False
 
 
 @pytest.mark.parametrize("mode", ["chained", "reused"])
