@@ -6,6 +6,7 @@ and is the last to use Ray."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import signal
@@ -25,7 +26,9 @@ ray = pytest.importorskip("ray", reason="Ray Serve is not installed: pip install
 serve = pytest.importorskip("ray.serve")
 from tandem.server.ray_app import APP_NAME, REPLICA_HEADER, RETRIED_HEADER, Scaling, application  # noqa: E402
 
-LONG = 480    # tokens of a "long" request: ~1 s on a replica; max_seq_len is 512
+# tokens of a "long" request: 1-3 s on a replica (the tiny engines decode 1,000-2,500 tokens/s), so the
+# tests act while it runs; the module's engines are built for it (ray_dir: max_seq_len 4096)
+LONG = 3000
 
 
 def _free_port() -> int:
@@ -35,13 +38,25 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def ray_url(engine_dirs):
+def ray_dir(tiny_root, tmp_path_factory):
+    """The tiny qwen3_5_mtp3 engines with room for LONG tokens (the shared ones stop at 512)."""
+    from tandem.engines.builder import build_engines
+
+    from .pipeline_fixtures import OPTIONS
+    path = tmp_path_factory.mktemp("ray") / "qwen3_5_mtp3"
+    options = dataclasses.replace(OPTIONS, batch_sizes=(1, 2, 4), max_seq_len=4096, page_size=16)
+    build_engines(tiny_root / "qwen3_5_mtp3", path, options, show_progress=False)
+    return path
+
+
+@pytest.fixture(scope="module")
+def ray_url(ray_dir):
     term = signal.getsignal(signal.SIGTERM)    # ray.init installs its own
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, logging_level="warning")
     try:
         port = _free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        app = application(engine_dirs["qwen3_5_mtp3"], ServerSettings(model_name="tiny"), scaling=Scaling(replicas=2))
+        app = application(ray_dir, ServerSettings(model_name="tiny"), scaling=Scaling(replicas=2))
         serve.run(app, name=APP_NAME, route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -50,10 +65,10 @@ def ray_url(engine_dirs):
 
 
 @pytest.fixture(scope="module")
-def single(engine_dirs):
+def single(ray_dir):
     """The single-process server on the same engine dir (tandem serve without --ray): prompts, n ->
     the texts it answers, one request after the other."""
-    with Live(engine_dirs["qwen3_5_mtp3"]) as server:
+    with Live(ray_dir) as server:
         def texts(prompts: list[str], n: int) -> list[str]:
             out = [httpx.post(f"{server.url}/v1/completions", json=body(p, n), timeout=60) for p in prompts]
             assert all(r.status_code == 200 for r in out), [r.text for r in out]
