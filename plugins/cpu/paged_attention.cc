@@ -148,18 +148,31 @@ TANDEM_AVX512F void attend_avx512(const float* q, int64_t G, int64_t D, int64_t 
       const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
       _mm512_mask_storeu_ps(s + j, m, _mm512_div_ps(_mm512_maskz_loadu_ps(m, s + j), sum));
     }
-    float* o = out + g * dv;
-    for (int64_t e0 = 0; e0 < dv; e0 += 128) {          // 8 accumulators at a time
-      const int64_t chunks = std::min<int64_t>(8, (dv - e0) / 16);
-      __m512 acc[8];
-      for (int c = 0; c < 8; ++c) acc[c] = _mm512_setzero_ps();
-      for (int64_t j = 0; j < n; ++j) {
-        const __m512 w = _mm512_set1_ps(s[j]);
-        const float* value = value_at(lo + j) + e0;
-        if (j + kAhead < n) prefetch_row(value_at(lo + j + kAhead) + e0, std::min<int64_t>(128, dv - e0));
-        for (int c = 0; c < chunks; ++c) acc[c] = _mm512_fmadd_ps(w, _mm512_loadu_ps(value + 16 * c), acc[c]);
+  }
+  // P V, 4 heads x 64 values at a time (16 accumulators) with positions in order, so each value
+  // line is read once per 4 heads, not once per head (a long context's values outgrow L2)
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    const int64_t ng = std::min<int64_t>(4, G - g0);
+    for (int64_t e0 = 0; e0 < dv; e0 += 64) {
+      const int64_t chunks = std::min<int64_t>(4, (dv - e0) / 16);
+      __m512 acc[4][4];
+      for (int g = 0; g < 4; ++g) {
+        for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_setzero_ps();
       }
-      for (int c = 0; c < chunks; ++c) _mm512_storeu_ps(o + e0 + 16 * c, acc[c]);
+      for (int64_t j = 0; j < n; ++j) {
+        const float* value = value_at(lo + j) + e0;
+        if (j + kAhead < n) prefetch_row(value_at(lo + j + kAhead) + e0, chunks * 16);
+        __m512 v[4];
+        for (int c = 0; c < 4; ++c) v[c] = c < chunks ? _mm512_loadu_ps(value + 16 * c) : _mm512_setzero_ps();
+        for (int g = 0; g < 4; ++g) {
+          if (g >= ng) break;
+          const __m512 w = _mm512_set1_ps(scores[(g0 + g) * n + j]);
+          for (int c = 0; c < 4; ++c) acc[g][c] = _mm512_fmadd_ps(w, v[c], acc[g][c]);
+        }
+      }
+      for (int64_t g = 0; g < ng; ++g) {
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(out + (g0 + g) * dv + e0 + 16 * c, acc[g][c]);
+      }
     }
   }
 }
@@ -248,18 +261,23 @@ struct Kernel {
     float* out = gate != nullptr ? output(api, context, 0, {B, W, hq * dv}) : output(api, context, 0, {B, W, hq, dv});
     const int64_t G = hq / hkv;
     const bool vector_rows = fast && D % 16 == 0 && dv % 16 == 0;   // (else the portable form: other shapes)
+    const int page_shift = S > 0 && (S & (S - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(S)) : -1;
     auto heads = [&](int64_t first, int64_t last) {
       thread_local std::vector<float> scores, acc;   // per pool thread, kept across calls
       acc.resize(static_cast<size_t>(G * dv));
       for (int64_t task = first; task < last; ++task) {
         const int64_t b = task / hkv, h = task % hkv, n_ctx = ctx[b];
+        // pool row of committed position j: page tables[j / S], slot j % S (a shift and a mask for the
+        // usual power-of-two S: an integer division per key and value was a cost at long contexts)
+        auto pool_row = [&](int64_t j) {
+          return page_shift >= 0 ? (tables[b * P + (j >> page_shift)] << page_shift) + (j & (S - 1))
+                                 : tables[b * P + j / S] * S + j % S;
+        };
         auto key_at = [&](int64_t j) {
-          return j < n_ctx ? kc + ((tables[b * P + j / S] * S + j % S) * hkv + h) * D
-                           : k + ((b * W + (j - n_ctx)) * hkv + h) * D;
+          return j < n_ctx ? kc + (pool_row(j) * hkv + h) * D : k + ((b * W + (j - n_ctx)) * hkv + h) * D;
         };
         auto value_at = [&](int64_t j) {
-          return j < n_ctx ? vc + ((tables[b * P + j / S] * S + j % S) * hkv + h) * dv
-                           : v + ((b * W + (j - n_ctx)) * hkv + h) * dv;
+          return j < n_ctx ? vc + (pool_row(j) * hkv + h) * dv : v + ((b * W + (j - n_ctx)) * hkv + h) * dv;
         };
         for (int64_t w = 0; w < W; ++w) {
           const int64_t p = n_ctx + w, lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
