@@ -239,8 +239,10 @@ def _attention_inputs(rng, ctx, W, hq=4, hkv=2, d=24, pages=16):
 # head dim 24 and 2 query heads per KV head: the portable rows (not a multiple of 16); head dim 32
 # and 4 per KV head: the AVX-512 rows where the CPU has them, over contexts past 16 positions and
 # their tails
+# "long": past the kernel's 512-position blocks, its row tests crossing a block boundary within the call
 SHAPES = {"d24-g2": dict(hq=4, d=24, ctx=[0, 5, 9]), "d32-g4": dict(hq=8, d=32, ctx=[0, 21, 37]),
-          "d48-g6": dict(hq=12, d=48, ctx=[0, 21, 37])}      # a group of 4 heads and one of 2; 48 values
+          "d48-g6": dict(hq=12, d=48, ctx=[0, 21, 37]),      # a group of 4 heads and one of 2; 48 values
+          "long": dict(hq=8, d=32, ctx=[0, 530, 1100], rows_ctx=[510, 1022], pages=900)}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -249,7 +251,8 @@ SHAPES = {"d24-g2": dict(hq=4, d=24, ctx=[0, 5, 9]), "d32-g4": dict(hq=8, d=32, 
 def test_attention_kernel_equals_the_function_body(library, W, window, shape):
     """GQA, scattered pages, a sequence with no committed context."""
     s = SHAPES[shape]
-    f = _attention_inputs(np.random.default_rng(W + window), ctx=s["ctx"], W=W, hq=s["hq"], d=s["d"], pages=48)
+    f = _attention_inputs(np.random.default_rng(W + window), ctx=s["ctx"], W=W, hq=s["hq"], d=s["d"],
+                          pages=s.get("pages", 48))
     lowered = _attention_graph(True, window)
     assert [n.op_type for n in lowered.graph.node] == ["PagedAttention"]
     want = onnxruntime_backend.session(_attention_graph(False, window)).run(None, f)[0]
@@ -261,7 +264,8 @@ def test_attention_kernel_equals_the_function_body(library, W, window, shape):
 def test_attention_row_equals_the_decode_step_at_its_position_bit_for_bit(library, shape):
     """Row w of a 3-row call == a 1-row call at context + w with rows 0..w-1 committed to the pages."""
     s = SHAPES[shape]
-    f = _attention_inputs(np.random.default_rng(5), ctx=[6, 30], W=3, hq=s["hq"], d=s["d"], pages=32)
+    f = _attention_inputs(np.random.default_rng(5), ctx=s.get("rows_ctx", [6, 30]), W=3, hq=s["hq"], d=s["d"],
+                          pages=s.get("pages", 32))
     sess = _session(_attention_graph(True, 0), library)
     rows = sess.run(None, f)[0]
     kc, vc = f["kc"].copy(), f["vc"].copy()
@@ -274,12 +278,12 @@ def test_attention_row_equals_the_decode_step_at_its_position_bit_for_bit(librar
             kc[page, slot], vc[page, slot] = f["k"][b, w], f["v"][b, w]
 
 
-@pytest.mark.parametrize("shape", ["d32-g4", "d48-g6"])
+@pytest.mark.parametrize("shape", ["d32-g4", "d48-g6", "long"])
 @pytest.mark.parametrize("window", [0, 5], ids=["full", "window5"])
 def test_attention_rows_portable_and_avx512_give_the_same_bits(library, monkeypatch, window, shape):
     """The AVX-512 rows (head dims of 16s) against the portable ones, operation for operation."""
     s = SHAPES[shape]
-    f = _attention_inputs(np.random.default_rng(9), ctx=s["ctx"], W=3, hq=s["hq"], d=s["d"], pages=48)
+    f = _attention_inputs(np.random.default_rng(9), ctx=s["ctx"], W=3, hq=s["hq"], d=s["d"], pages=s.get("pages", 48))
     fast = _session(_attention_graph(True, window), library).run(None, f)[0]
     monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1")
     portable = _session(_attention_graph(True, window), library).run(None, f)[0]
