@@ -53,17 +53,15 @@ inline float tree16(const float* lanes) {
   return (q[0] + q[2]) + (q[1] + q[3]);
 }
 
-// One query row's attention for the G query heads of one KV head over positions lo..p (one block of
-// its positions, merge_blocks below), in either form (the same operations in the same order, so
-// the same bits):
-//     s_g[j] = scale tree16(lanes: fma over d, lane d % 16);  top_g = max s_g;  e = exp(s - top)
-//     (row_ops.h's exp);  sum_g = tree16(lanes: e_j into lane (j - lo) % 16, in j order);
-//     out_g = fma chain over j of e_g[j] V_j, from 0 (not yet divided by the sum)
-// scores [G, n] scratch (n = p - lo + 1); out [G, dv]; top, sum [G].
+// One query row's attention for the G query heads of one KV head over positions lo..p, in either
+// form (the same operations in the same order, so the same bits):
+//     s_g[j] = scale tree16(lanes: fma over d, lane d % 16);  e = exp(s - max s) (row_ops.h's exp);
+//     sum = tree16(lanes: e_j into lane (j - lo) % 16, in j order);  P = e / sum;
+//     out_g = fma chain over j of P_g[j] V_j, from 0
+// scores [G, n] scratch (n = p - lo + 1); out [G, dv].
 template <class Key, class Value>
 void attend_portable(const float* q, int64_t G, int64_t D, int64_t dv, int64_t lo, int64_t p, float scale,
-                     const Key& key_at, const Value& value_at, float* scores, float* out, float* top_out,
-                     float* sum_out) {
+                     const Key& key_at, const Value& value_at, float* scores, float* out) {
   const int64_t n = p - lo + 1;
   for (int64_t j = 0; j < n; ++j) {
     const float* key = key_at(lo + j);
@@ -78,7 +76,8 @@ void attend_portable(const float* q, int64_t G, int64_t D, int64_t dv, int64_t l
     const float top = *std::max_element(s, s + n);
     float lanes[16] = {};
     for (int64_t j = 0; j < n; ++j) lanes[j % 16] += (s[j] = exp_clamped(s[j] - top));
-    top_out[g] = top, sum_out[g] = tree16(lanes);
+    const float sum = tree16(lanes);
+    for (int64_t j = 0; j < n; ++j) s[j] /= sum;
     float* o = out + g * dv;
     std::fill(o, o + dv, 0.0f);
     for (int64_t j = 0; j < n; ++j) {
@@ -120,8 +119,7 @@ TANDEM_AVX512F inline void dots_avx512(const float* q, const float* key, int64_t
 // attend_portable's AVX-512 form, for D and dv multiples of 16
 template <class Key, class Value>
 TANDEM_AVX512F void attend_avx512(const float* q, int64_t G, int64_t D, int64_t dv, int64_t lo, int64_t p,
-                                  float scale, const Key& key_at, const Value& value_at, float* scores, float* out,
-                                  float* top_out, float* sum_out) {
+                                  float scale, const Key& key_at, const Value& value_at, float* scores, float* out) {
   const int64_t n = p - lo + 1;
   for (int64_t j = 0; j < n; ++j) {
     const float* key = key_at(lo + j);
@@ -137,8 +135,7 @@ TANDEM_AVX512F void attend_avx512(const float* q, int64_t G, int64_t D, int64_t 
       const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
       top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + j));
     }
-    top_out[g] = _mm512_reduce_max_ps(top);                              // (a max: any order is exact)
-    const __m512 peak = _mm512_set1_ps(top_out[g]);
+    const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));      // (a max: any order is exact)
     __m512 lanes = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
       const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
@@ -146,7 +143,11 @@ TANDEM_AVX512F void attend_avx512(const float* q, int64_t G, int64_t D, int64_t 
       _mm512_mask_storeu_ps(s + j, m, e);
       lanes = _mm512_mask_add_ps(lanes, m, lanes, e);
     }
-    sum_out[g] = tree16_avx512(lanes);
+    const __m512 sum = _mm512_set1_ps(tree16_avx512(lanes));
+    for (int64_t j = 0; j < n; j += 16) {
+      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      _mm512_mask_storeu_ps(s + j, m, _mm512_div_ps(_mm512_maskz_loadu_ps(m, s + j), sum));
+    }
   }
   // P V, 4 heads x 64 values at a time (16 accumulators) with positions in order, so each value
   // line is read once per 4 heads, not once per head (a long context's values outgrow L2)
@@ -178,52 +179,10 @@ TANDEM_AVX512F void attend_avx512(const float* q, int64_t G, int64_t D, int64_t 
 #else
 template <class Key, class Value>
 void attend_avx512(const float* q, int64_t G, int64_t D, int64_t dv, int64_t lo, int64_t p, float scale,
-                   const Key& key_at, const Value& value_at, float* scores, float* out, float* top_out,
-                   float* sum_out) {
-  attend_portable(q, G, D, dv, lo, p, scale, key_at, value_at, scores, out, top_out, sum_out);
+                   const Key& key_at, const Value& value_at, float* scores, float* out) {
+  attend_portable(q, G, D, dv, lo, p, scale, key_at, value_at, scores, out);
 }
 #endif
-
-// A row's positions go in fixed blocks of kBlock (block k: [k kBlock, (k + 1) kBlock), whatever the
-// row or the call), each attended on its own (a task of its own at decode: more streams, both cores
-// at batch 1) and merged in block order. The blocks depend on the position only, so a verify row
-// still equals the decode step at its position bit for bit.
-constexpr int64_t kBlock = 512;
-
-// One block's partial for G heads: acc [G, dv], then top [G], then sum [G] (sum 0: no position)
-struct Partial {
-  float* base;
-  int64_t G, dv;
-  float* acc() const { return base; }
-  float* top() const { return base + G * dv; }
-  float* sum() const { return base + G * dv + G; }
-  static int64_t floats(int64_t G, int64_t dv) { return G * dv + 2 * G; }
-};
-
-// out [G, dv] from a row's K block partials (stride floats apart), in block order, the same code
-// for both forms: T = max top_k; f_k = exp(top_k - T); out = (fma chain of f_k acc_k) / (fma chain
-// of f_k sum_k), blocks without a position skipped.
-inline void merge_blocks(const float* partials, int64_t K, int64_t stride, int64_t G, int64_t dv, float* out) {
-  for (int64_t g = 0; g < G; ++g) {
-    float top = -INFINITY;
-    for (int64_t k = 0; k < K; ++k) {
-      const Partial part{const_cast<float*>(partials + k * stride), G, dv};
-      if (part.sum()[g] > 0.0f) top = std::max(top, part.top()[g]);
-    }
-    float den = 0.0f;
-    float* o = out + g * dv;
-    std::fill(o, o + dv, 0.0f);
-    for (int64_t k = 0; k < K; ++k) {
-      const Partial part{const_cast<float*>(partials + k * stride), G, dv};
-      if (!(part.sum()[g] > 0.0f)) continue;
-      const float f = exp_clamped(part.top()[g] - top);
-      den = std::fma(part.sum()[g], f, den);
-      const float* acc = part.acc() + g * dv;
-      for (int64_t e = 0; e < dv; ++e) o[e] = std::fma(acc[e], f, o[e]);
-    }
-    for (int64_t e = 0; e < dv; ++e) o[e] /= den;
-  }
-}
 
 struct Kernel {
   static constexpr const char* kName = "PagedAttention";
@@ -303,88 +262,42 @@ struct Kernel {
     const int64_t G = hq / hkv;
     const bool vector_rows = fast && D % 16 == 0 && dv % 16 == 0;   // (else the portable form: other shapes)
     const int page_shift = S > 0 && (S & (S - 1)) == 0 ? __builtin_ctzll(static_cast<uint64_t>(S)) : -1;
-    int64_t K = 1;                     // blocks of the longest row
-    for (int64_t b = 0; b < B; ++b) K = std::max(K, (ctx[b] + W + kBlock - 1) / kBlock);
-    const int64_t stride = Partial::floats(G, dv);
-    // sequence b's KV head h: its pointers to key and value rows by position
-    struct Rows {
-      const float *kc, *vc, *k, *v;
-      const int64_t* tables;
-      int64_t b, h, n_ctx, W, hkv, D, dv, P, S; int page_shift;
-      int64_t pool_row(int64_t j) const {   // page tables[j / S], slot j % S: a shift and a mask for a
-        return page_shift >= 0 ? (tables[b * P + (j >> page_shift)] << page_shift) + (j & (S - 1))   // power of 2
-                               : tables[b * P + j / S] * S + j % S;
-      }
-      const float* key(int64_t j) const {
-        return j < n_ctx ? kc + (pool_row(j) * hkv + h) * D : k + ((b * W + (j - n_ctx)) * hkv + h) * D;
-      }
-      const float* value(int64_t j) const {
-        return j < n_ctx ? vc + (pool_row(j) * hkv + h) * dv : v + ((b * W + (j - n_ctx)) * hkv + h) * dv;
-      }
-    };
-    auto rows_of = [&](int64_t b, int64_t h) {
-      return Rows{kc, vc, k, v, tables, b, h, ctx[b], W, hkv, D, dv, P, S, page_shift};
-    };
-    // row w's block k of sequence b, KV head h, into `part` (sum 0 where the block has none of its positions)
-    auto block = [&](const Rows& r, int64_t w, int64_t blk, const Partial& part, std::vector<float>& scores) {
-      const int64_t p = r.n_ctx + w, lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      const int64_t j0 = std::max(lo, blk * kBlock), j1 = std::min(p, (blk + 1) * kBlock - 1);
-      if (j0 > j1) {
-        std::fill(part.sum(), part.sum() + G, 0.0f);
-        return;
-      }
-      scores.resize(static_cast<size_t>(G * (j1 - j0 + 1)));     // [g][j]
-      const float* qrow = q + ((r.b * W + w) * hq + r.h * G) * D;
-      auto key_at = [&](int64_t j) { return r.key(j); };
-      auto value_at = [&](int64_t j) { return r.value(j); };
-      if (vector_rows) {
-        attend_avx512(qrow, G, D, dv, j0, j1, scale, key_at, value_at, scores.data(), part.acc(), part.top(), part.sum());
-      } else {
-        attend_portable(qrow, G, D, dv, j0, j1, scale, key_at, value_at, scores.data(), part.acc(), part.top(),
-                        part.sum());
-      }
-    };
-    // the merged row (b, w, KV head h) into the output, times sigmoid(gate) where the node has one
-    auto finish = [&](int64_t b, int64_t w, int64_t h, const float* partials, std::vector<float>& merged) {
-      merged.resize(static_cast<size_t>(G * dv));
-      merge_blocks(partials, K, stride, G, dv, merged.data());
-      float* o = out + ((b * W + w) * hq + h * G) * dv;
-      if (gate == nullptr) {
-        std::memcpy(o, merged.data(), sizeof(float) * G * dv);
-        return;
-      }
-      for (int64_t g = 0; g < G; ++g) {                    // the output gate: o sigmoid(gate)
-        const float* z = gate + ((b * W + w) * hq + h * G + g) * gate_row;
-        for (int64_t e = 0; e < dv; ++e) o[g * dv + e] = merged[g * dv + e] * (1.0f / (1.0f + std::exp(-z[e])));
-      }
-    };
-    if (W == 1) {   // decode: a task per (sequence, KV head, block), then the merges
-      thread_local std::vector<float> scratch;        // the calling thread's, kept across calls
-      scratch.resize(static_cast<size_t>(B * hkv * K * stride));
-      float* partials = scratch.data();                // (the pool threads write here, not to their own)
-      auto blocks = [&](int64_t first, int64_t last) {
-        thread_local std::vector<float> scores;
-        for (int64_t task = first; task < last; ++task) {
-          const int64_t bh = task / K, blk = task % K;
-          block(rows_of(bh / hkv, bh % hkv), 0, blk, Partial{partials + task * stride, G, dv}, scores);
-        }
-      };
-      parallel_for(api, context, B * hkv * K, blocks);
-      auto merges = [&](int64_t first, int64_t last) {
-        thread_local std::vector<float> merged;
-        for (int64_t bh = first; bh < last; ++bh) finish(bh / hkv, 0, bh % hkv, partials + bh * K * stride, merged);
-      };
-      parallel_for(api, context, B * hkv, merges);
-      return;
-    }
-    auto heads = [&](int64_t first, int64_t last) {   // rows of a call: a task per (sequence, KV head)
-      thread_local std::vector<float> scores, partials, merged;   // per pool thread, kept across calls
-      partials.resize(static_cast<size_t>(K * stride));
+    auto heads = [&](int64_t first, int64_t last) {
+      thread_local std::vector<float> scores, acc;   // per pool thread, kept across calls
+      acc.resize(static_cast<size_t>(G * dv));
       for (int64_t task = first; task < last; ++task) {
-        const Rows r = rows_of(task / hkv, task % hkv);
+        const int64_t b = task / hkv, h = task % hkv, n_ctx = ctx[b];
+        // pool row of committed position j: page tables[j / S], slot j % S (a shift and a mask for the
+        // usual power-of-two S: an integer division per key and value was a cost at long contexts)
+        auto pool_row = [&](int64_t j) {
+          return page_shift >= 0 ? (tables[b * P + (j >> page_shift)] << page_shift) + (j & (S - 1))
+                                 : tables[b * P + j / S] * S + j % S;
+        };
+        auto key_at = [&](int64_t j) {
+          return j < n_ctx ? kc + (pool_row(j) * hkv + h) * D : k + ((b * W + (j - n_ctx)) * hkv + h) * D;
+        };
+        auto value_at = [&](int64_t j) {
+          return j < n_ctx ? vc + (pool_row(j) * hkv + h) * dv : v + ((b * W + (j - n_ctx)) * hkv + h) * dv;
+        };
         for (int64_t w = 0; w < W; ++w) {
-          for (int64_t blk = 0; blk < K; ++blk) block(r, w, blk, Partial{partials.data() + blk * stride, G, dv}, scores);
-          finish(r.b, w, r.h, partials.data(), merged);
+          const int64_t p = n_ctx + w, lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+          scores.resize(static_cast<size_t>(G * (p - lo + 1)));     // [g][j]
+          const float* qrow = q + ((b * W + w) * hq + h * G) * D;
+          if (vector_rows) {
+            attend_avx512(qrow, G, D, dv, lo, p, scale, key_at, value_at, scores.data(), acc.data());
+          } else {
+            attend_portable(qrow, G, D, dv, lo, p, scale, key_at, value_at, scores.data(), acc.data());
+          }
+          const int64_t at = ((b * W + w) * hq + h * G) * dv;
+          float* o = out + at;
+          if (gate == nullptr) {
+            for (int64_t e = 0; e < G * dv; ++e) o[e] = acc[e];
+          } else {                                          // the output gate: o sigmoid(gate)
+            for (int64_t g = 0; g < G; ++g) {
+              const float* z = gate + ((b * W + w) * hq + h * G + g) * gate_row;
+              for (int64_t e = 0; e < dv; ++e) o[g * dv + e] = acc[g * dv + e] * (1.0f / (1.0f + std::exp(-z[e])));
+            }
+          }
         }
       }
     };
