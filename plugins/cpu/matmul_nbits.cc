@@ -157,7 +157,7 @@ struct Kernel {
     const int64_t blocks = K / block_size;
     std::vector<int64_t> yd;
     expect_mm(product_dims(ad, K, swiglu ? N / 2 : N, norm_group, &yd), "A's last dimension is not the node's K");
-    const int64_t tiles = (N + kTile - 1) / kTile, zero_rows = bits == 4 ? (blocks + 1) / 2 : blocks;
+    const int64_t tiles = MatMulNBitsCall::tiles(N), zero_rows = MatMulNBitsCall::zero_rows(bits, blocks);
     expect_mm(bd == std::vector<int64_t>({tiles, K * bits / 32, kTile, 4}),
               "B is not [ceil(N / 16), K * bits / 32, 16, 4] (column tiles: export/nbits_tiles.py)");
     expect_mm(sd == std::vector<int64_t>({tiles, blocks, kTile}), "scales are not [ceil(N / 16), K / block_size, 16]");

@@ -29,9 +29,11 @@ struct MatMulNBitsCall {
   float* y;                    // [M, N]
   int64_t M, K, N, bits, block_size, blocks;
 
-  int64_t tiles() const { return (N + kTile - 1) / kTile; }
+  // tiles of N columns; rows of 16 zero-point bytes per tile (4 bits: two blocks a byte)
+  static int64_t tiles(int64_t N) { return (N + kTile - 1) / kTile; }
+  static int64_t zero_rows(int64_t bits, int64_t blocks) { return bits == 8 ? blocks : (blocks + 1) / 2; }
   int64_t tile_bytes() const { return K * bits / 8 * kTile; }
-  int64_t zero_rows() const { return bits == 8 ? blocks : (blocks + 1) / 2; }   // per tile, of 16 bytes
+  int64_t zero_rows() const { return zero_rows(bits, blocks); }
 
   // zero point of column n's block b
   float zero(int64_t n, int64_t b) const {
