@@ -106,6 +106,33 @@ def test_kernel_equals_its_math(library, monkeypatch, portable, K, N, bits, bs, 
         assert np.array_equal(sess.run(None, {"A": A[m : m + 1]})[0][0], y[m])
 
 
+def _weights_as_inputs(model: onnx.ModelProto) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """The model with its initializers turned into graph inputs, and the feeds that give them."""
+    fed = onnx.ModelProto()
+    fed.CopyFrom(model)
+    feeds = {t.name: numpy_helper.to_array(t) for t in fed.graph.initializer}
+    for name, value in feeds.items():
+        fed.graph.input.append(helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype),
+                                                             list(value.shape)))
+    del fed.graph.initializer[:]
+    return fed, feeds
+
+
+@pytest.mark.parametrize("bits,zero_points", [(4, True), (8, False)])
+def test_weights_read_once_equal_weights_read_each_call(library, bits, zero_points):
+    """A kernel reads constant inputs once, when it is made (NodeApi, plugins/cpu/kernel_common.h);
+    the same weights fed as graph inputs are read through the context each call: the same bits."""
+    rng = np.random.default_rng(5)
+    q, scales, zeros, B, packed = _packed(rng, 256, 70, bits, 64, zero_points)
+    model = _model(256, 70, bits, 64, B, scales, packed)
+    fed, feeds = _weights_as_inputs(model)
+    A = rng.standard_normal((3, 256)).astype(np.float32)
+    once = onnxruntime_backend.session(model, kernels=library).run(None, {"A": A})[0]
+    each = onnxruntime_backend.session(fed, kernels=library).run(None, {"A": A, **feeds})[0]
+    assert np.array_equal(once, each)
+    assert np.abs(once - _reference(A, q, scales, zeros, bits, 64)).max() <= 1e-5 * np.abs(once).max()
+
+
 def test_kernel_is_as_close_to_float_weights_as_onnxruntimes(library):
     """The same activation quantization as MLAS's at block 32: the error against float32 weights is
     the same to three digits."""

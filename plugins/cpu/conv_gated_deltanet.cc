@@ -90,11 +90,11 @@ struct Kernel {
     check(api, api.KernelInfoGetAttributeFloat(info, "scale", &scale));
     check(api, api.KernelInfoGetAttributeFloat(info, "norm_epsilon", &norm_epsilon));
     check(api, api.KernelInfoGetAttributeFloat(info, "norm_scale", &norm_scale));
-    return new Kernel{api, scale, norm_epsilon, norm_scale, optional_int(api, info, "emit_output", 1) != 0,
+    return new Kernel{NodeApi(api, info), scale, norm_epsilon, norm_scale, optional_int(api, info, "emit_output", 1) != 0,
                       avx512f()};
   }
 
-  OrtApiTable api;
+  NodeApi api;
   float scale, norm_epsilon, norm_scale;
   bool emit_output, fast;
 

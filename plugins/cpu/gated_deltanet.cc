@@ -159,10 +159,10 @@ struct Kernel {
   static Kernel* create(const OrtApiTable& api, const OrtKernelInfo* info) {
     float scale = 1.0f;
     check(api, api.KernelInfoGetAttributeFloat(info, "scale", &scale));
-    return new Kernel{api, scale, optional_int(api, info, "emit_output", 1) != 0};
+    return new Kernel{NodeApi(api, info), scale, optional_int(api, info, "emit_output", 1) != 0};
   }
 
-  OrtApiTable api;
+  NodeApi api;
   float scale;
   bool emit_output;   // 0: a replay that only wants the state (rows past state_rows are skipped)
 

@@ -212,10 +212,10 @@ struct Kernel {
     check(api, api.KernelInfoGetAttributeInt64(info, "N", &N));
     expect(N > 0, "MatMul", "N must be positive");
     const MatMulFusions f = matmul_fusions(api, info, "MatMul");
-    return new Kernel{api, N, f.norm_group, f.swiglu, f.rms_norm, f.epsilon, avx512f()};
+    return new Kernel{NodeApi(api, info), N, f.norm_group, f.swiglu, f.rms_norm, f.epsilon, avx512f()};
   }
 
-  OrtApiTable api;
+  NodeApi api;
 
   // A (r norm_scale) silu(gate) per group of norm_group (inputs 3 and 4), in the calling thread's
   // scratch

@@ -134,10 +134,10 @@ struct Kernel {
     expect_mm(K > 0 && N > 0 && K % block_size == 0, "K must be a positive multiple of block_size");
     const MatMulFusions f = matmul_fusions(api, info, "MatMulNBits");
     expect_mm(!f.swiglu || N % 2 == 0, "a swiglu node needs an even N (gate and up halves)");
-    return new Kernel{api, K, N, bits, block_size, avx512_vnni(), f.rms_norm, f.swiglu, f.norm_group, f.epsilon};
+    return new Kernel{NodeApi(api, info), K, N, bits, block_size, avx512_vnni(), f.rms_norm, f.swiglu, f.norm_group, f.epsilon};
   }
 
-  OrtApiTable api;
+  NodeApi api;
   int64_t K, N, bits, block_size;
   bool fast;     // AVX-512 VNNI here
   bool rms_norm, swiglu;

@@ -34,10 +34,10 @@ struct Kernel {
     if (OrtStatus* status = api.KernelInfoGetAttributeFloat(info, "epsilon", &epsilon)) {
       api.ReleaseStatus(status);       // a node without a norm has none
     }
-    return new Kernel{api, epsilon, avx512f()};
+    return new Kernel{NodeApi(api, info), epsilon, avx512f()};
   }
 
-  OrtApiTable api;
+  NodeApi api;
   float epsilon;
   bool fast;
 
@@ -54,7 +54,7 @@ struct Kernel {
 
 }  // namespace
 
-NormRope norm_rope_inputs(const OrtApiTable& api, OrtKernelContext* context, size_t first, int64_t B, int64_t W,
+NormRope norm_rope_inputs(const NodeApi& api, OrtKernelContext* context, size_t first, int64_t B, int64_t W,
                           int64_t D, const char* op) {
   std::vector<int64_t> nd, cd, sd, pd;
   NormRope p;

@@ -110,6 +110,14 @@ class OrtApiTable {
     return at<OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(91)(
         context, index, dims, n, out);
   }
+  OrtStatus* KernelInfoGetInputCount(const OrtKernelInfo* info, size_t* out) const {
+    return at<OrtStatus* (*)(const OrtKernelInfo*, size_t*)>(230)(info, out);
+  }
+  // *is_constant: whether input `index` is a constant initializer; *out: its value (the session's)
+  OrtStatus* KernelInfoGetConstantInput(const OrtKernelInfo* info, size_t index, int* is_constant,
+                                        const OrtValue** out) const {
+    return at<OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**)>(249)(info, index, is_constant, out);
+  }
   const char* GetErrorMessage(const OrtStatus* status) const {
     return at<const char* (*)(const OrtStatus*)>(2)(status);
   }

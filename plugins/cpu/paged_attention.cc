@@ -200,10 +200,10 @@ struct Kernel {
     if (OrtStatus* status = api.KernelInfoGetAttributeFloat(info, "norm_epsilon", &norm_epsilon)) {
       api.ReleaseStatus(status);       // a node without q_norm has none
     }
-    return new Kernel{api, scale, window, norm_epsilon, avx512f(), optional_int(api, info, "packed_gate", 0) != 0};
+    return new Kernel{NodeApi(api, info), scale, window, norm_epsilon, avx512f(), optional_int(api, info, "packed_gate", 0) != 0};
   }
 
-  OrtApiTable api;
+  NodeApi api;
   float scale;
   int64_t window;
   float norm_epsilon;

@@ -36,10 +36,10 @@ struct Kernel {
     int64_t D = 0;
     check(api, api.KernelInfoGetAttributeInt64(info, "head_dim", &D));
     expect(D > 0, kOp, "head_dim must be positive");
-    return new Kernel{api, D};
+    return new Kernel{NodeApi(api, info), D};
   }
 
-  OrtApiTable api;
+  NodeApi api;
   int64_t D;
 
   void compute(OrtKernelContext* context) const {

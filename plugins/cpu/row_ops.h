@@ -93,7 +93,7 @@ struct NormRope {
 // A node's norm and RoPE inputs at first .. first + 3 (norm scale [D], cos and sin [B, W, 1, D],
 // rotate_perm [D]; each may be omitted, RoPE's three together) for a call of B W rows of head dim D,
 // checked (`op` names the node's op in errors); epsilon and fast are the caller's (norm_rope.cc).
-NormRope norm_rope_inputs(const OrtApiTable& api, OrtKernelContext* context, size_t first, int64_t B, int64_t W,
+NormRope norm_rope_inputs(const NodeApi& api, OrtKernelContext* context, size_t first, int64_t B, int64_t W,
                           int64_t D, const char* op);
 
 // The output dims of a matmul over K into N columns for A's dims `ad`: [..., K] -> [..., N]; with a
