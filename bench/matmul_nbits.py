@@ -33,6 +33,7 @@ from tandem.export.builder import MS_DOMAIN  # noqa: E402
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN  # noqa: E402
 from tandem.export.cpu_matmul_lowering import weight_panels  # noqa: E402
 from tandem.export.nbits_tiles import tile_weights  # noqa: E402
+from tandem.export.quantize import half_scales  # noqa: E402
 from tandem.plugins import cpu_kernels  # noqa: E402
 
 BLOCK = 32
@@ -46,7 +47,7 @@ def graph(domain: str, K: int, N: int, bits: int, nodes: int, seed: int = 0):
     for i in range(nodes):
         q = rng.integers(0, 2**bits, size=(N, nb, BLOCK), dtype=np.uint8)
         packed = q if bits == 8 else (q[..., 0::2] | (q[..., 1::2] << 4))
-        scales = rng.random(N * nb, dtype=np.float32) * 0.02
+        scales = half_scales(rng.random(N * nb, dtype=np.float32) * 0.02)
         zeros = rng.integers(0, 256, N * ((nb + 1) // 2), dtype=np.uint8) if bits == 4 else None
         weights = tile_weights(packed, scales, zeros, N, K, bits, BLOCK) if domain == CPU_DOMAIN else \
             (packed, scales, zeros)

@@ -38,7 +38,7 @@ from onnx import helper, numpy_helper
 
 from tandem.export.builder import MS_DOMAIN, TANDEM_DOMAIN, GraphBuilder
 from tandem.export.cpu_prologues import GDN_OP, GraphIndex, match_conv_commit, match_prologue
-from tandem.export.nbits_tiles import tile_weights, untiled_inputs
+from tandem.export.nbits_tiles import fits_half, tile_weights, untiled_inputs
 from tandem.export.ops import gated_deltanet
 
 CPU_DOMAIN = "ai.tandem.cpu"
@@ -78,7 +78,7 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
 def lower_matmul_nbits_to_kernel(model: onnx.ModelProto, tensors=None) -> bool:
     """Rewrite in place the 4-bit and 8-bit MatMulNBits of an optimized graph that compute with int8
     activations (accuracy level 4) and whose blocks the kernel reads (a power of two >= 32 inputs,
-    float32 scales, no g_idx or bias); returns whether any was. Their weights, scales and zero
+    float32 scales that float16 holds, no g_idx or bias); returns whether any was. Their weights, scales and zero
     points become the kernel's column tiles (export/nbits_tiles.py), written with `tensors`
     (array(tensor) -> ndarray; add(name, array) -> TensorProto: the saved graph's tensor store;
     None: inside the graph). 8-bit nodes moved once the norm, residual and gate fusions came with
@@ -100,6 +100,8 @@ def lower_matmul_nbits_to_kernel(model: onnx.ModelProto, tensors=None) -> bool:
         key = "|".join(weights)
         if key not in tiled:
             arrays = [tensors.array(inits[w]) if w else None for w in weights]
+            if not fits_half(arrays[1]):       # not from tandem's quantizer: ONNX Runtime's node stays
+                continue
             made = tile_weights(*arrays, attrs["N"], attrs["K"], attrs["bits"], block)
             tiled[key] = tuple(f"{w}/tiles" if w else "" for w in weights)
             for name, array in zip(tiled[key], made):

@@ -1,6 +1,7 @@
 """Weight-only quantization of the linear layers, per block of `block` input rows.
 
-    W^T [K, N] (x @ W^T) -> q [K, N], scale [K/block, N] (activation dtype), zero point [K/block, N]
+    W^T [K, N] (x @ W^T) -> q [K, N], scale [K/block, N] (activation dtype, values float16 holds:
+                            half_scales), zero point [K/block, N]
     int8 (symmetric):   scale = max |w| / 127             q = round(w / scale) in [-127, 127]
     int4 (asymmetric):  scale = (max(w, 0) - min(w, 0)) / 15, zero = round(-min(w, 0) / scale),
                         q = round(w / scale) + zero in [0, 15]   (uint4: 16 levels over the block's
@@ -60,7 +61,7 @@ class WeightQuant:
             scale = (hi - lo) / 15
         else:
             scale = np.abs(blocks).max(axis=1) / self.qmax                # [K/block, N]
-        scale = np.where(scale > 0, scale, 1.0).astype(scale_dtype)      # an all-zero block: any scale
+        scale = half_scales(np.where(scale > 0, scale, 1.0)).astype(scale_dtype)   # an all-zero block: any scale
         s32 = scale.astype(np.float32)
         if not self.asymmetric:
             q = np.clip(np.rint(blocks / s32[:, None, :]), -self.qmax, self.qmax)
@@ -73,6 +74,19 @@ class WeightQuant:
         """The float W^T the graph computes with (float32)."""
         shift = 0.0 if zero is None else np.repeat(zero.astype(np.float32), self.block, axis=0)
         return (q.astype(np.float32) - shift) * np.repeat(scale.astype(np.float32), self.block, axis=0)
+
+
+def half_scales(scale: np.ndarray) -> np.ndarray:
+    """Positive scales rounded up to the nearest float16 (float32 values): ONNX Runtime's kernel
+    stores them as float16 (plugins/cpu/matmul_nbits.h), half the scale bytes (an int4 engine's
+    weights 10% smaller, as llama.cpp's Q4_0 / Q8_0 keep theirs), and exactly. Up, so the block's
+    largest |w| (its range, int4) still fits the levels; the relative change is at most 2^-10 in
+    float16's normal range, far below the 4- or 8-bit rounding of the weights."""
+    clipped = np.clip(scale.astype(np.float32), np.finfo(np.float16).smallest_subnormal, np.finfo(np.float16).max)
+    half = clipped.astype(np.float16)
+    low = half.astype(np.float32) < clipped
+    half[low] = np.nextafter(half[low], np.float16(np.inf))
+    return half.astype(np.float32)
 
 
 def weight_quant(fmt: str, block: int = 32) -> WeightQuant | None:

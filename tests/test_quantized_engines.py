@@ -11,7 +11,8 @@ import pytest
 from tandem.checkpoint import open_checkpoint
 from tandem.engines.options import BuildOptions, OptionsError
 from tandem.export.exporter import export_checkpoint
-from tandem.export.quantize import WeightQuant
+from tandem.export.nbits_tiles import fits_half, tile_weights
+from tandem.export.quantize import WeightQuant, half_scales
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
@@ -32,10 +33,25 @@ def test_block_quantization_error_is_at_most_half_a_step(fmt):
         assert zero is None and np.abs(q.astype(np.int32)).max() <= 127
     else:   # asymmetric: 16 levels over [min(w, 0), max(w, 0)], zero exactly representable
         assert zero.shape == (4, 48) and q.astype(np.int32).max() <= 15
+    assert fits_half(scale)          # the CPU kernel's tiles keep them as float16 (export/nbits_tiles.py)
     step = np.repeat(scale, 32, axis=0)
     deq = quant.dequantize(q, scale, zero)
     assert np.all(np.abs(deq - wt) <= step / 2 + 1e-6 * np.abs(wt).max())
     assert np.all(deq[32:64, 5] == 0.0)
+
+
+def test_scales_round_up_to_float16_values():
+    """Up, so a block's largest |w| still fits its levels; by at most 2^-10 in float16's normal
+    range; subnormal and out-of-range scales clamp into what float16 holds."""
+    rng = np.random.default_rng(1)
+    s = np.concatenate([rng.uniform(1e-4, 10, 1000), [1e-3, 2.0**-14, 3e-6, 1e-9, 7e4]]).astype(np.float32)
+    h = half_scales(s)
+    assert h.dtype == np.float32 and fits_half(h)
+    normal = (s >= 2.0**-14) & (s <= 65504)
+    assert np.all(h[normal] >= s[normal]) and np.all(h[normal] <= s[normal] * (1 + 2.0**-10))
+    assert h[-3] >= 3e-6 and h[-2] == np.finfo(np.float16).smallest_subnormal and h[-1] == 65504
+    with pytest.raises(ValueError, match="float16 does not hold"):
+        tile_weights(np.zeros((16, 1, 16), np.uint8), np.full(16, 0.1, np.float32), None, 16, 32, 4, 32)
 
 
 def test_every_linear_layer_is_exported_as_blocked_dequantize_matmul(tiny_root, tmp_path):

@@ -94,7 +94,7 @@ void tiles_portable(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t0
   const int64_t per_block = c.block_size / kGroup;
   for (int64_t n = t0 * kTile; n < std::min(c.N, t1 * kTile); ++n) {
     const uint8_t* tile = c.B + n / kTile * c.tile_bytes();
-    const float* sw = c.scales + n / kTile * c.blocks * kTile;
+    const uint16_t* sw = c.scales + n / kTile * c.blocks * kTile;
     // input k of column n: in dword k * bits / 32 of the column, byte (k % per dword) * bits / 8
     const auto weight = [&](int64_t k) {
       const int64_t per_dword = 32 / c.bits, i = k % per_dword;
@@ -107,9 +107,9 @@ void tiles_portable(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t0
       for (int64_t g = 0; g < a.groups; ++g) {
         int32_t dot = 0;
         for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) dot += weight(k) * xq[activation_slot(k, c.bits)];
-        acc += static_cast<float>(dot) * (sw[g / per_block * kTile + n % kTile] * a.sx[m * a.groups + g]);
+        acc += static_cast<float>(dot) * (half_to_float(sw[g / per_block * kTile + n % kTile]) * a.sx[m * a.groups + g]);
       }
-      for (int64_t b = 0; b < c.blocks; ++b) corr += sw[b * kTile + n % kTile] * c.zero(n, b) * a.c[m * c.blocks + b];
+      for (int64_t b = 0; b < c.blocks; ++b) corr += half_to_float(sw[b * kTile + n % kTile]) * c.zero(n, b) * a.c[m * c.blocks + b];
       c.y[m * c.N + n] = acc - corr;
     }
   }
@@ -117,7 +117,7 @@ void tiles_portable(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t0
 
 struct Kernel {
   static constexpr const char* kName = "MatMulNBits";
-  static constexpr int kInputs[] = {kTensorFloat, kTensorUInt8, kTensorFloat, kTensorUInt8, kTensorFloat,
+  static constexpr int kInputs[] = {kTensorFloat, kTensorUInt8, kTensorFloat16, kTensorUInt8, kTensorFloat,
       kTensorFloat, kTensorFloat, kTensorInt64, kTensorInt64};
   static constexpr uint32_t kOptionalInputs = from_index(3);
   static constexpr size_t kOutputs = kMaxSplits;
@@ -148,7 +148,7 @@ struct Kernel {
     std::vector<int64_t> ad, bd, sd, zd;
     const float* A = input<float>(api, context, 0, &ad);
     const uint8_t* B = input<uint8_t>(api, context, 1, &bd);
-    const float* scales = input<float>(api, context, 2, &sd);
+    const uint16_t* scales = input<uint16_t>(api, context, 2, &sd);
     const uint8_t* zeros = optional_input<uint8_t>(api, context, 3, &zd);
     std::vector<int64_t> rd, wd, gd;
     const float* residual = optional_input<float>(api, context, 4, &rd);
@@ -160,7 +160,7 @@ struct Kernel {
     const int64_t tiles = MatMulNBitsCall::tiles(N), zero_rows = MatMulNBitsCall::zero_rows(bits, blocks);
     expect_mm(bd == std::vector<int64_t>({tiles, K * bits / 32, kTile, 4}),
               "B is not [ceil(N / 16), K * bits / 32, 16, 4] (column tiles: export/nbits_tiles.py)");
-    expect_mm(sd == std::vector<int64_t>({tiles, blocks, kTile}), "scales are not [ceil(N / 16), K / block_size, 16]");
+    expect_mm(sd == std::vector<int64_t>({tiles, blocks, kTile}), "scales are not float16 [ceil(N / 16), K / block_size, 16]");
     expect_mm(zeros == nullptr || zd == std::vector<int64_t>({tiles, zero_rows, kTile}),
               "zero_points are not [ceil(N / 16), blocks (8 bits) or ceil(blocks / 2) (4 bits), 16]");
     expect_mm(!rms_norm || (norm_scale != nullptr && numel(wd) == K), "rms_norm needs norm_scale [K]");

@@ -7,13 +7,17 @@
 // side, so one 64-byte load is the next inputs of 16 columns (one vpdpbusd lane each):
 //     B       [T, K * bits / 32, 16, 4] uint8   T = ceil(N / 16); 8 bits: 4 inputs a dword;
 //                                               4 bits: 8, byte i = inputs 2i (low nibble), 2i + 1
-//     scales  [T, blocks, 16] float32
+//     scales  [T, blocks, 16] float16 (half the bytes of float32: the quantizer's scales are
+//             float16 values, export/quantize.py half_scales)
 //     zeros   [T, blocks, 16] uint8 (8 bits); [T, ceil(blocks / 2), 16] (4 bits: block 2p in the
 //             low nibble, 2p + 1 in the high one); absent: 2^(bits-1)
 // Columns past N (the last tile's padding) hold zeros and are never written out.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 namespace tandem {
@@ -24,7 +28,7 @@ constexpr int kTile = 16;    // columns per tile
 struct MatMulNBitsCall {
   const float* A;              // [M, K]
   const uint8_t* B;            // [T, K * bits / 32, 16, 4]
-  const float* scales;         // [T, blocks, 16]
+  const uint16_t* scales;      // [T, blocks, 16] float16 bits
   const uint8_t* zeros;        // see above; null: 2^(bits-1)
   float* y;                    // [M, N]
   int64_t M, K, N, bits, block_size, blocks;
@@ -43,6 +47,25 @@ struct MatMulNBitsCall {
     return static_cast<float>((tile[b / 2 * kTile + n % kTile] >> (4 * (b & 1))) & 15);
   }
 };
+
+// A float16's value (every one: zeros, subnormals, infinities, NaN), for the portable kernel; the
+// AVX-512 one converts 16 at a time (vcvtph2ps), to the same floats.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  float magnitude;
+  if (exponent == 0) {
+    magnitude = std::ldexp(static_cast<float>(mantissa), -24);                  // zero, subnormal
+  } else if (exponent == 31) {
+    magnitude = mantissa ? std::numeric_limits<float>::quiet_NaN() : std::numeric_limits<float>::infinity();
+  } else {
+    magnitude = std::ldexp(static_cast<float>(mantissa | 0x400), static_cast<int>(exponent) - 25);
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &magnitude, sizeof(bits));
+  bits |= sign;
+  std::memcpy(&magnitude, &bits, sizeof(bits));
+  return magnitude;
+}
 
 // A's rows quantized per group of 32: xq (4 bits: each 8 inputs as their 4 even then their 4 odd
 // ones, the order of a dword's low then high nibbles; 8 bits: in order), the scale sx per group,

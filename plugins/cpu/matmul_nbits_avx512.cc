@@ -46,6 +46,11 @@ constexpr int64_t kPrefetchBytes = 8192;
 
 using dword_t = int32_t __attribute__((may_alias, aligned(1)));
 
+// the 16 columns' scales of a block (float16) as floats
+TANDEM_AVX512 inline __m512 block_scales(const uint16_t* at) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(at)));
+}
+
 // the 16 columns' zero points of block b of tile t, as floats
 template <int BITS>
 TANDEM_AVX512 inline __m512 block_zeros(const MatMulNBitsCall& c, int64_t t, int64_t b) {
@@ -64,10 +69,10 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
   constexpr int kChains = R == 1 ? 4 : 2;   // even and odd loads' sums (R rows are R chains already)
   const int block_shift = __builtin_ctzll(static_cast<uint64_t>(c.block_size / kGroup));   // a power of two
   const uint8_t* w = c.B + t * c.tile_bytes();
-  const float* scales = c.scales + t * c.blocks * kTile;
+  const uint16_t* scales = c.scales + t * c.blocks * kTile;
   {   // the next tile's scales and zero points (streams of their own)
     const char* ahead = reinterpret_cast<const char*>(scales + c.blocks * kTile);
-    for (int64_t at = 0; at < c.blocks * kTile * 4; at += 64) _mm_prefetch(ahead + at, _MM_HINT_NTA);
+    for (int64_t at = 0; at < c.blocks * kTile * 2; at += 64) _mm_prefetch(ahead + at, _MM_HINT_NTA);
     if (c.zeros != nullptr) {
       const char* zeros = reinterpret_cast<const char*>(c.zeros + (t + 1) * c.zero_rows() * kTile);
       for (int64_t at = 0; at < c.zero_rows() * kTile; at += 64) _mm_prefetch(zeros + at, _MM_HINT_NTA);
@@ -110,7 +115,7 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
         }
       }
     }
-    const __m512 sw = _mm512_loadu_ps(scales + (g >> block_shift) * kTile);
+    const __m512 sw = block_scales(scales + (g >> block_shift) * kTile);
     for (int r = 0; r < R; ++r) {
       __m512i total = dot[r][0], odd = dot[r][1];
       for (int i = 2; i < kChains; i += 2) {
@@ -123,7 +128,7 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
     }
   }
   for (int64_t b = 0; b < c.blocks; ++b) {   // - sum_b scale zero C_b
-    const __m512 wz = _mm512_mul_ps(_mm512_loadu_ps(scales + b * kTile), block_zeros<BITS>(c, t, b));
+    const __m512 wz = _mm512_mul_ps(block_scales(scales + b * kTile), block_zeros<BITS>(c, t, b));
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fnmadd_ps(wz, _mm512_set1_ps(a.c[(m0 + r) * c.blocks + b]), acc[r]);
   }
   const int64_t n0 = t * kTile, left = c.N - n0;

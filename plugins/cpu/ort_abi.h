@@ -33,6 +33,7 @@ struct OrtApiBase {
 constexpr int kTensorFloat = 1;
 constexpr int kTensorUInt8 = 2;
 constexpr int kTensorInt64 = 7;
+constexpr int kTensorFloat16 = 10;
 constexpr int kOrtFail = 1;
 constexpr int kInputOutputRequired = 0;
 constexpr int kInputOutputOptional = 1;
