@@ -8,8 +8,8 @@ is the bandwidth decoding achieves; the bound is what one large fp32 GEMV reache
 all threads (a [1, K] x [K, N] MatMul over a `--gemv-mib` weight, far larger than the caches): the
 faster of ONNX Runtime's MatMul and, where the build uses it here, tandem's (ai.tandem.cpu::MatMul
 over the weight panels; it streams faster than MLAS, so the bound is the better of the two). Per
-engine dir: the target step's weight bytes per token (initializers read by its MatMuls, Convs and
-MatMulNBits; those only gathered from, the embedding table, count one row), decode tokens/s (plain
+engine dir: the target step's weight bytes per token (the initializers of the graph it runs, the
+saved optimized one; those only gathered from, the embedding table, count one row), decode tokens/s (plain
 greedy, batch 1, prompt 32, prefill excluded), and achieved / bound. The machine's memory speed
 moves by 1.5-2x within seconds, so decoding (`--tokens` per decode, `--rounds` decodes per dir, the
 dirs in turn) is timed in segments of `--segment` steps, host work included, each divided by the
@@ -47,8 +47,12 @@ _SIZES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.UINT8: 1, Te
 
 def weight_bytes_per_token(engine_dir: Path) -> float:
     """Bytes of the target step's initializers one decode step reads: all of each, except tensors
-    only ever gathered from (embedding tables), which give one row."""
-    model = onnx.load(str(engine_dir / "target_step.onnx"), load_external_data=False)
+    only ever gathered from (embedding tables), which give one row. Of the graph the runtime runs:
+    the saved optimized one where the build made it (the int4 / int8 kernel's float16 scales are half
+    the portable graph's float32 ones), else the exported one."""
+    optimized = engine_dir / "target_step.opt.onnx"
+    graph = optimized if optimized.is_file() else engine_dir / "target_step.onnx"
+    model = onnx.load(str(graph), load_external_data=False)
     consumers: dict[str, set[str]] = {}
     for node in model.graph.node:
         for name in node.input:
