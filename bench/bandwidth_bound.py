@@ -14,7 +14,8 @@ greedy, batch 1, prompt 32, prefill excluded), and achieved / bound. The machine
 moves by 1.5-2x within seconds, so decoding (`--tokens` per decode, `--rounds` decodes per dir, the
 dirs in turn) is timed in segments of `--segment` steps, host work included, each divided by the
 GEMV run just before and just after it (their mean, one call each); the figure is the median over
-the segments. The bound
+the segments. The last column is the same against ONNX Runtime's GEMV alone, the yardstick issue 15
+was written with. The bound
 for int8 / int4 engines is the same bytes/s: fewer bytes per token should give proportionally more
 tokens/s.
 """
@@ -107,9 +108,11 @@ class GemvProbe:
             speeds[name] = self.nbytes / statistics.median(times)
         return speeds
 
-    def bound(self) -> float:
-        """Bytes/s of the faster GEMV, one call each, now."""
-        return max(self.measure(calls=1).values())
+    def bound(self) -> tuple[float, float]:
+        """Bytes/s now (one call each) of the faster GEMV, and of ONNX Runtime's (the issue's own
+        yardstick, which tandem's GEMV outruns)."""
+        speeds = self.measure(calls=1)
+        return max(speeds.values()), speeds["onnxruntime"]
 
 
 def decode_speed(llm: LLM, tokens: int) -> float:
@@ -121,10 +124,12 @@ def decode_speed(llm: LLM, tokens: int) -> float:
     return (len(result.token_ids) - 1) / (m.finished - m.first_token)
 
 
-def decode_steps(llm: LLM, tokens: int, probe: GemvProbe, segment: int) -> tuple[float, list[tuple[float, float]]]:
+def decode_steps(llm: LLM, tokens: int, probe: GemvProbe,
+                 segment: int) -> tuple[float, list[tuple[float, float, float]]]:
     """One plain decode at batch 1 in segments of `segment` steps: (tokens/s, [(seconds per step of
-    a segment, the bound measured right before and after it)]). A GEMV evicts the caches, so the
-    first step after one starts colder than decoding does; a segment of 8 dilutes that to 1/8."""
+    a segment, the bound and ONNX Runtime's GEMV, each the mean of right before and right after
+    it)]). A GEMV evicts the caches, so the first step after one starts colder than decoding does;
+    a segment of 8 dilutes that to 1/8."""
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, speculative=False)
     seq = llm.add_request([int(t) for t in rng.integers(3, llm.desc.vocab_size, 32)], params)
@@ -138,7 +143,7 @@ def decode_steps(llm: LLM, tokens: int, probe: GemvProbe, segment: int) -> tuple
             n += 1
         dt = time.perf_counter() - t
         after = probe.bound()
-        segments.append((dt / n, (before + after) / 2))
+        segments.append((dt / n, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2))
         before, total, steps = after, total + dt, steps + n
     return steps / total, segments
 
@@ -158,25 +163,28 @@ def main() -> None:
     print(f"machine: {machine()}; onnxruntime {ort.__version__}; plain decoding, batch 1, {args.tokens} tokens")
     speeds = {d: [] for d in llms}
     ratios = {d: [] for d in llms}
+    ort_ratios = {d: [] for d in llms}
     bounds = []
     for _ in range(args.rounds):
         for d, llm in llms.items():
             speed, steps = decode_steps(llm, args.tokens, probe, args.segment)
             per_token = weight_bytes_per_token(d)
             speeds[d].append(speed)
-            ratios[d] += [per_token / dt / bound for dt, bound in steps]
-            bounds += [bound for _, bound in steps]
+            ratios[d] += [per_token / dt / bound for dt, bound, _ in steps]
+            ort_ratios[d] += [per_token / dt / ort for dt, _, ort in steps]
+            bounds += [bound for _, bound, _ in steps]
     gemvs = probe.measure()
     print(f"GEMV bound: {statistics.median(bounds) / 1e9:.1f} GB/s (median over {len(bounds)} segments; "
           f"{min(bounds) / 1e9:.1f}-{max(bounds) / 1e9:.1f}); at the end " + ", ".join(
               f"{name}'s GEMV {g / 1e9:.1f}" for name, g in gemvs.items()))
     print("engine dir | weight MiB per token | tokens/s | bound tokens/s | achieved / bound (median segment; "
-          "quartiles)")
+          "quartiles) | achieved / ONNX Runtime's GEMV")
     for d in llms:
         per_token = weight_bytes_per_token(d)
         q1, q2, q3 = statistics.quantiles(ratios[d], n=4)
         print(f"{d} | {per_token / 2**20:.1f} | {statistics.median(speeds[d]):.1f} | "
-              f"{statistics.median(bounds) / per_token:.1f} | {q2:.0%} ({q1:.0%}-{q3:.0%})")
+              f"{statistics.median(bounds) / per_token:.1f} | {q2:.0%} ({q1:.0%}-{q3:.0%}) | "
+              f"{statistics.median(ort_ratios[d]):.0%}")
 
 
 if __name__ == "__main__":
