@@ -134,6 +134,24 @@ def test_weights_read_once_equal_weights_read_each_call(library, bits, zero_poin
     assert np.abs(once - _reference(A, q, scales, zeros, bits, 64)).max() <= 1e-5 * np.abs(once).max()
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
+def test_float16_scales_across_their_range(library, monkeypatch, portable):
+    """Scales from float16's subnormals (6e-8) to its normal range, as tiny weights make them: both
+    kernels read the float16 tiles to the same values as the reference's float32 scales."""
+    if not portable and not cpu_kernels.nbits_matmul():
+        pytest.skip("no AVX-512 VNNI here: only the portable kernel runs")
+    if portable:
+        monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1")
+    rng = np.random.default_rng(11)
+    q, _, zeros, B, packed = _packed(rng, 128, 40, 4, 32, True)
+    scales = half_scales(10.0 ** rng.uniform(-7.5, -2, (40, 4)))
+    assert (scales < 2.0**-14).any() and (scales >= 2.0**-14).any()     # subnormal and normal float16s
+    A = rng.standard_normal((3, 128)).astype(np.float32)
+    y = onnxruntime_backend.session(_model(128, 40, 4, 32, B, scales, packed), kernels=library).run(None, {"A": A})[0]
+    ref = _reference(A, q, scales, zeros, 4, 32)
+    assert np.all(np.abs(y - ref) <= 1e-5 * np.abs(ref).max(axis=0, keepdims=True) + 1e-30)
+
+
 def test_kernel_is_as_close_to_float_weights_as_onnxruntimes(library):
     """The same activation quantization as MLAS's at block 32: the error against float32 weights is
     the same to three digits."""

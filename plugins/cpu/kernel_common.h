@@ -9,7 +9,6 @@
 #include <stdexcept>
 #include <string>
 #include <vector>
-#include <cstdio>
 
 #include "ort_abi.h"
 
