@@ -20,7 +20,7 @@ from __future__ import annotations
 import onnx
 from onnx import helper
 
-from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, import_cpu_domain, names_read, without_unread
+from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, import_cpu_domain, names_read, set_nodes
 from tandem.export.cpu_prologues import GraphIndex, match_attention, match_norm_rope, match_rotary_tables
 
 
@@ -59,8 +59,7 @@ def lower_attention_to_kernel(model: onnx.ModelProto, dense: set[str]) -> set[st
             done.add(node.name)
     if done:
         nodes = [n for n in graph.node if n.domain == CPU_DOMAIN or not set(n.output) & made]
-        del graph.node[:]
-        graph.node.extend(without_unread(nodes, {o.name for o in graph.output}))
+        set_nodes(graph, nodes)
         import_cpu_domain(model)
     return done
 
@@ -83,8 +82,7 @@ def lower_norm_rope_to_kernel(model: onnx.ModelProto) -> int:
                                       name=f"{node.name}/NormRope", **({"epsilon": eps} if scale else {})))
         made += 1
     if made:
-        del graph.node[:]
-        graph.node.extend(without_unread(nodes, {o.name for o in graph.output}))
+        set_nodes(graph, nodes)
         import_cpu_domain(model)
     return made
 
@@ -117,8 +115,7 @@ def lower_rotary_tables_to_kernel(model: onnx.ModelProto) -> int:
                                           name=f"{node.name}/RotaryTables", head_dim=tables.head_dim))
         elif not (node.output and node.output[0] in sines):
             nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(without_unread(nodes, {o.name for o in graph.output}))
+    set_nodes(graph, nodes)
     return len(found)
 
 

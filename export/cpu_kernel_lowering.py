@@ -67,9 +67,7 @@ def lower_gdn_to_kernel(model: onnx.ModelProto) -> int:
         else:
             nodes.append(node)
     # what a fused node makes itself (the conv window, the new conv state): the Concat, GatherND that did go
-    nodes = [n for n in nodes if n.domain == CPU_DOMAIN or not made & set(n.output)]
-    del graph.node[:]
-    graph.node.extend(without_unread(nodes, outputs))
+    set_nodes(graph, [n for n in nodes if n.domain == CPU_DOMAIN or not made & set(n.output)])
     if lowered:
         import_cpu_domain(model)
     return lowered
@@ -285,6 +283,13 @@ def _read_only_after(node: onnx.NodeProto, name: str, index: GraphIndex) -> bool
     order = index.order
     return all(order[id(n)] >= order[id(node)] for n in index.readers.get(name, ())
                if not (n.op_type == "Gather" and n.input[0] == name))
+
+
+def set_nodes(graph: onnx.GraphProto, nodes: list[onnx.NodeProto]) -> None:
+    """The graph's nodes become `nodes`, less those whose outputs nothing reads (without_unread)."""
+    kept = without_unread(nodes, {o.name for o in graph.output})
+    del graph.node[:]
+    graph.node.extend(kept)
 
 
 def without_unread(nodes: list[onnx.NodeProto], outputs: set[str]) -> list[onnx.NodeProto]:

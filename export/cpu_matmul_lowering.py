@@ -243,7 +243,7 @@ def _swiglu_gate(node: onnx.NodeProto, n: int, inits: dict, readers: dict, outpu
     goes through QuickGelu with alpha 1 (silu) and the two meet in one Mul; else None."""
     product = node.output[0]
     split = _only_reader(product, readers, outputs)
-    if split is None or (split.op_type, split.domain) not in (("Split", ""), ("Split", "ai.onnx")) or n % 2:
+    if split is None or split.op_type != "Split" or split.domain not in _ONNX or n % 2:
         return None
     sizes = inits.get(split.input[1]) if len(split.input) > 1 else None
     halves = sizes is not None and list(numpy_helper.to_array(sizes)) == [n // 2, n // 2]

@@ -44,11 +44,13 @@ class WidthPolicy:
 @dataclass(frozen=True)
 class WidthEstimate:
     """One width's figures in a bucket: expected tokens per sequence, seconds per round (None:
-    not measured), and the rate used to choose (optimistic where not measured)."""
+    not measured), the seconds the rate counts (the cost, or where not measured the largest of a
+    narrower width's: rounds only grow with width), and the rate used to choose."""
 
     width: int
     expected_tokens: float
     cost: float | None
+    bound: float
     rate: float
 
 
@@ -187,7 +189,7 @@ class WidthController:
             if cost is not None:
                 floor = max(floor, cost)
             bound = cost if cost is not None else floor
-            out.append(WidthEstimate(w, expected, cost, expected / bound if bound > 0 else float("inf")))
+            out.append(WidthEstimate(w, expected, cost, bound, expected / bound if bound > 0 else float("inf")))
         return out
 
     def _best(self, st: _Bucket) -> int:
@@ -204,8 +206,7 @@ class WidthController:
     def hopeless(self, batch: int) -> bool:
         """Whether no width can beat plain steps at this batch size even with every draft accepted:
         the bucket off, plain steps measured, and every width w >= 2 costing at least w of them per
-        round (its own least round time or, not measured, the largest of a narrower width's: rounds
-        only grow with width). A tiny model's rounds (per-call overhead) or a compute-bound batch's
+        round (its estimate's bound). A tiny model's rounds (per-call overhead) or a compute-bound batch's
         can be so; the engine then stops drafting for the bucket's sequences for good, and stops
         keeping their heads current, which alone cost 11-17% of a run on the shipped model."""
         st = self._state(batch)
@@ -213,10 +214,4 @@ class WidthController:
         plain = est[0].cost
         if plain is None or st.choice != 1:
             return False
-        floor = 0.0
-        for e in est[1:]:
-            cost = e.cost if e.cost is not None else floor
-            if cost < e.width * plain:
-                return False
-            floor = max(floor, cost)
-        return True
+        return all(e.bound >= e.width * plain for e in est[1:])

@@ -96,8 +96,6 @@ void panels_portable(const Call& c, int64_t p0, int64_t p1) {
 
 #ifdef TANDEM_AVX512F
 
-inline __mmask16 first_lanes(int64_t n) { return n >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1); }
-
 // y[m0 .. m0 + R] for panels [p0, p0 + V) (swiglu: V / 2 gate and up pairs), stores masked to N.
 // PF: prefetch each panel kAhead rows ahead, non-temporal (see panels_avx512).
 template <int R, int V, bool PF = false>

@@ -17,6 +17,7 @@
 #include <cstring>
 
 #include "matmul_nbits.h"
+#include "row_ops.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -132,7 +133,7 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
     for (int r = 0; r < R; ++r) acc[r] = _mm512_fnmadd_ps(wz, _mm512_set1_ps(a.c[(m0 + r) * c.blocks + b]), acc[r]);
   }
   const int64_t n0 = t * kTile, left = c.N - n0;
-  const __mmask16 valid = left >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1);
+  const __mmask16 valid = first_lanes(left);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(c.y + (m0 + r) * c.N + n0, valid, acc[r]);
 }
 

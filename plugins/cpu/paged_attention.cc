@@ -132,20 +132,20 @@ TANDEM_AVX512F void attend_avx512(const float* q, int64_t G, int64_t D, int64_t 
     float* s = scores + g * n;
     __m512 top = _mm512_set1_ps(s[0]);
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __mmask16 m = first_lanes(n - j);
       top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, s + j));
     }
     const __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));      // (a max: any order is exact)
     __m512 lanes = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __mmask16 m = first_lanes(n - j);
       const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), peak));
       _mm512_mask_storeu_ps(s + j, m, e);
       lanes = _mm512_mask_add_ps(lanes, m, lanes, e);
     }
     const __m512 sum = _mm512_set1_ps(tree16_avx512(lanes));
     for (int64_t j = 0; j < n; j += 16) {
-      const __mmask16 m = n - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - j)) - 1);
+      const __mmask16 m = first_lanes(n - j);
       _mm512_mask_storeu_ps(s + j, m, _mm512_div_ps(_mm512_maskz_loadu_ps(m, s + j), sum));
     }
   }

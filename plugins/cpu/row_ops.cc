@@ -28,7 +28,7 @@ TANDEM_AVX512F void row_scales_avx512(const float* A, int64_t M, int64_t K, floa
   for (int64_t m = 0; m < M; ++m) {
     __m512 sq = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += kLanes) {
-      const __mmask16 mask = K - k >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (K - k)) - 1);
+      const __mmask16 mask = first_lanes(K - k);
       const __m512 x = _mm512_maskz_loadu_ps(mask, A + m * K + k);
       sq = _mm512_fmadd_ps(x, x, sq);
     }

@@ -52,6 +52,11 @@ TANDEM_AVX512F inline __m512 exp_avx512(__m512 x) {
   return _mm512_scalef_ps(_mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(t, t), t), _mm512_set1_ps(1.0f)), n);
 }
 
+// lanes 0 .. min(n, 16) - 1 set: a vector's masked tail of n (>= 0) elements
+TANDEM_AVX512F inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+}
+
 // silu's AVX-512 form
 TANDEM_AVX512F inline __m512 silu_avx512(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
