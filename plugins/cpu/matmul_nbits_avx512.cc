@@ -38,11 +38,12 @@ bool avx512_vnni() {
 
 namespace {
 
-// Software prefetch, non-temporal (the weights are read once a step: they need not evict the
-// activations and states), of the weights this many bytes ahead in the tiles' stream (tiles follow
-// each other in memory), and of the next tile's scales and zero points (streams of their own).
-// Measured against none, T1 and T0, 4 KB and 16 KB ahead, and 2 or 4 tiles read side by side: all
-// within 0.9-1.03x of this on 150M layer shapes (the hardware prefetcher does most of the work).
+// Software prefetch into L1 (T0) of the weights this many bytes ahead in the tiles' stream (tiles
+// follow each other in memory), and of the next tile's scales and zero points (streams of their
+// own). Not non-temporal: on Intel Xeon (Sapphire Rapids class) NTA prefetches of this stream made
+// the kernel 1.35-1.6x slower than T0 (they fill L1 only, past the L2 streamer), and no prefetch
+// 1.25x slower; T0 or T1 4-16 KB ahead are within 2% of each other there. On AMD Zen 4 every
+// choice measured within 0.9-1.03x of NTA. docs/performance.md has the figures.
 constexpr int64_t kPrefetchBytes = 8192;
 
 using dword_t = int32_t __attribute__((may_alias, aligned(1)));
@@ -73,10 +74,10 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
   const uint16_t* scales = c.scales + t * c.blocks * kTile;
   {   // the next tile's scales and zero points (streams of their own)
     const char* ahead = reinterpret_cast<const char*>(scales + c.blocks * kTile);
-    for (int64_t at = 0; at < c.blocks * kTile * 2; at += 64) _mm_prefetch(ahead + at, _MM_HINT_NTA);
+    for (int64_t at = 0; at < c.blocks * kTile * 2; at += 64) _mm_prefetch(ahead + at, _MM_HINT_T0);
     if (c.zeros != nullptr) {
       const char* zeros = reinterpret_cast<const char*>(c.zeros + (t + 1) * c.zero_rows() * kTile);
-      for (int64_t at = 0; at < c.zero_rows() * kTile; at += 64) _mm_prefetch(zeros + at, _MM_HINT_NTA);
+      for (int64_t at = 0; at < c.zero_rows() * kTile; at += 64) _mm_prefetch(zeros + at, _MM_HINT_T0);
     }
   }
   const int8_t* x[R];
@@ -95,7 +96,7 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
     }
     for (int l = 0; l < kLoads; ++l) {
       const uint8_t* at = w + (g * kLoads + l) * 64;
-      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_NTA);
+      _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_T0);
       const __m512i bytes = _mm512_loadu_si512(at);
       if constexpr (BITS == 8) {
         for (int r = 0; r < R; ++r) {
