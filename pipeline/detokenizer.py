@@ -43,6 +43,8 @@ class IncrementalDetokenizer:
 
     def find_stop(self) -> int:
         """Index in self.text where the first stop string starts, or -1."""
+        if not self.stop:
+            return -1
         hits = [i for i in (self.text.find(s) for s in self.stop) if i >= 0]
         return min(hits) if hits else -1
 

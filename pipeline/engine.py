@@ -23,6 +23,7 @@ Rejecting a draft is not committing its rows: the pools only ever hold accepted 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -539,22 +540,33 @@ class Engine:
             seq.head_committed += len(ids)
 
     # ---- outputs -----------------------------------------------------------------------
+    def forget(self, seq: Sequence) -> None:
+        """Drop what the engine keeps for a sequence that ended (finished or aborted)."""
+        self._lagging.pop(seq, None)
+
+    def _stop_ids(self, seq: Sequence) -> frozenset[int]:
+        """The token ids that end `seq` (EOS unless ignore_eos, and its stop ids), made on its first
+        output and kept on it: _postprocess runs for every sequence every step."""
+        if seq.stop_ids is None:
+            eos = frozenset() if seq.params.ignore_eos else frozenset(self.eos_ids)
+            seq.stop_ids = frozenset(seq.params.stop_token_ids) | eos
+        return seq.stop_ids
+
     def _postprocess(self, seq: Sequence) -> StepOutput | None:
         """Emit the tokens committed since the last output; stop on EOS, stop ids, stop strings
         or max_tokens (dropping whatever the round produced past the stop)."""
         if seq.status == Status.FINISHED:
             return None
         start = seq.emitted
+        new = seq.tokens[start:]
         budget = seq.params.max_tokens - (start - len(seq.prompt))
-        reason, kept = None, []
-        for t in seq.tokens[start:]:
-            if (t in self.eos_ids and not seq.params.ignore_eos) or t in seq.params.stop_token_ids:
-                reason = "stop"
-                break
-            kept.append(t)
-            if len(kept) >= budget:
-                reason = "length"
-                break
+        stops = self._stop_ids(seq)
+        reason, kept = None, new
+        if not stops.isdisjoint(new):     # (most steps: no stop id among the new tokens)
+            kept = list(itertools.takewhile(lambda t: t not in stops, new))
+            reason = "stop"
+        if kept and len(kept) >= budget:
+            kept, reason = kept[: max(budget, 1)], "length"
         seq.detok.add(kept)
         at = seq.detok.find_stop()
         if at >= 0:
@@ -566,5 +578,6 @@ class Engine:
             seq.metrics.finished = time.perf_counter()
             self.scheduler.finish(seq, reason)
             self.stats.add_finished(seq)
+            self.forget(seq)
         return StepOutput(seq.request_id, seq.detok.take(final=reason is not None), kept, reason is not None,
                           reason, seq)

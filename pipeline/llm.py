@@ -267,7 +267,9 @@ class LLM:
         return {contract.block_tables(w): n for w, n in self.scheduler.pages_in_use().items()}
 
     def abort(self, request_id: str) -> None:
-        self.scheduler.abort(request_id)
+        seq = self.scheduler.abort(request_id)
+        if seq is not None:
+            self.engine.forget(seq)
 
     def step(self) -> list[StepOutput]:
         return self.engine.step()
@@ -315,7 +317,7 @@ class LLM:
         except BaseException:
             for s in seqs:
                 if s.finish_reason is None:
-                    self.scheduler.abort(s.request_id)
+                    self.abort(s.request_id)
             raise
 
 def _load_tokenizer(path: Path) -> Tokenizer:

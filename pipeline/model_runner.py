@@ -62,6 +62,11 @@ class Outputs:
         return (self.row(i) for i in range(len(self)))
 
 
+def _consecutive(slots: np.ndarray | None) -> bool:
+    """Whether a call's state slots are s, s + 1, ... (its states can be written into their pool rows)."""
+    return slots is not None and (len(slots) == 1 or bool((slots[1:] - slots[:-1] == 1).all()))
+
+
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -87,6 +92,7 @@ class ModelRunner:
         self._tables: dict[GraphKind, tuple[str, ...]] = {}
         self._views: dict[tuple, tuple] = {}       # (binding key, n) -> (outputs, their first n rows)
         self._decode_fills: dict[tuple, list] = {}  # binding key -> what decode() last wrote per batch row
+        self._consecutive: dict[tuple, bool | None] = {}   # binding key -> whether decode's slots are consecutive
         self._batch_for = [next((b for b in self.batch_sizes if b >= n), None) for n in range(self.batch_sizes[-1] + 1)]
 
     # ---- public calls ------------------------------------------------------------------
@@ -150,7 +156,8 @@ class ModelRunner:
         if written is None or len(written) != n:
             self._fill(buf, [Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot)
                              for s in seqs], key[1], 1, pages, tables)
-            self._decode_fills[key] = [(s.table.version, s.slot) for s in seqs]
+            written = self._decode_fills[key] = [(s.table.version, s.slot) for s in seqs]
+            self._consecutive[key] = None
         else:
             buf[c.INPUT_IDS][:n, 0] = [s.tokens[-1] for s in seqs]
             buf[c.CONTEXT_LENS][:n] = [s.committed for s in seqs]
@@ -159,8 +166,13 @@ class ModelRunner:
                     self._fill_table_row(buf, b, s.table.pages, pages, tables)
                     if c.STATE_SLOTS in buf:
                         buf[c.STATE_SLOTS][b] = s.slot
+                    if s.slot != w[1]:
+                        self._consecutive[key] = None
                     written[b] = (s.table.version, s.slot)
-        outputs = self._run(TARGET_STEP, binding, commits=True)
+        consecutive = self._consecutive.get(key)
+        if consecutive is None:     # only when a row's slot changed: the slots' check is numpy work
+            consecutive = self._consecutive[key] = _consecutive(buf.get(c.STATE_SLOTS))
+        outputs = self._run(TARGET_STEP, binding, commits=True, consecutive=consecutive)
         return self._first_rows(key, outputs, n), buf
 
     # ---- machinery ---------------------------------------------------------------------
@@ -191,8 +203,8 @@ class ModelRunner:
         # more sequences than the largest batch: the parts are copies (a later part may rerun the same binding)
         return Outputs({name: np.concatenate([p[name] for p in parts]) for name in parts[0]})
 
-    def _run(self, graph: GraphKind, binding, commits: bool = False) -> dict:
-        self._place_states(binding, commits)
+    def _run(self, graph: GraphKind, binding, commits: bool = False, consecutive: bool | None = None) -> dict:
+        self._place_states(binding, commits, consecutive)
         t = time.perf_counter()
         outputs = self.runner.capture(binding)()
         elapsed = time.perf_counter() - t
@@ -201,7 +213,7 @@ class ModelRunner:
         self.calls[graph.name] = self.calls.get(graph.name, 0) + 1
         return outputs
 
-    def _place_states(self, binding, commits: bool) -> None:
+    def _place_states(self, binding, commits: bool, consecutive: bool | None = None) -> None:
         """State outputs written straight into their pools' rows when the call's slots are
         consecutive (batch 1 always; a batch whose rows hold slots s..s+B-1) and the caller `commits`
         them: the commit then has nothing to copy (150M model, batch 8: 36 MB of Gated DeltaNet
@@ -210,13 +222,14 @@ class ModelRunner:
         call that does not commit (a probe) keeps the binding's own buffers. A padded batch holds
         the scratch slot in its padding rows, is not consecutive, and keeps them too. The graph
         reads a layer's pool (its Gather of the slots' rows) before it writes that layer's new
-        state. Backends whose bindings cannot place outputs skip this."""
+        state. Backends whose bindings cannot place outputs skip this. `consecutive`: whether the
+        slots are, where the caller knows (decode keeps it while its rows' slots stay)."""
         place = getattr(binding, "place_outputs", None)
         slots = binding.inputs.get(c.STATE_SLOTS) if place is not None and self._state_pools else None
         if slots is None:
             return
         first, n = int(slots[0]), len(slots)
-        if not commits or (n > 1 and not (slots[1:] - slots[:-1] == 1).all()):
+        if not commits or not (_consecutive(slots) if consecutive is None else consecutive):
             place(None, None)
         else:
             place((first, n), lambda: {name: pool[first : first + n] for name, pool in self._state_pools.items()})

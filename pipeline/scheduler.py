@@ -67,12 +67,16 @@ class Scheduler:
         return [w for w in out if w[0].status == Status.PREFILL]  # a later reservation may preempt
 
     def decode_batch(self) -> list[Sequence]:
-        out = []
+        out, reserved = [], False
         for seq in [s for s in self.running if s.status == Status.DECODE]:
-            rows = seq.k + 1 if seq.speculative else 1
-            if seq.status == Status.DECODE and self._reserve(seq, seq.committed + rows):
+            positions = seq.committed + (seq.k + 1 if seq.speculative else 1)
+            if not self.windowed and positions <= seq.table.capacity():   # most steps: pages held already
                 out.append(seq)
-        return [s for s in out if s.status == Status.DECODE]  # a later reservation may preempt
+            elif seq.status == Status.DECODE and self._reserve(seq, positions):
+                out.append(seq)
+                reserved = True
+        # a later reservation may preempt an earlier sequence
+        return [s for s in out if s.status == Status.DECODE] if reserved else out
 
     def _reserve(self, seq: Sequence, positions: int) -> bool:
         """Pages for `positions` positions, preempting newer sequences if needed."""

@@ -90,6 +90,7 @@ class Sequence:
     seed: int | None = None     # the request's, else drawn from OS entropy at creation
     table: PageTables = field(default=None)   # one block table per page group (the scheduler's groups on admission)
     grammar: object | None = None   # structured output: its pipeline.grammar.Matcher, which follows output_ids()
+    stop_ids: frozenset[int] | None = None   # the ids that end it (Engine._stop_ids, on its first output)
 
     def __post_init__(self):
         if not self.tokens:

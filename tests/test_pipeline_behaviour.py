@@ -119,6 +119,26 @@ def test_stops_eos_and_max_tokens(engine_dirs):
         assert cut.finish_reason == "stop" and cut.text == text[: text.index(needle)]
 
 
+def test_a_round_ends_at_its_first_stop_id_or_at_max_tokens(engine_dirs):
+    """A round commits several tokens at once: the output ends at the first stop id or at
+    max_tokens, whichever comes first; a stop id right past the budget is never reached."""
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+
+    def output(new: list[int], max_tokens: int) -> tuple:
+        seq = llm.add_request([5, 17, 33], SamplingParams(max_tokens=max_tokens, stop_token_ids=(7,), ignore_eos=True))
+        llm.scheduler.waiting.remove(seq)       # not run: its round's tokens are set here
+        seq.tokens += new
+        out = llm.engine._postprocess(seq)
+        return out.finish_reason, out.token_ids
+
+    assert output([1, 2, 3], 8) == (None, [1, 2, 3])
+    assert output([1, 7, 3], 8) == ("stop", [1])
+    assert output([7, 2], 8) == ("stop", [])
+    assert output([1, 2, 3], 2) == ("length", [1, 2])
+    assert output([1, 2, 7], 2) == ("length", [1, 2])
+    assert output([1, 7, 3], 2) == ("stop", [1])
+
+
 def test_incremental_detokenizer_never_splits_characters(tiny_root):
     from tokenizers import Tokenizer
 

@@ -37,8 +37,8 @@ def _placements(llm: LLM, monkeypatch) -> list:
     keys = []
     real = ModelRunner._place_states
 
-    def record(self, binding, commits):
-        real(self, binding, commits)
+    def record(self, binding, commits, consecutive=None):
+        real(self, binding, commits, consecutive)
         keys.append(getattr(binding, "_placed", "no placement"))
 
     monkeypatch.setattr(ModelRunner, "_place_states", record)
@@ -49,7 +49,7 @@ def _placements(llm: LLM, monkeypatch) -> list:
 def test_placed_states_give_the_tokens_of_copied_states(engine_dirs, monkeypatch, speculative):
     params = SamplingParams(max_tokens=16, ignore_eos=True, speculative=speculative)
     with monkeypatch.context() as m:      # every state copied by the commit
-        m.setattr(ModelRunner, "_place_states", lambda self, binding, commits: None)
+        m.setattr(ModelRunner, "_place_states", lambda self, binding, commits, consecutive=None: None)
         copied = [o.token_ids for o in LLM(engine_dirs["qwen3_5_mtp3"]).generate(PROMPTS, params)]
     llm = LLM(engine_dirs["qwen3_5_mtp3"])
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == copied
@@ -70,8 +70,8 @@ def test_a_padded_batch_is_not_placed(engine_dirs, monkeypatch):
     sizes = []
     real = ModelRunner._place_states
 
-    def record(self, binding, commits):
-        real(self, binding, commits)
+    def record(self, binding, commits, consecutive=None):
+        real(self, binding, commits, consecutive)
         sizes.append((len(binding.inputs["state_slots"]), binding._placed))
 
     monkeypatch.setattr(ModelRunner, "_place_states", record)
@@ -97,9 +97,42 @@ def test_a_refilled_batch_in_slot_order_is_placed(engine_dirs, monkeypatch):
         return [r.tokens[len(p):] for r, p in zip(requests, prompts)]
 
     with monkeypatch.context() as m:
-        m.setattr(ModelRunner, "_place_states", lambda self, binding, commits: None)
+        m.setattr(ModelRunner, "_place_states", lambda self, binding, commits, consecutive=None: None)
         copied = run(LLM(engine_dirs["qwen3_5_mtp3"]))
     llm = LLM(engine_dirs["qwen3_5_mtp3"])
     keys = _placements(llm, monkeypatch)
     assert run(llm) == copied
     assert keys.count((1, 4)) > 16        # the first four, and the refilled four (slot 2 reused)
+
+
+def test_a_batch_whose_slots_stop_being_consecutive_is_not_placed(engine_dirs, monkeypatch):
+    """Four sequences decode; a fifth arrives while all four run (slot 5), and once the second
+    ends the batch of four holds slots 1, 3, 4, 5: the same bucket as before, one row's slot
+    changed in place. Its states must not go to pool rows 1..4; the tokens equal copied states'."""
+    lengths = [24, 6, 24, 24, 16]
+    params = [SamplingParams(max_tokens=n, ignore_eos=True, speculative=False) for n in lengths]
+    prompts = PROMPTS + [[3, 1, 4, 1, 5]]
+
+    def run(llm: LLM) -> list[list[int]]:
+        requests = [llm.add_request(p, s) for p, s in zip(prompts[:4], params[:4])]
+        while llm.scheduler.has_work():
+            llm.step()
+            if all(r.status == Status.DECODE for r in requests) and len(requests) == 4:
+                requests.append(llm.add_request(prompts[4], params[4]))
+        return [r.tokens[len(p):] for r, p in zip(requests, prompts)]
+
+    with monkeypatch.context() as m:
+        m.setattr(ModelRunner, "_place_states", lambda self, binding, commits, consecutive=None: None)
+        copied = run(LLM(engine_dirs["qwen3_5_mtp3"]))
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    keys = _placements(llm, monkeypatch)
+    slots = []
+    real_run = ModelRunner._run
+
+    def run_and_record(self, graph, binding, commits=False, consecutive=None):
+        slots.append(tuple(binding.inputs["state_slots"].tolist()))
+        return real_run(self, graph, binding, commits, consecutive)
+
+    monkeypatch.setattr(ModelRunner, "_run", run_and_record)
+    assert run(llm) == copied
+    assert (1, 3, 4, 5) in slots and (1, 4) in keys
