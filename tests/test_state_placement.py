@@ -80,11 +80,11 @@ def test_a_padded_batch_is_not_placed(engine_dirs, monkeypatch):
     assert padded and all(key is None for key in padded)
 
 
-def test_a_refilled_batch_in_slot_order_is_placed(engine_dirs, monkeypatch):
-    """Four sequences decode; the second ends early, a fifth takes its slot (the lowest free) and
-    joins at the end of the running list. Rows go in slot order, so the refilled batch of four
-    holds slots 1..4 again and is placed; the tokens equal copied states'."""
-    lengths = [24, 4, 24, 24, 16]
+def _four_then_a_fifth(engine_dirs, monkeypatch, second_tokens: int, joins) -> tuple[list, list]:
+    """Four sequences decode (the second ends after `second_tokens`), a fifth is added once
+    joins(the four) holds; the tokens with placement must equal those with every state copied.
+    Returns the placement keys and each call's state slots of the placing run."""
+    lengths = [24, second_tokens, 24, 24, 16]
     params = [SamplingParams(max_tokens=n, ignore_eos=True, speculative=False) for n in lengths]
     prompts = PROMPTS + [[3, 1, 4, 1, 5]]
 
@@ -92,7 +92,7 @@ def test_a_refilled_batch_in_slot_order_is_placed(engine_dirs, monkeypatch):
         requests = [llm.add_request(p, s) for p, s in zip(prompts[:4], params[:4])]
         while llm.scheduler.has_work():
             llm.step()
-            if requests[1].status == Status.FINISHED and len(requests) == 4:
+            if len(requests) == 4 and joins(requests):
                 requests.append(llm.add_request(prompts[4], params[4]))
         return [r.tokens[len(p):] for r, p in zip(requests, prompts)]
 
@@ -100,33 +100,7 @@ def test_a_refilled_batch_in_slot_order_is_placed(engine_dirs, monkeypatch):
         m.setattr(ModelRunner, "_place_states", lambda self, binding, commits, consecutive=None: None)
         copied = run(LLM(engine_dirs["qwen3_5_mtp3"]))
     llm = LLM(engine_dirs["qwen3_5_mtp3"])
-    keys = _placements(llm, monkeypatch)
-    assert run(llm) == copied
-    assert keys.count((1, 4)) > 16        # the first four, and the refilled four (slot 2 reused)
-
-
-def test_a_batch_whose_slots_stop_being_consecutive_is_not_placed(engine_dirs, monkeypatch):
-    """Four sequences decode; a fifth arrives while all four run (slot 5), and once the second
-    ends the batch of four holds slots 1, 3, 4, 5: the same bucket as before, one row's slot
-    changed in place. Its states must not go to pool rows 1..4; the tokens equal copied states'."""
-    lengths = [24, 6, 24, 24, 16]
-    params = [SamplingParams(max_tokens=n, ignore_eos=True, speculative=False) for n in lengths]
-    prompts = PROMPTS + [[3, 1, 4, 1, 5]]
-
-    def run(llm: LLM) -> list[list[int]]:
-        requests = [llm.add_request(p, s) for p, s in zip(prompts[:4], params[:4])]
-        while llm.scheduler.has_work():
-            llm.step()
-            if all(r.status == Status.DECODE for r in requests) and len(requests) == 4:
-                requests.append(llm.add_request(prompts[4], params[4]))
-        return [r.tokens[len(p):] for r, p in zip(requests, prompts)]
-
-    with monkeypatch.context() as m:
-        m.setattr(ModelRunner, "_place_states", lambda self, binding, commits, consecutive=None: None)
-        copied = run(LLM(engine_dirs["qwen3_5_mtp3"]))
-    llm = LLM(engine_dirs["qwen3_5_mtp3"])
-    keys = _placements(llm, monkeypatch)
-    slots = []
+    keys, slots = _placements(llm, monkeypatch), []
     real_run = ModelRunner._run
 
     def run_and_record(self, graph, binding, commits=False, consecutive=None):
@@ -135,4 +109,21 @@ def test_a_batch_whose_slots_stop_being_consecutive_is_not_placed(engine_dirs, m
 
     monkeypatch.setattr(ModelRunner, "_run", run_and_record)
     assert run(llm) == copied
+    return keys, slots
+
+
+def test_a_refilled_batch_in_slot_order_is_placed(engine_dirs, monkeypatch):
+    """Four sequences decode; the second ends early, a fifth takes its slot (the lowest free) and
+    joins at the end of the running list. Rows go in slot order, so the refilled batch of four
+    holds slots 1..4 again and is placed; the tokens equal copied states'."""
+    keys, _ = _four_then_a_fifth(engine_dirs, monkeypatch, 4, lambda four: four[1].status == Status.FINISHED)
+    assert keys.count((1, 4)) > 16        # the first four, and the refilled four (slot 2 reused)
+
+
+def test_a_batch_whose_slots_stop_being_consecutive_is_not_placed(engine_dirs, monkeypatch):
+    """Four sequences decode; a fifth arrives while all four run (slot 5), and once the second
+    ends the batch of four holds slots 1, 3, 4, 5: the same bucket as before, one row's slot
+    changed in place. Its states must not go to pool rows 1..4; the tokens equal copied states'."""
+    keys, slots = _four_then_a_fifth(engine_dirs, monkeypatch, 6,
+                                        lambda four: all(r.status == Status.DECODE for r in four))
     assert (1, 3, 4, 5) in slots and (1, 4) in keys
