@@ -156,7 +156,7 @@ class ModelRunner:
         if written is None or len(written) != n:
             self._fill(buf, [Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot)
                              for s in seqs], key[1], 1, pages, tables)
-            written = self._decode_fills[key] = [(s.table.version, s.slot) for s in seqs]
+            self._decode_fills[key] = [(s.table.version, s.slot) for s in seqs]
             self._consecutive[key] = None
         else:
             buf[c.INPUT_IDS][:n, 0] = [s.tokens[-1] for s in seqs]
