@@ -69,8 +69,8 @@ template <int BITS, int R>
 TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t, int64_t m0) {
   constexpr int kLoads = BITS == 8 ? 8 : 4;                // 64-byte loads per group of 32 inputs
   // independent sums per row: 4 for one row; 2 (even and odd loads) for more, which are R chains
-  // already; int8 at 8 rows one (16 sums and 8 accumulators measured 0.6x a 4-row tile)
-  constexpr int kChains = R == 1 ? 4 : (BITS == 8 && R >= 8 ? 1 : 2);
+  // already; at 8 rows one (int8: 16 sums and 8 accumulators measured 0.6x a 4-row tile)
+  constexpr int kChains = R == 1 ? 4 : (R >= 8 ? 1 : 2);
   const int block_shift = __builtin_ctzll(static_cast<uint64_t>(c.block_size / kGroup));   // a power of two
   const uint8_t* w = c.B + t * c.tile_bytes();
   const uint16_t* scales = c.scales + t * c.blocks * kTile;
@@ -108,8 +108,11 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
         }
       } else {
         // low nibbles as they are; high nibbles left in place (16 q), so the odd chains sum 16 x
-        // their dots, shifted back once per group (exact: multiples of 16): one shift fewer a load
-        const __m512i lo = _mm512_and_si512(bytes, nibble), hi16 = _mm512_andnot_si512(nibble, bytes);
+        // their dots, shifted back once per group (exact: multiples of 16): one shift fewer a load.
+        // With one sum per row (8 rows) both go into it, so the high nibbles are shifted down here.
+        const __m512i lo = _mm512_and_si512(bytes, nibble);
+        const __m512i hi16 = kChains == 1 ? _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble)
+                                          : _mm512_andnot_si512(nibble, bytes);
         for (int r = 0; r < R; ++r) {   // the dword's 4 even inputs, then its 4 odd ones (activation_slot)
           const int8_t* xd = x[r] + g * kGroup + l * 8;
           __m512i& even = dot[r][(2 * l) % kChains];
@@ -147,9 +150,7 @@ template <int BITS>
 TANDEM_AVX512 void tiles(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t0, int64_t t1) {
   for (int64_t t = t0; t < t1; ++t) {
     int64_t m = 0;
-    if constexpr (BITS == 8) {   // 8 rows a tile: each weight load feeds 8 vpdpbusd (1.1-1.25x 4-row tiles)
-      for (; m + 8 <= c.M; m += 8) tile<BITS, 8>(c, a, t, m);
-    }
+    for (; m + 8 <= c.M; m += 8) tile<BITS, 8>(c, a, t, m);   // each weight load feeds 8 rows
     for (; m + 4 <= c.M; m += 4) tile<BITS, 4>(c, a, t, m);
     switch (c.M - m) {
       case 3: tile<BITS, 3>(c, a, t, m); break;
