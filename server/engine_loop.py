@@ -202,7 +202,7 @@ class EngineLoop:
                 self._run_alone(seq)
             except Exception as e:  # noqa: BLE001 - this request makes steps raise
                 log.error("request %s fails alone (%s: %s); failing it", seq.request_id, type(e).__name__, e)
-                sched.abort(seq.request_id)
+                self.llm.abort(seq.request_id)
                 self._fail(seq.request_id, f"engine error: {type(e).__name__}: {e}")
                 continue
             if seq.status != Status.FINISHED:
@@ -226,7 +226,7 @@ class EngineLoop:
     def _reset(self, error: Exception) -> None:
         sched = self.llm.scheduler
         for seq in list(sched.running) + list(sched.waiting):
-            sched.abort(seq.request_id)
+            self.llm.abort(seq.request_id)
         for rid in list(self._live):
             self._fail(rid, f"engine error: {type(error).__name__}: {error}")
 

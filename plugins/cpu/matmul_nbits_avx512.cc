@@ -107,18 +107,18 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
           sum = _mm512_dpbusd_epi32(sum, bytes, _mm512_set1_epi32(*reinterpret_cast<const dword_t*>(xd)));
         }
       } else {
-        // low nibbles as they are; high nibbles left in place (16 q), so the odd chains sum 16 x
-        // their dots, shifted back once per group (exact: multiples of 16): one shift fewer a load.
-        // With one sum per row (8 rows) both go into it, so the high nibbles are shifted down here.
+        // low nibbles as they are. High nibbles: with separate odd sums left in place (16 q), so
+        // those sum 16 x their dots, shifted back once per group (exact: multiples of 16), one shift
+        // fewer a load; with one sum per row (8 rows) shifted down here, as both go into it.
         const __m512i lo = _mm512_and_si512(bytes, nibble);
-        const __m512i hi16 = kChains == 1 ? _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble)
+        const __m512i high = kChains == 1 ? _mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble)
                                           : _mm512_andnot_si512(nibble, bytes);
         for (int r = 0; r < R; ++r) {   // the dword's 4 even inputs, then its 4 odd ones (activation_slot)
           const int8_t* xd = x[r] + g * kGroup + l * 8;
           __m512i& even = dot[r][(2 * l) % kChains];
           __m512i& odd = dot[r][(2 * l + 1) % kChains];
           even = _mm512_dpbusd_epi32(even, lo, _mm512_set1_epi32(*reinterpret_cast<const dword_t*>(xd)));
-          odd = _mm512_dpbusd_epi32(odd, hi16, _mm512_set1_epi32(*reinterpret_cast<const dword_t*>(xd + 4)));
+          odd = _mm512_dpbusd_epi32(odd, high, _mm512_set1_epi32(*reinterpret_cast<const dword_t*>(xd + 4)));
         }
       }
     }
