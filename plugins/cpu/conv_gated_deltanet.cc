@@ -144,7 +144,7 @@ struct Kernel {
       scales.resize(static_cast<size_t>(p.hk));
       for (int64_t r = first; r < last; ++r) p.row(r / p.W, r % p.W, mixed.data(), scales.data());
     };
-    parallel_for(api, context, rows, prologue);
+    parallel_for(api, context, rows, 4 * rows * p.C * (p.K + 2), prologue);   // the taps, the row in and out
     // after the conv has read the pool: the runtime may bind new_conv_state to the pool's own rows
     const size_t outputs = output_count(api, context);
     if (outputs > 3) window_output(context, p, B);

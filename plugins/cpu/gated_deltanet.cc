@@ -143,7 +143,8 @@ void delta_rule(const OrtApiTable& api, OrtKernelContext* context, const DeltaRu
       }
     }
   };
-  parallel_for(api, context, c.B * c.hv, heads);
+  // each row reads and writes every head's state
+  parallel_for(api, context, c.B * c.hv, 8 * c.B * c.hv * c.W * state, heads);
 }
 
 namespace {

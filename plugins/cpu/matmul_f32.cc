@@ -269,7 +269,9 @@ struct Kernel {
       const int64_t p0 = first * kChunkPanels, p1 = std::min(P, last * kChunkPanels);
       fast ? panels_avx512(call, p0, p1) : panels_portable(call, p0, p1);
     };
-    parallel_for(api, context, (P + kChunkPanels - 1) / kChunkPanels, chunk);
+    // the panels stream once per block of 8 rows
+    const int64_t bytes = 4 * P * bd[1] * kLanes * ((M + 7) / 8);
+    parallel_for(api, context, (P + kChunkPanels - 1) / kChunkPanels, bytes, chunk);
     if (!split.empty()) split_columns(api, context, y, yd, split);
   }
 };

@@ -213,7 +213,9 @@ struct Kernel {
         tiles_portable(call, rows, t0, t1);
       }
     };
-    parallel_for(api, context, (tiles + per_task - 1) / per_task, chunk);
+    // the tiles stream once per block of 8 rows
+    const int64_t bytes = tiles * call.tile_bytes() * ((call.M + 7) / 8);
+    parallel_for(api, context, (tiles + per_task - 1) / per_task, bytes, chunk);
     if (residual != nullptr) {   // the residual Add after the projection, in the node
       for (int64_t i = 0; i < call.M * N; ++i) y[i] += residual[i];
     }

@@ -301,7 +301,10 @@ struct Kernel {
         }
       }
     };
-    parallel_for(api, context, B * hkv, heads);
+    // each query row reads its context's keys and values
+    int64_t bytes = 0;
+    for (int64_t b = 0; b < B; ++b) bytes += 4 * W * (ctx[b] + W) * hkv * (D + dv);
+    parallel_for(api, context, B * hkv, bytes, heads);
   }
 };
 
