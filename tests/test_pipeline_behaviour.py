@@ -175,6 +175,40 @@ def test_incremental_detokenizer_releases_invalid_bytes_and_keeps_its_window_sma
     assert "".join(pieces) == tok.decode(ids)
 
 
+def test_stop_strings_are_found_across_steps_and_only_in_new_text(tiny_root):
+    """find_stop searches what each step added plus the tail a stop string may start in: a stop
+    string split across steps is found where it starts, whichever step completes it, and the
+    text searched per step does not grow with the generation."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_root / "qwen3_5_mtp1" / "tokenizer.json"))
+    text = "aaaa b END; more text"
+    for step in (1, 2, 3):
+        detok = IncrementalDetokenizer(tok, stop=("END;", "zz"))
+        ids, found = tok.encode(text).ids, -1
+        for i in range(0, len(ids), step):
+            detok.add(ids[i : i + step])
+            found = detok.find_stop()
+            if found >= 0:
+                break
+        assert found == text.index("END;") and detok.text.startswith(text[:found]), step
+    detok = IncrementalDetokenizer(tok, stop=("END;",))
+    for _ in range(50):
+        detok.add(tok.encode(" abc").ids)
+        assert detok.find_stop() == -1
+    assert detok._searched == len(detok.text)
+    detok.text += "xyz"     # what a step adds is searched from `_hold` chars before it, no further back
+    calls = []
+    real = detok.text
+
+    class Spy(str):
+        def find(self, sub, start=0, *rest):
+            calls.append(start)
+            return str.find(self, sub, start, *rest)
+    detok.text = Spy(real)
+    assert detok.find_stop() == -1 and calls == [len(real) - 3 - 3]
+
+
 def test_generate_cli(engine_dirs, capsys):
     assert main(["generate", str(engine_dirs["qwen3_5_mtp3"]), "--prompt", "def add(a, b):", "--max-tokens", "8",
                  "--ignore-eos"]) == 0
