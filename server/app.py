@@ -46,11 +46,12 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     default_max_tokens: int = 256
     openapi: bool = False          # serve /docs, /redoc and /openapi.json
+    stream_interval: int = 1       # tokens a streamed event holds (after the first); more: less host work per token
 
     def __post_init__(self):
         check_text(self.model_name, "the model name")  # e.g. undecodable bytes on the command line
-        if self.max_queued < 0 or self.max_body_bytes < 0 or self.default_max_tokens < 1:
-            raise ValueError("max_queued and max_body_bytes must be >= 0 and default_max_tokens >= 1")
+        if self.max_queued < 0 or self.max_body_bytes < 0 or self.default_max_tokens < 1 or self.stream_interval < 1:
+            raise ValueError("max_queued and max_body_bytes must be >= 0, default_max_tokens and stream_interval >= 1")
 
 
 class ApiError(Exception):
@@ -177,7 +178,7 @@ def create_app(llm: LLM, settings: ServerSettings,
                                         "constrain the output: send one of them", param="tool_choice")
                 params = dataclasses.replace(params, grammar=grammar)
             checked = await asyncio.to_thread(llm.check_request, prompt, params)  # tokenizing may take a while
-            return await loop.submit(checked.ids, params)
+            return await loop.submit(checked.ids, params, settings.stream_interval if req.stream else None)
         except ValueError as e:
             raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
         except EngineError as e:

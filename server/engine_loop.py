@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -30,6 +31,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from tandem.pipeline.engine import StepOutput
 from tandem.pipeline.llm import LLM
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.sequence import Sequence, Status
@@ -51,7 +53,10 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     future: concurrent.futures.Future
     submitted: float
+    interval: int | None = 1          # tokens an output holds before it is sent (None: the final one only)
     seq: Sequence | None = None
+    held: StepOutput | None = None    # outputs merged since the last send
+    sent: bool = False                # whether an output went out (the first with a token goes at once)
 
 
 class EngineLoop:
@@ -77,11 +82,15 @@ class EngineLoop:
         """Requests queued or running (for backpressure)."""
         return len(self._live) + self._commands.qsize()
 
-    async def submit(self, prompt, params: SamplingParams) -> tuple[str, asyncio.Queue]:
+    async def submit(self, prompt, params: SamplingParams, interval: int | None = 1) -> tuple[str, asyncio.Queue]:
+        """Queue a request; its outputs come on the returned queue. `interval`: a streamed request's
+        outputs are merged until they hold this many tokens (the first is sent at once), as vLLM's
+        and SGLang's --stream-interval; None: only the final output is sent (a request that is not
+        streamed reads nothing else)."""
         loop = asyncio.get_running_loop()
         # random: unique across processes too (replicas behind one endpoint, server/ray_app.py)
         req = _Request(f"cmpl-{uuid.uuid4().hex}", prompt, params, asyncio.Queue(), loop,
-                       concurrent.futures.Future(), time.perf_counter())
+                       concurrent.futures.Future(), time.perf_counter(), interval)
         self._commands.put(("add", req))
         self._wake.set()
         try:
@@ -173,6 +182,7 @@ class EngineLoop:
         self._update_gauges()
 
     def _deliver(self, outputs) -> None:
+        """Each output to its request, merged with the ones it held back (`_Request.interval`)."""
         now = time.perf_counter()
         for out in outputs:
             req = self._live.get(out.request_id)
@@ -182,6 +192,10 @@ class EngineLoop:
             if out.finished:
                 self._live.pop(out.request_id, None)
                 self._last_token.pop(out.request_id, None)
+            out = req.held = out if req.held is None else merged(req.held, out)
+            if not out.finished and (req.interval is None or len(out.token_ids) < (req.interval if req.sent else 1)):
+                continue       # (the first output with a token goes at once: the time to first token)
+            req.held, req.sent = None, True
             if not _send(req, out) and not out.finished:  # its event loop is gone: nobody reads it
                 self._drop(out.request_id)
 
@@ -269,6 +283,11 @@ class EngineLoop:
             m.KV_PAGES_BY_GROUP.labels(group=table.partition(".")[2] or "full").set(n)
         for i, rate in enumerate(self.llm.engine.stats.acceptance_per_position()):
             m.ACCEPTANCE.labels(position=str(i + 1)).set(rate)
+
+
+def merged(first: StepOutput, then: StepOutput) -> StepOutput:
+    """Two outputs of one request as one: their text and tokens joined, the later one's finish."""
+    return dataclasses.replace(then, text=first.text + then.text, token_ids=[*first.token_ids, *then.token_ids])
 
 
 def _send(req: _Request, item) -> bool:

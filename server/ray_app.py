@@ -299,13 +299,14 @@ def application(engine_dir: str | Path, settings: ServerSettings | None = None, 
 
 def build(args: dict):
     """`serve run tandem.server.ray_app:build engine_dir=DIR [replicas=N | min_replicas=A max_replicas=B]
-    [model_name= api_key= max_queued= max_body_bytes= default_max_tokens= memory_budget_mb= threads=
+    [model_name= api_key= max_queued= max_body_bytes= default_max_tokens= stream_interval= memory_budget_mb= threads=
     cpus_per_replica= target_ongoing_requests=]`: the same options as `tandem serve --ray`."""
     args = dict(args)
     if "engine_dir" not in args:
         raise ValueError("give engine_dir=ENGINE_DIR (a folder written by `tandem build-engines`)")
     engine_dir = args.pop("engine_dir")
-    known = {"model_name", "api_key", "max_queued", "max_body_bytes", "default_max_tokens", "memory_budget_mb",
+    known = {"model_name", "api_key", "max_queued", "max_body_bytes", "default_max_tokens", "stream_interval",
+             "memory_budget_mb",
              "threads", "replicas", "min_replicas", "max_replicas", "cpus_per_replica", "target_ongoing_requests"}
     if unknown := sorted(set(args) - known):
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}; known: engine_dir, {', '.join(sorted(known))}")
@@ -313,7 +314,8 @@ def build(args: dict):
            else int(args[k]) for k in known - {"model_name", "api_key"} if k in args}
     settings = ServerSettings(model_name=args.get("model_name") or Path(engine_dir).resolve().name,
                               api_key=args.get("api_key"),
-                              **{k: num[k] for k in ("max_queued", "max_body_bytes", "default_max_tokens") if k in num})
+                              **{k: num[k] for k in ("max_queued", "max_body_bytes", "default_max_tokens",
+                                                     "stream_interval") if k in num})
     config = EngineConfig(threads=num.get("threads"),
                           **({"memory_budget_bytes": int(num["memory_budget_mb"] * 2**20)}
                              if "memory_budget_mb" in num else {}))

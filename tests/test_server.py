@@ -119,6 +119,36 @@ def test_chat_matches_offline_greedy(live, offline):
     assert text == ref.text
 
 
+def test_stream_interval_merges_outputs_and_an_unstreamed_request_gets_one(engine_dirs, offline, monkeypatch):
+    """--stream-interval N: after the first output with a token (sent at once: the time to first token), a
+    streamed request's outputs are merged until they hold N tokens; a request that is not streamed
+    is handed its final output only. The text is the same either way."""
+    from tandem.pipeline.engine import StepOutput
+    from tandem.server import engine_loop
+
+    sent, real = [], engine_loop._send
+    monkeypatch.setattr(engine_loop, "_send", lambda req, item: (sent.append((req.id, item)), real(req, item))[1])
+    ref = offline(PROMPTS[0], max_tokens=32)
+    with Live(engine_dirs["qwen3_5_mtp3"], stream_interval=8) as live:
+        c = client(live)
+        r = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=32, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        streamed = c.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=32, temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+        text = "".join(ch.choices[0].text for ch in streamed if ch.choices)
+    assert r.choices[0].text == ref.text and text == ref.text
+    by_request: dict[str, list] = {}
+    for rid, item in sent:
+        if isinstance(item, StepOutput):
+            by_request.setdefault(rid, []).append(item)
+    unstreamed, streamed_outputs = by_request.values()
+    assert len(unstreamed) == 1 and unstreamed[0].finished and len(unstreamed[0].token_ids) == 32
+    tokens = [len(o.token_ids) for o in streamed_outputs]
+    assert sum(tokens) == 32 and streamed_outputs[-1].finished and len(tokens) >= 3
+    # the first output with a token at once (a prefill and a round: at most 1 + k + 1 = 5 tokens), then 8 or more
+    assert 0 < tokens[0] < 8 and all(n >= 8 for n in tokens[1:-1]), tokens
+
+
 def test_32_concurrent_streams_each_match_offline(live, offline):
     prompts = [f"{PROMPTS[i % 4]} {i}" for i in range(32)]
     expected = {p: offline(p, max_tokens=10).text for p in prompts}
