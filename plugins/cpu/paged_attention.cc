@@ -116,14 +116,57 @@ TANDEM_AVX512F inline void dots_avx512(const float* q, const float* key, int64_t
   for (int g = 0; g < NG; ++g) out[g * stride] = scale * tree16_avx512(acc[g]);
 }
 
+// tree16_avx512 of 16 vectors at once: lane t of the result is tree16(a[t]), made by the same
+// additions of the same pairs (so the same bits), four halvings shared by the 16 instead of a
+// horizontal sum each (which made the scores of a long context compute-bound: 12.7 GB/s of keys).
+TANDEM_AVX512F inline __m512 tree16x16_avx512(const __m512* a) {
+  __m512 x[8], y[4], z[2];
+  for (int m = 0; m < 8; ++m) {     // [i] + [i + 8]: a[2m]'s in 128-bit chunks 0-1, a[2m + 1]'s in 2-3
+    x[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+  }
+  for (int t = 0; t < 4; ++t) {     // [i] + [i + 4]: chunk c holds a[4t + c]'s four
+    y[t] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * t], x[2 * t + 1], 0x88),
+                         _mm512_shuffle_f32x4(x[2 * t], x[2 * t + 1], 0xDD));
+  }
+  for (int u = 0; u < 2; ++u) {     // [0] + [2], [1] + [3]: chunk c holds a[8u + c]'s two, then a[8u + 4 + c]'s
+    z[u] = _mm512_add_ps(_mm512_shuffle_ps(y[2 * u], y[2 * u + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(y[2 * u], y[2 * u + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  }
+  // [0] + [1]: lane 4c + m holds a[4m + c]'s sum; put a[t]'s in lane t
+  const __m512 w = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w);
+}
+
+// scale (q . keys[t]) for 16 keys (D a multiple of 16): dots_avx512<1>'s fma chains, reduced together
+TANDEM_AVX512F inline void dots16_avx512(const float* q, const float* const* keys, int64_t D, float scale,
+                                         float* out) {
+  __m512 acc[16];
+  for (int t = 0; t < 16; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D; i += 16) {
+    const __m512 qi = _mm512_loadu_ps(q + i);
+    for (int t = 0; t < 16; ++t) acc[t] = _mm512_fmadd_ps(qi, _mm512_loadu_ps(keys[t] + i), acc[t]);
+  }
+  _mm512_storeu_ps(out, _mm512_mul_ps(_mm512_set1_ps(scale), tree16x16_avx512(acc)));
+}
+
 // attend_portable's AVX-512 form, for D and dv multiples of 16
 template <class Key, class Value>
 TANDEM_AVX512F void attend_avx512(const float* q, int64_t G, int64_t D, int64_t dv, int64_t lo, int64_t p,
                                   float scale, const Key& key_at, const Value& value_at, float* scores, float* out) {
   const int64_t n = p - lo + 1;
-  for (int64_t j = 0; j < n; ++j) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {    // 16 positions at a time, each head's 16 scores reduced together
+    const float* keys[16];
+    for (int t = 0; t < 16; ++t) {
+      keys[t] = key_at(lo + j + t);
+      if (j + t + kAhead < n) prefetch_row(key_at(lo + j + t + kAhead), D);
+    }
+    for (int64_t g = 0; g < G; ++g) dots16_avx512(q + g * D, keys, D, scale, scores + g * n + j);
+  }
+  for (; j < n; ++j) {
     const float* key = key_at(lo + j);
-    if (j + kAhead < n) prefetch_row(key_at(lo + j + kAhead), D);
     int64_t g = 0;
     for (; g + 4 <= G; g += 4) dots_avx512<4>(q + g * D, key, D, scale, scores + g * n + j, n);
     for (; g < G; ++g) dots_avx512<1>(q + g * D, key, D, scale, scores + g * n + j, n);
