@@ -84,7 +84,7 @@ class EngineLoop:
 
     async def submit(self, prompt, params: SamplingParams, interval: int | None = 1) -> tuple[str, asyncio.Queue]:
         """Queue a request; its outputs come on the returned queue. `interval`: a streamed request's
-        outputs are merged until they hold this many tokens (the first is sent at once), as vLLM's
+        outputs are merged until they hold this many tokens (the first with a token goes at once), as vLLM's
         and SGLang's --stream-interval; None: only the final output is sent (a request that is not
         streamed reads nothing else)."""
         loop = asyncio.get_running_loop()
@@ -192,7 +192,7 @@ class EngineLoop:
             if out.finished:
                 self._live.pop(out.request_id, None)
                 self._last_token.pop(out.request_id, None)
-            out = req.held = out if req.held is None else merged(req.held, out)
+            out = req.held = out if req.held is None else _merged(req.held, out)
             if not out.finished and (req.interval is None or len(out.token_ids) < (req.interval if req.sent else 1)):
                 continue       # (the first output with a token goes at once: the time to first token)
             req.held, req.sent = None, True
@@ -285,7 +285,7 @@ class EngineLoop:
             m.ACCEPTANCE.labels(position=str(i + 1)).set(rate)
 
 
-def merged(first: StepOutput, then: StepOutput) -> StepOutput:
+def _merged(first: StepOutput, then: StepOutput) -> StepOutput:
     """Two outputs of one request as one: their text and tokens joined, the later one's finish."""
     return dataclasses.replace(then, text=first.text + then.text, token_ids=[*first.token_ids, *then.token_ids])
 

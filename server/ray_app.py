@@ -306,8 +306,8 @@ def build(args: dict):
         raise ValueError("give engine_dir=ENGINE_DIR (a folder written by `tandem build-engines`)")
     engine_dir = args.pop("engine_dir")
     known = {"model_name", "api_key", "max_queued", "max_body_bytes", "default_max_tokens", "stream_interval",
-             "memory_budget_mb",
-             "threads", "replicas", "min_replicas", "max_replicas", "cpus_per_replica", "target_ongoing_requests"}
+             "memory_budget_mb", "threads", "replicas", "min_replicas", "max_replicas", "cpus_per_replica",
+             "target_ongoing_requests"}
     if unknown := sorted(set(args) - known):
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}; known: engine_dir, {', '.join(sorted(known))}")
     num = {k: float(args[k]) if k in ("memory_budget_mb", "cpus_per_replica", "target_ongoing_requests")
