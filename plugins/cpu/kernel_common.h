@@ -209,7 +209,7 @@ inline void split_columns(const OrtApiTable& api, OrtKernelContext* context, con
 // A node whose tasks together touch fewer bytes than this (weights, cache rows, states; counted
 // once per pass over them) runs on the calling thread: handing tasks to the pool and waiting for
 // its threads costs more than the node's whole work. 2-core Xeon, target step against every node
-// on the pool: the tiny model (26 nodes of 1-100 KB) 1.34x faster at batch 1 and 1.18x at batch 8;
+// on the pool: the tiny model (26 nodes of 1-100 KB) 1.11-1.34x faster at batch 1, 1.07-1.20x at batch 8;
 // the shipped and 150M models (nodes of 0.1-10 MB) the same. Every node inline instead: the
 // shipped model 0.68x. 256 KB measured like 128 KB; 512 KB cost the shipped model 2-4%.
 #ifndef TANDEM_INLINE_BYTES
