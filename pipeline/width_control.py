@@ -15,7 +15,16 @@ width, else 0; alpha_i unseen: alpha_{i-1}), so it is tried once it might beat t
 one; its first round is not kept (it builds the bucket's bindings). Every `probe_every` rounds
 (doubling up to `probe_max` while the choice holds) one round runs a width next to the choice, above
 and below in turn: above, acceptance at the next position is seen again and the width can climb
-back (from off too); below, that width's cost is measured again.
+back; below, that width's cost is measured again. From off, upward probes run width 2 until its
+cost is measured (it bounds the wider widths' costs), then the widest and width 2 in turn: the
+widest sees every draft position's acceptance again, so a bucket that went off on early, noisy
+estimates (acceptance at the deep positions is only updated where drafted) can find that a wide
+width pays even where width 2 does not.
+
+Off for good (`hopeless`): drafting off still costs the heads' catch-up, so a bucket stops drafting
+once it is known not to pay, from costs alone (every width loses even at full acceptance) or from
+what its probes saw (off, the widest probed since the choice last changed, and the probes backed
+off to `probe_max`: none looked promising).
 """
 
 from __future__ import annotations
@@ -67,6 +76,8 @@ class _Bucket:
     interval: int = 0
     probes: int = 0
     probing: int | None = None           # the width this round probes
+    probed: set[int] = field(default_factory=set)   # widths probed since the choice last changed
+    last_probe: int = 0
 
 
 class WidthController:
@@ -109,16 +120,23 @@ class WidthController:
         if best != st.choice:
             st.choice, st.interval = best, self.policy.probe_every
             st.next_probe = st.rounds + st.interval
+            st.probed = set()
         if st.rounds >= st.next_probe:
             st.interval = min(2 * st.interval, self.policy.probe_max)
             st.next_probe = st.rounds + st.interval
             st.probes += 1
             above = [w for w in self.widths if w > st.choice]
             below = [w for w in self.widths if w < st.choice]
-            if above and (st.probes % 2 or not below):
+            if above and not below:     # off: width 2 until measured, then the widest and width 2 in turn
+                measured = len(st.times.get(above[0], ())) >= self.policy.min_samples
+                st.probing = above[-1] if measured and st.last_probe != above[-1] else above[0]
+            elif above and st.probes % 2:
                 st.probing = above[0]
             elif below:
                 st.probing = below[-1]
+            if st.probing is not None:
+                st.probed.add(st.probing)
+                st.last_probe = st.probing
             return st.probing or st.choice
         return st.choice
 
@@ -128,7 +146,7 @@ class WidthController:
         `seconds` the round's wall time at `width` (None: not attributable to one width)."""
         st = self._state(batch)
         if st.probing is not None and st.probing == width > st.choice:
-            self._promising(st, width - 2, drafted, accepted)
+            self._promising(st, width, drafted, accepted)
         st.probing = None
         deepest = min(max(drafted, default=0), len(st.drafted))
         for i in range(deepest):   # only positions drafted this round age: an unseen one keeps its estimate
@@ -145,22 +163,30 @@ class WidthController:
             return
         st.times.setdefault(width, deque(maxlen=self.policy.samples)).append(seconds)
 
-    def _promising(self, st: _Bucket, i: int, drafted: list[int], accepted: list[int]) -> None:
-        """An upward probe whose acceptance at position i would make its width beat the choice (or
-        that saw a position never drafted before accepted) is followed by another soon (no back-off):
-        old evidence of a bad position fades only where it is drafted. A probe that merely saw more
-        than the estimate (half of them do, by chance, when acceptance holds still) backs off as
-        usual: resetting on those kept a batch-8 int4 bucket probing every 8-9 rounds for long stretches."""
-        n = sum(d > i for d in drafted)
-        hits = sum(a > i for d, a in zip(drafted, accepted) if d > i)
-        if not n or not hits:
-            return
-        if st.drafted[i] > 1e-9:
-            seen = hits / n
-            if seen <= st.accepted[i] / st.drafted[i]:
+    def _promising(self, st: _Bucket, width: int, drafted: list[int], accepted: list[int]) -> None:
+        """An upward probe whose acceptance at the positions the choice does not draft would make its
+        width, or one between, beat the choice (or that saw a position never drafted before accepted) is followed by
+        another soon (no back-off): old evidence of a bad position fades only where it is drafted. A
+        probe that merely saw more than the estimate (half of them do, by chance, when acceptance
+        holds still) backs off as usual: resetting on those kept a batch-8 int4 bucket probing every
+        8-9 rounds for long stretches."""
+        seen, better = {}, False
+        for i in range(max(0, st.choice - 1), width - 1):
+            n = sum(d > i for d in drafted)
+            hits = sum(a > i for d, a in zip(drafted, accepted) if d > i)
+            if not n:
+                continue
+            if st.drafted[i] <= 1e-9:
+                if hits:
+                    break           # accepted where never drafted before: look again soon
+                continue
+            seen[i] = hits / n
+            better |= seen[i] > st.accepted[i] / st.drafted[i]
+        else:
+            if not better:
                 return
-            rates = {e.width: e.rate for e in self._estimates(st, {i: seen})}
-            if rates[i + 2] <= rates[st.choice]:
+            rates = {e.width: e.rate for e in self._estimates(st, seen)}
+            if max(rates[w] for w in self.widths if st.choice < w <= width) <= rates[st.choice]:
                 return
         st.interval = self.policy.probe_every
         st.next_probe = st.rounds + st.interval
@@ -204,14 +230,21 @@ class WidthController:
         return self._state(batch).choice
 
     def hopeless(self, batch: int) -> bool:
-        """Whether no width can beat plain steps at this batch size even with every draft accepted:
-        the bucket off, plain steps measured, and every width w >= 2 costing at least w of them per
-        round (its estimate's bound). A tiny model's rounds (per-call overhead) or a compute-bound batch's
-        can be so; the engine then stops drafting for the bucket's sequences for good, and stops
-        keeping their heads current, which alone cost 11-17% of a run on the shipped model."""
+        """Whether drafting is known not to pay at this batch size: the bucket off, plain steps
+        measured, and either
+        - every width w >= 2 costs at least w of them per round (its estimate's bound), so it loses
+          even with every draft accepted (a tiny model's rounds, per-call overhead; a compute-bound
+          batch's), or
+        - its probes confirmed off: the widest width was probed since the choice last changed (every
+          draft position seen) and the probes backed off to `probe_max` (none looked promising), so
+          the acceptance they saw does not pay for the rounds' cost (random or mismatched heads;
+          rounds nearly as dear as their width in plain steps).
+        The engine then stops drafting for the bucket's sequences for good, and stops keeping their
+        heads current, which alone cost 11-17% of a run on the shipped model."""
         st = self._state(batch)
         est = self._estimates(st)
         plain = est[0].cost
         if plain is None or st.choice != 1:
             return False
-        return all(e.bound >= e.width * plain for e in est[1:])
+        confirmed = st.interval >= self.policy.probe_max and self.widths[-1] in st.probed
+        return confirmed or all(e.bound >= e.width * plain for e in est[1:])
