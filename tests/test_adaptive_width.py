@@ -224,6 +224,24 @@ def test_rounds_that_cannot_pay_end_drafting_and_the_heads_catch_up(engine_dirs,
     assert llm.engine.stats.phase_seconds.get("reanchor", 0.0) == reanchor
 
 
+def test_heads_confirmed_wrong_end_drafting_in_the_engine(engine_dirs, plain, monkeypatch, widths):
+    """Rounds that would pay at full acceptance, heads always wrong: once the probes confirmed off
+    (the widest probed, backed off to probe_max), the sequences decode plain for good and a later
+    request's prefill runs no head."""
+    install_drafter(monkeypatch, "wrong")
+    llm = LLM(engine_dirs[KIND])
+    llm.engine.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8],
+                                           policy=WidthPolicy(probe_every=2, probe_max=8))
+    assert generate(llm, PROMPTS) == plain
+    ctl = llm.engine.width_control
+    assert ctl.hopeless(len(PROMPTS)) and max(llm.verify_widths) in ctl._state(len(PROMPTS)).probed
+    assert not any(s.speculative for s in llm.test_sequences)
+    assert len(widths) <= 40                       # then plain steps, no controller rounds
+    heads = llm.runner.calls.get("mtp_head_0", 0)
+    assert generate(llm, PROMPTS) == plain
+    assert llm.runner.calls.get("mtp_head_0", 0) == heads
+
+
 def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
     # width 2 at 1.9 steps could pay; width 2 at 2.5 bounds an unmeasured width 3 below 3 steps
     for cost, hopeless in ((DEAR, True), ({**DEAR, 2: 1.9}, False), ({**DEAR, 2: 2.5}, False)):
