@@ -191,6 +191,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
         engine_before = self.runner.engine_seconds
+        if self.width_control is not None and not self.scheduler.running:
+            self.width_control.rejudge()    # idle: the next requests are a new workload to probe
         self.scheduler.admit()
         touched: list[Sequence] = []
         prefill = self.scheduler.prefill_batch()

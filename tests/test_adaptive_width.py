@@ -224,22 +224,32 @@ def test_rounds_that_cannot_pay_end_drafting_and_the_heads_catch_up(engine_dirs,
     assert llm.engine.stats.phase_seconds.get("reanchor", 0.0) == reanchor
 
 
-def test_heads_confirmed_wrong_end_drafting_in_the_engine(engine_dirs, plain, monkeypatch, widths):
+def test_heads_confirmed_wrong_end_drafting_while_the_engine_is_busy(engine_dirs, plain, monkeypatch, widths):
     """Rounds that would pay at full acceptance, heads always wrong: once the probes confirmed off
-    (the widest probed, backed off to probe_max), the sequences decode plain for good and a later
-    request's prefill runs no head."""
+    (the widest probed, backed off to probe_max), the sequences decode plain to their end and a
+    request prefilled while they run skips the heads; once the engine ran empty, new requests
+    have heads and are probed again (the verdict was about the last workload's acceptance)."""
     install_drafter(monkeypatch, "wrong")
     llm = LLM(engine_dirs[KIND])
-    llm.engine.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8],
-                                           policy=WidthPolicy(probe_every=2, probe_max=8))
-    assert generate(llm, PROMPTS) == plain
-    ctl = llm.engine.width_control
+    # (buckets 1 and 4: the late request joins the bucket of the two running ones)
+    llm.engine.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 4],
+                                                 policy=WidthPolicy(probe_every=2, probe_max=8))
+    seqs = [llm.add_request(p, LONG, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
+    while any(s.speculative for s in seqs) and all(s.finish_reason is None for s in seqs):
+        llm.step()
     assert ctl.hopeless(len(PROMPTS)) and max(llm.verify_widths) in ctl._state(len(PROMPTS)).probed
-    assert not any(s.speculative for s in llm.test_sequences)
-    assert len(widths) <= 40                       # then plain steps, no controller rounds
+    assert len(widths) <= 30 and all(s.finish_reason is None for s in seqs)
     heads = llm.runner.calls.get("mtp_head_0", 0)
-    assert generate(llm, PROMPTS) == plain
-    assert llm.runner.calls.get("mtp_head_0", 0) == heads
+    late = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True), request_id="late")
+    while any(s.finish_reason is None for s in [*seqs, late]):
+        llm.step()
+    assert not late.speculative and llm.runner.calls.get("mtp_head_0", 0) == heads    # prefilled without heads
+    assert {i: s.output_ids() for i, s in enumerate(seqs)} == plain
+    assert late.output_ids() == plain[0][:8]
+    rounds = len(widths)
+    assert generate(llm, PROMPTS) == plain                                 # from empty: heads again
+    assert llm.runner.calls.get("mtp_head_0", 0) > heads and len(widths) > rounds
+    assert not ctl.hopeless(len(PROMPTS)) or max(llm.verify_widths) in ctl._state(len(PROMPTS)).probed
 
 
 def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
@@ -285,6 +295,9 @@ class Scripted:
 
     def hopeless(self, batch):
         return False
+
+    def rejudge(self):
+        pass
 
 
 @pytest.mark.parametrize("mode", ["chained", "reused"])
