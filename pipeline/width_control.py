@@ -78,7 +78,7 @@ class _Bucket:
     probes: int = 0
     probing: int | None = None           # the width this round probes
     probed: set[int] = field(default_factory=set)   # widths probed since the choice last changed
-    last_probe: int = 0
+    last_probe: int = 0                  # (off: the widest and width 2 alternate)
 
 
 class WidthController:
@@ -165,12 +165,12 @@ class WidthController:
         st.times.setdefault(width, deque(maxlen=self.policy.samples)).append(seconds)
 
     def _promising(self, st: _Bucket, width: int, drafted: list[int], accepted: list[int]) -> None:
-        """An upward probe whose acceptance at the positions the choice does not draft would make its
-        width, or one between, beat the choice (or that saw a position never drafted before accepted) is followed by
-        another soon (no back-off): old evidence of a bad position fades only where it is drafted. A
-        probe that merely saw more than the estimate (half of them do, by chance, when acceptance
-        holds still) backs off as usual: resetting on those kept a batch-8 int4 bucket probing every
-        8-9 rounds for long stretches."""
+        """An upward probe is followed by another soon (no back-off) when its acceptance at the
+        positions the choice does not draft would make its width, or one between it and the choice,
+        beat the choice, or when it saw a position never drafted before accepted: old evidence of a
+        bad position fades only where it is drafted. A probe that merely saw more than the estimate
+        (half of them do, by chance, when acceptance holds still) backs off as usual: resetting on
+        those kept a batch-8 int4 bucket probing every 8-9 rounds for long stretches."""
         seen, better = {}, False
         for i in range(max(0, st.choice - 1), width - 1):
             n = sum(d > i for d in drafted)
@@ -183,7 +183,7 @@ class WidthController:
                 continue
             seen[i] = hits / n
             better |= seen[i] > st.accepted[i] / st.drafted[i]
-        else:
+        else:                       # (no break: judge what the probe saw)
             if not better:
                 return
             rates = {e.width: e.rate for e in self._estimates(st, seen)}
