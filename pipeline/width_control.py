@@ -235,9 +235,9 @@ class WidthController:
         that verdict is about the acceptance of the workload that made it, so the next requests are
         probed again. A verdict from costs alone stands."""
         for st in self._buckets.values():
-            if st.choice == 1:
+            if st.choice == 1:      # (a probe already due sooner keeps its round)
                 st.probed, st.interval = set(), self.policy.probe_every
-                st.next_probe = st.rounds + st.interval
+                st.next_probe = min(st.next_probe, st.rounds + st.interval)
 
     def hopeless(self, batch: int) -> bool:
         """Whether drafting is known not to pay at this batch size: the bucket off, plain steps

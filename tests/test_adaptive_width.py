@@ -63,6 +63,15 @@ def test_probes_that_keep_confirming_off_make_the_bucket_hopeless():
     assert all(verdicts[first:]) and ctl.policy.probe_max // 2 < first < ctl.policy.probe_max
     st = ctl._state(1)
     assert 4 in st.probed and st.interval == ctl.policy.probe_max
+    # the engine ran empty: the verdict is dropped, and the next probe comes no later than it would have
+    due = st.next_probe
+    ctl.rejudge()
+    assert not ctl.hopeless(1) and st.next_probe == min(due, st.rounds + ctl.policy.probe_every)
+    ctl2 = WidthController([2, 3, 4], [1])
+    simulate(ctl2, 6, lambda r, d: [0])          # off after the start width, its first probe 8 rounds later
+    due = ctl2._state(1).next_probe
+    ctl2.rejudge()
+    assert ctl2._state(1).next_probe == due
     # rounds as dear with drafts that pay (alpha = 1, 0.8, 0.6: width 4 makes 3.4 tokens in 2.5 steps)
     ctl = WidthController([2, 3, 4], [1])
     simulate(ctl, 200, lambda r, d: [min(d, [1, 2, 3, 3, 3][r % 5])], cost={1: 1.0, 2: 1.9, 3: 2.2, 4: 2.5})
