@@ -169,6 +169,7 @@ class Engine:
         # hold only head_lag rows of lag), so there they catch up every round
         self.lag_rows = 1 if scheduler.windowed else max(1, scheduler.prefill_chunk)
         self._lagging: dict[Sequence, tuple[int, list[int], list[np.ndarray]]] = {}  # seq -> head_committed, rows
+        self._judged: set[Sequence] = set()     # turned plain for good by the controller (_workload_left)
         self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
         self.waits_for: set[tuple[GraphKind, int]] = set()   # round engines opening from the start (_open_width)
         self._open: set[tuple[GraphKind, int]] = set()       # round engines known to be open (_open_width)
@@ -191,8 +192,8 @@ class Engine:
     def step(self) -> list[StepOutput]:
         t0 = time.perf_counter()
         engine_before = self.runner.engine_seconds
-        if self.width_control is not None and not self.scheduler.running:
-            self.width_control.rejudge()    # idle: the next requests are a new workload to probe
+        if self.width_control is not None and (not self.scheduler.running or (self._judged and self._workload_left())):
+            self.width_control.rejudge()    # the next requests are a new workload to probe
         self.scheduler.admit()
         touched: list[Sequence] = []
         prefill = self.scheduler.prefill_batch()
@@ -314,6 +315,7 @@ class Engine:
             for s in seqs:        # plain decoding for good: no drafts, probes or heads' catch-up
                 s.speculative = False
                 self._lagging.pop(s, None)
+            self._judged.update(seqs)
             with self._phase("decode"):
                 self._plain_round(seqs)
             return
@@ -334,6 +336,17 @@ class Engine:
                                        [s.metrics.accepted - before[s][1] for s in on])
         finally:
             self._width = None
+
+    def _workload_left(self) -> bool:
+        """Whether every sequence the controller turned plain for good has finished. A verdict from
+        what the probes saw is about the acceptance of the sequences it was made on; once they have
+        all left, the engine's next requests are a new workload to probe (WidthController.rejudge),
+        even while others still run: under continuous load the engine never runs empty. Requests
+        prefilled while the verdict held keep decoding plain (they have no heads to draft with)."""
+        if not self._judged or any(s.status != Status.FINISHED for s in self._judged):
+            return False
+        self._judged.clear()
+        return True
 
     def _open_width(self, seqs: list[Sequence], wanted: int) -> int:
         """`wanted` when the engine its round calls is open (or is one LLM() began opening, `waits_for`:

@@ -24,8 +24,9 @@ width pays even where width 2 does not.
 Off for good (`hopeless`): drafting off still costs the heads' catch-up, so a bucket stops drafting
 once it is known not to pay, from costs alone (every width loses even at full acceptance) or from
 what its probes saw (off, the widest probed since the choice last changed, and the probes backed
-off to `probe_max`: none looked promising). The second verdict lasts while the engine is busy: when
-it runs empty (`rejudge`), the next requests are probed again.
+off to `probe_max`: none looked promising). The second verdict lasts while a sequence it was made
+on still runs: once they have all finished, or the engine runs empty (`rejudge`), the next requests
+are probed again.
 """
 
 from __future__ import annotations
@@ -231,9 +232,10 @@ class WidthController:
         return self._state(batch).choice
 
     def rejudge(self) -> None:
-        """Forget what the probes of off buckets confirmed (the engine calls this when it runs empty):
-        that verdict is about the acceptance of the workload that made it, so the next requests are
-        probed again. A verdict from costs alone stands."""
+        """Forget what the probes of off buckets confirmed (the engine calls this when the sequences
+        it turned plain have all finished, or it runs empty): that verdict is about the acceptance of
+        the workload that made it, so the next requests are probed again. A verdict from costs alone
+        stands."""
         for st in self._buckets.values():
             if st.choice == 1:      # (a probe already due sooner keeps its round)
                 st.probed, st.interval = set(), self.policy.probe_every

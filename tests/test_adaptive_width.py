@@ -261,6 +261,32 @@ def test_heads_confirmed_wrong_end_drafting_while_the_engine_is_busy(engine_dirs
     assert not ctl.hopeless(len(PROMPTS)) or max(llm.verify_widths) in ctl._state(len(PROMPTS)).probed
 
 
+
+def test_a_busy_engine_probes_again_once_the_judged_sequences_have_left(engine_dirs, plain, monkeypatch, widths):
+    """Continuous load: the sequences whose probes confirmed off finish while a request prefilled
+    under the verdict still runs, so the engine never runs empty; a request arriving then has heads
+    again (the verdict was about the sequences that left), and every output equals plain greedy."""
+    install_drafter(monkeypatch, "wrong")
+    llm = LLM(engine_dirs[KIND])
+    llm.engine.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 4],
+                                                 policy=WidthPolicy(probe_every=2, probe_max=8))
+    seqs = [llm.add_request(p, LONG, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
+    while any(s.speculative for s in seqs) and all(s.finish_reason is None for s in seqs):
+        llm.step()
+    assert ctl.hopeless(len(PROMPTS)) and all(s.finish_reason is None for s in seqs)
+    late = llm.add_request(PROMPTS[0], LONG, request_id="late")     # starts later: outlives them
+    while any(s.finish_reason is None for s in seqs):
+        llm.step()
+    assert late.finish_reason is None and not late.speculative
+    heads = llm.runner.calls.get("mtp_head_0", 0)
+    fresh = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True), request_id="fresh")
+    llm.step()                                                      # its prefill
+    assert llm.runner.calls.get("mtp_head_0", 0) > heads           # re-anchored: it has heads
+    while any(s.finish_reason is None for s in (late, fresh)):
+        llm.step()
+    assert {i: s.output_ids() for i, s in enumerate(seqs)} == plain
+    assert late.output_ids() == plain[0] and fresh.output_ids() == plain[1][:8]
+
 def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
     # width 2 at 1.9 steps could pay; width 2 at 2.5 bounds an unmeasured width 3 below 3 steps
     for cost, hopeless in ((DEAR, True), ({**DEAR, 2: 1.9}, False), ({**DEAR, 2: 2.5}, False)):
