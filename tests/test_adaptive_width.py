@@ -233,19 +233,26 @@ def test_rounds_that_cannot_pay_end_drafting_and_the_heads_catch_up(engine_dirs,
     assert llm.engine.stats.phase_seconds.get("reanchor", 0.0) == reanchor
 
 
-def test_heads_confirmed_wrong_end_drafting_while_the_engine_is_busy(engine_dirs, plain, monkeypatch, widths):
-    """Rounds that would pay at full acceptance, heads always wrong: once the probes confirmed off
-    (the widest probed, backed off to probe_max), the sequences decode plain to their end and a
-    request prefilled while they run skips the heads; once the engine ran empty, new requests
-    have heads and are probed again (the verdict was about the last workload's acceptance)."""
+def judged_off(engine_dirs, monkeypatch):
+    """Heads always wrong, rounds that would pay at full acceptance (buckets 1 and 4: a late request
+    joins the bucket of the two running ones): PROMPTS decode until their sequences flip to plain
+    or one finishes -> (llm, controller, sequences)."""
     install_drafter(monkeypatch, "wrong")
     llm = LLM(engine_dirs[KIND])
-    # (buckets 1 and 4: the late request joins the bucket of the two running ones)
     llm.engine.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 4],
                                                  policy=WidthPolicy(probe_every=2, probe_max=8))
     seqs = [llm.add_request(p, LONG, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
     while any(s.speculative for s in seqs) and all(s.finish_reason is None for s in seqs):
         llm.step()
+    return llm, ctl, seqs
+
+
+def test_heads_confirmed_wrong_end_drafting_while_the_engine_is_busy(engine_dirs, plain, monkeypatch, widths):
+    """Rounds that would pay at full acceptance, heads always wrong: once the probes confirmed off
+    (the widest probed, backed off to probe_max), the sequences decode plain to their end and a
+    request prefilled while they run skips the heads; once the engine ran empty, new requests
+    have heads and are probed again (the verdict was about the last workload's acceptance)."""
+    llm, ctl, seqs = judged_off(engine_dirs, monkeypatch)
     assert ctl.hopeless(len(PROMPTS)) and max(llm.verify_widths) in ctl._state(len(PROMPTS)).probed
     assert len(widths) <= 30 and all(s.finish_reason is None for s in seqs)
     heads = llm.runner.calls.get("mtp_head_0", 0)
@@ -266,13 +273,7 @@ def test_a_busy_engine_probes_again_once_the_judged_sequences_have_left(engine_d
     """Continuous load: the sequences whose probes confirmed off finish while a request prefilled
     under the verdict still runs, so the engine never runs empty; a request arriving then has heads
     again (the verdict was about the sequences that left), and every output equals plain greedy."""
-    install_drafter(monkeypatch, "wrong")
-    llm = LLM(engine_dirs[KIND])
-    llm.engine.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 4],
-                                                 policy=WidthPolicy(probe_every=2, probe_max=8))
-    seqs = [llm.add_request(p, LONG, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
-    while any(s.speculative for s in seqs) and all(s.finish_reason is None for s in seqs):
-        llm.step()
+    llm, ctl, seqs = judged_off(engine_dirs, monkeypatch)
     assert ctl.hopeless(len(PROMPTS)) and all(s.finish_reason is None for s in seqs)
     late = llm.add_request(PROMPTS[0], LONG, request_id="late")     # starts later: outlives them
     while any(s.finish_reason is None for s in seqs):
