@@ -193,6 +193,7 @@ class Engine:
         t0 = time.perf_counter()
         engine_before = self.runner.engine_seconds
         if self.width_control is not None and (not self.scheduler.running or (self._judged and self._workload_left())):
+            self._judged.clear()
             self.width_control.rejudge()    # the next requests are a new workload to probe
         self.scheduler.admit()
         touched: list[Sequence] = []
@@ -343,10 +344,7 @@ class Engine:
         all left, the engine's next requests are a new workload to probe (WidthController.rejudge),
         even while others still run: under continuous load the engine never runs empty. Requests
         prefilled while the verdict held keep decoding plain (they have no heads to draft with)."""
-        if not self._judged or any(s.status != Status.FINISHED for s in self._judged):
-            return False
-        self._judged.clear()
-        return True
+        return all(s.status == Status.FINISHED for s in self._judged)
 
     def _open_width(self, seqs: list[Sequence], wanted: int) -> int:
         """`wanted` when the engine its round calls is open (or is one LLM() began opening, `waits_for`:
