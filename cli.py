@@ -61,6 +61,7 @@ def cmd_build_engines(args: argparse.Namespace) -> int:
             max_seq_len=args.max_seq_len, page_size=args.page_size, prefill_chunk=args.prefill_chunk,
             dtype=args.dtype, weights=args.weights, quant_block=args.quant_block, draft=args.draft,
             no_mtp=args.no_mtp, unified_round=not args.no_unified_round, index_share=args.index_share,
+            decode_steps=args.decode_steps,
             draft_lm_head=args.draft_lm_head)
         result = build_engines(args.model_dir, args.out, options, show_progress=not args.quiet)
     except CheckpointError as e:
@@ -273,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sparse-MLA heads (DeepSeek-V3.2 / GLM-5): run the draft's lightning indexer at the first "
                         "draft step of a round only; later steps reuse its top-k (faster rounds, 2-3%% lower accept "
                         "length measured)")
+    p.add_argument("--decode-steps", type=int, default=1,
+                   help="also build a plain greedy decode graph that makes this many tokens per call (one host "
+                        "step per N tokens; pays where the host loop is a large share of a step: small models). "
+                        "Default 1: not built")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
     p.set_defaults(func=cmd_build_engines)
 

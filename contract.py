@@ -4,7 +4,7 @@ The exporter builds graphs from these specs and the runtime binds buffers by the
 module spells a tensor name. Bump CONTRACT_VERSION on any change.
 
 Symbolic dims: batch (B), rows (W: 1 decode, k+1 verify, a chunk for prefill; R for a head),
-drafts (k = W - 1: a unified round's next drafts),
+drafts (k = W - 1: a unified round's next drafts), steps (n: a multi-step decode's tokens),
 max_pages (P, block-table width), num_pages (N, pool pages), page_size (S), num_slots (state
 pool slots). Paged pools come in page groups, one per sliding window (None: full attention), each
 with its own pages and block table (`block_tables` for full attention, `block_tables.window{w}`
@@ -61,6 +61,7 @@ NEXT_TOKEN = "next_token"
 DRAFT_TOKEN, DRAFT_PROB, HIDDEN_OUT = "draft_token", "draft_prob", "hidden_out"
 HIDDEN_ROWS = "hidden_rows"   # heads anchored on the previous head: every row's hidden
 NEXT_DRAFTS, DRAFT_PROBS, DRAFT_HIDDEN = "next_drafts", "draft_probs", "draft_hidden"   # unified round
+NEXT_TOKENS = "next_tokens"   # multi-step decode (a graph kind added beside the others: no version bump)
 
 
 def mask_words(vocab_size: int) -> int:
@@ -271,6 +272,21 @@ def round_io(desc: ModelDescription, kind: GraphKind, dtype: str = "float32"
     return ins, outs
 
 
+def decode_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """n greedy decode steps in one call (export/decode_graph.py): the pending token of each
+    sequence in, the n tokens after it out, with the n new rows (positions context_lens ..
+    context_lens + n - 1: the pending token and the first n - 1 new ones) and the states after them.
+    Dim `steps` = n."""
+    step_in, step_out = target_step_io(desc, dtype)
+    ins = [TensorSpec(INPUT_IDS, "int64", ("batch", 1), "the pending token of each sequence"),
+           *(s for s in step_in if s.name not in (INPUT_IDS, STATE_ROWS))]
+    layers = [TensorSpec(s.name, s.dtype, tuple("steps" if d == "rows" else d for d in s.shape), s.doc)
+              for s in step_out if s.name not in (HIDDEN, LOGITS)]
+    outs = [TensorSpec(NEXT_TOKENS, "int64", ("batch", "steps"), "the n greedy tokens after the pending one"),
+            *layers]
+    return ins, outs
+
+
 def graph_io(desc: ModelDescription, kind: GraphKind, dtype: str = "float32"
              ) -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Inputs and outputs of a graph kind for engines of `dtype`; the greedy verify graph takes no
@@ -279,6 +295,8 @@ def graph_io(desc: ModelDescription, kind: GraphKind, dtype: str = "float32"
         return target_step_io(desc, dtype)
     if kind.is_round:
         return round_io(desc, kind, dtype)
+    if kind.is_decode:
+        return decode_io(desc, dtype)
     if kind.is_verify:
         ins, outs = verify_step_io(desc, dtype)
         if not kind.sampling:

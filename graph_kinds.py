@@ -1,5 +1,6 @@
 """The kinds of graph tandem exports and runs, as a type: the target step, verify (greedy or
-sampled) and MTP head j. Every stage names graphs through it; nothing else parses the names.
+sampled), MTP head j, the unified round and the multi-step decode. Every stage names graphs
+through it; nothing else parses the names.
 
     kind            name            engines                     rows
     target step     target_step     one per build               1 (decode) or a prefill chunk
@@ -9,6 +10,8 @@ sampled) and MTP head j. Every stage names graphs through it; nothing else parse
     unified round   round_greedy_k{k}  one per k = W - 1        W: verify, re-anchor the heads,
                     round_sample_k{k}                           the next k drafts, in one call
                     (round_greedy_reused_k{k}: every draft step on head 0; else chained heads)
+    multi-step      decode_greedy_n{n}  one per n            1 in, n tokens out: n greedy decode steps
+    decode                                                   in one call (export/decode_graph.py)
 
 `name` is the string in export file names, engine file names and manifests (unchanged, so
 existing engine directories stay valid). A verify engine is lowered for one width (the lowering
@@ -28,10 +31,12 @@ class Role(str, Enum):
     VERIFY = "verify"
     MTP_HEAD = "mtp_head"
     ROUND = "round"
+    DECODE = "decode"
 
 
 _HEAD = re.compile(r"mtp_head_(0|[1-9][0-9]*)")
 _ROUND = re.compile(r"round_(greedy|sample)(_reused)?_k([1-9][0-9]*)")
+_DECODE = re.compile(r"decode_greedy_n([2-9]|[1-9][0-9]+)")
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class GraphKind:
     head: int | None = None     # MTP head: which head layer
     reused: bool = False        # round: every draft step on head 0 (else chained: head s % n)
     drafts: int | None = None   # round: k, the drafts it verifies and the drafts it makes (its graph unrolls k)
+    steps: int | None = None    # multi-step decode: n, the greedy tokens one call makes (its graph unrolls n)
 
     def __post_init__(self):
         if (self.head is not None) != (self.role == Role.MTP_HEAD):
@@ -54,13 +60,18 @@ class GraphKind:
             raise ValueError(f"only a round graph has a head mode and a draft count, not {self.role.value}")
         if self.role == Role.ROUND and not (isinstance(self.drafts, int) and self.drafts >= 1):
             raise ValueError(f"a round graph needs a draft count k >= 1, got {self.drafts}")
+        if (self.steps is not None) != (self.role == Role.DECODE):
+            raise ValueError(f"a multi-step decode graph needs a step count and no other graph has one "
+                             f"(role {self.role.value}, steps {self.steps})")
+        if self.steps is not None and not (isinstance(self.steps, int) and self.steps >= 2):
+            raise ValueError(f"a multi-step decode graph makes n >= 2 tokens a call, got {self.steps}")
 
     def __hash__(self) -> int:   # kept: the runner's per-call lookups key by kind (the dataclass one rehashes)
         return self._hash
 
     @cached_property
     def _hash(self) -> int:
-        return hash((self.role, self.sampling, self.head, self.reused, self.drafts))
+        return hash((self.role, self.sampling, self.head, self.reused, self.drafts, self.steps))
 
     @classmethod
     def verify(cls, sampling: bool) -> GraphKind:
@@ -75,6 +86,10 @@ class GraphKind:
         return cls(Role.ROUND, sampling=sampling, reused=reused, drafts=drafts)
 
     @classmethod
+    def decode(cls, steps: int) -> GraphKind:
+        return cls(Role.DECODE, steps=steps)
+
+    @classmethod
     def parse(cls, name: str) -> GraphKind:
         """The kind a graph name (as `name` writes it) stands for; ValueError for any other string."""
         if name == "target_step":
@@ -87,8 +102,11 @@ class GraphKind:
         if match:
             return cls.round(sampling=match.group(1) == "sample", reused=bool(match.group(2)),
                              drafts=int(match.group(3)))
+        match = _DECODE.fullmatch(name) if isinstance(name, str) else None
+        if match:
+            return cls.decode(int(match.group(1)))
         raise ValueError(f"{name!r} is not a graph kind: expected target_step, verify_greedy, verify_sample, "
-                         "mtp_head_<j> or round_{greedy,sample}[_reused]_k<k>")
+                         "mtp_head_<j>, round_{greedy,sample}[_reused]_k<k> or decode_greedy_n<n>")
 
     @cached_property
     def name(self) -> str:       # cached: the runner keys its per-call counters by it
@@ -99,6 +117,8 @@ class GraphKind:
         if self.role == Role.ROUND:
             mode = ("sample" if self.sampling else "greedy") + ("_reused" if self.reused else "")
             return f"round_{mode}_k{self.drafts}"
+        if self.role == Role.DECODE:
+            return f"decode_greedy_n{self.steps}"
         return self.role.value
 
     @property
@@ -116,6 +136,10 @@ class GraphKind:
     @property
     def is_round(self) -> bool:
         return self.role == Role.ROUND
+
+    @property
+    def is_decode(self) -> bool:
+        return self.role == Role.DECODE
 
     @property
     def per_width(self) -> bool:
@@ -140,7 +164,7 @@ def round_kinds(reused: bool, widths) -> list[GraphKind]:
     return [GraphKind.round(sampling, reused, w - 1) for w in widths for sampling in (False, True)]
 
 
-def exported_kinds(num_heads: int, rounds: tuple[GraphKind, ...] = ()) -> list[GraphKind]:
+def exported_kinds(num_heads: int, extra: tuple[GraphKind, ...] = ()) -> list[GraphKind]:
     """Every graph an export writes, in file order: target step, both verify graphs, the heads,
-    then the unified round graphs asked for."""
-    return [TARGET_STEP, VERIFY_GREEDY, VERIFY_SAMPLE, *(GraphKind.mtp_head(j) for j in range(num_heads)), *rounds]
+    then the graphs asked for (unified rounds, multi-step decode)."""
+    return [TARGET_STEP, VERIFY_GREEDY, VERIFY_SAMPLE, *(GraphKind.mtp_head(j) for j in range(num_heads)), *extra]

@@ -8,6 +8,7 @@ Buckets per batch size B:
     verify        verify_greedy / verify_sample at each verify width W = k+1 in use
     heads         mtp_head_j    rows 1 .. max(prefill chunk, max W)   (re-anchor and draft steps)
     round         round_{greedy,sample}[_reused]_k{W-1}   rows W   (unified round, see unified_round_kinds)
+    decode steps  decode_greedy_n{n}   rows 1 in, n out   (--decode-steps n > 1: n greedy tokens per call)
 
 Default verify width per batch size (seed 003's idea): drafting pays off less as the batch
 grows, because the target's verify of W rows costs about W x the decode at large B. Until
@@ -85,6 +86,11 @@ def unified_round_kinds(desc: ModelDescription, options: BuildOptions) -> tuple[
     return round_kinds(reused, widths), None
 
 
+def decode_kinds(options: BuildOptions) -> list[GraphKind]:
+    """The multi-step decode graph a build makes (export/decode_graph.py): none unless asked for."""
+    return [GraphKind.decode(options.decode_steps)] if options.decode_steps > 1 else []
+
+
 def plan(desc: ModelDescription, options: BuildOptions) -> list[Bucket]:
     out = []
     widths = verify_widths(options)
@@ -101,6 +107,8 @@ def plan(desc: ModelDescription, options: BuildOptions) -> list[Bucket]:
             out.append(Bucket(GraphKind.mtp_head(j), b, max([options.prefill_chunk, *widths]), min_rows=1, role="head"))
         for kind in rounds:
             out.append(Bucket(kind, b, kind.drafts + 1, role="round"))
+        for kind in decode_kinds(options):
+            out.append(Bucket(kind, b, 1, role="decode_steps"))
     return out
 
 

@@ -47,7 +47,7 @@ from tandem.engines.verification import compare, fixed_inputs, sampled_rows, tim
 from tandem.export.exporter import export_checkpoint
 
 _EXPORT_OPTIONS = ("dtype", "weights", "quant_block", "no_mtp", "page_size", "unified_round",  # change the graphs
-                   "index_share", "draft_lm_head")
+                   "index_share", "draft_lm_head", "decode_steps")
 _SAME_TOOLS = ("tandem", "backend", "contract_version")
 
 
@@ -97,7 +97,8 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
         export_dir = tmp / "_export"
         with Progress("export", 1, show_progress) as bar:
             export_checkpoint(ckpt, export_dir, dtype=options.dtype, quant=options.quant,
-                              rounds=tuple(bucket_plan.unified_round_kinds(desc, options)[0]),
+                              extra=(*bucket_plan.unified_round_kinds(desc, options)[0],
+                                     *bucket_plan.decode_kinds(options)),
                               index_share=options.index_share,
                               draft_quant=options.draft_quant(desc.vocab_size * desc.hidden_size))
             ckpt.release()      # the export read every weight: 150M fp32 checkpoint, 0.6 GB of RSS until unmapped
@@ -221,7 +222,8 @@ def _manifest(ckpt, options: BuildOptions, backend, fp: dict, records: list[dict
                     "verify_widths": list(bucket_plan.verify_widths(options)),
                     "verify_width_per_batch": {str(b): w for b, w in
                                                bucket_plan.verify_width_per_batch(options).items()},
-                    "unified_round": _unified_round(desc, options)},
+                    "unified_round": _unified_round(desc, options),
+                    "decode_steps": options.decode_steps},
         "engines": records,
         "files": {name: file_sha256(folder / name) for name in files},
         "build_seconds": round(seconds, 2),

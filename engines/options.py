@@ -15,6 +15,7 @@ BACKENDS = ("onnxruntime", "tensorrt")
 SUPPORTED_DTYPES = ("float32", "float16")  # engine dtype: weights, activations, KV and conv pools
 MAX_BATCH = 256
 DRAFT_LM_HEADS = ("auto", "same", "int8")
+MAX_DECODE_STEPS = 16         # multi-step decode: tokens per call (its graph unrolls them)
 DRAFT_INT8_PARAMS = 1 << 24   # "auto" drafts with an int8 lm_head from this size (64 MiB in fp32) up
 
 
@@ -42,6 +43,8 @@ class BuildOptions:
     index_share: bool = False     # sparse-MLA heads (DeepSeek-V3.2 / GLM-5): the round graph's draft steps after
                                   # the first reuse its top-k instead of running the lightning indexer again; off:
                                   # it cost 2-3% accept length on a trained model (docs/families/deepseek_v32.md)
+    decode_steps: int = 1         # > 1: also build the multi-step decode graph (n greedy tokens per call,
+                                  # export/decode_graph.py); plain greedy decoding runs it where it pays
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -66,6 +69,9 @@ class BuildOptions:
                 raise OptionsError(f"--verify-widths {list(self.verify_widths)}: each width is k+1 for k drafts, "
                                    f"so it must be in 2..{MAX_SPEC_K + 1}")
             object.__setattr__(self, "verify_widths", widths)
+        if not isinstance(self.decode_steps, int) or not 1 <= self.decode_steps <= MAX_DECODE_STEPS:
+            raise OptionsError(f"--decode-steps {self.decode_steps}: greedy tokens per plain decode call, 1..."
+                               f"{MAX_DECODE_STEPS} (1: one per call, no multi-step graph)")
         if self.page_size < 1 or self.page_size & (self.page_size - 1) or self.page_size > 1024:
             raise OptionsError(f"--page-size {self.page_size}: use a power of two in 1..1024 (16 is typical)")
         if self.max_seq_len < self.page_size:

@@ -5,6 +5,7 @@
       verify_greedy.onnx    target + greedy acceptance
       verify_sample.onnx    target + rejection sampling (temperature / top-k / top-p)
       mtp_head_{j}.onnx     one per MTP layer
+      round_*.onnx          unified rounds, decode_greedy_n*.onnx multi-step decode (where asked for)
       weights.bin           every weight once, 4 KiB aligned (external data of all graphs)
       export.json           contract version, graphs with content hashes, sizes, timings
 
@@ -24,6 +25,7 @@ import onnx
 
 from tandem import contract
 from tandem.checkpoint.reader import Checkpoint
+from tandem.export.decode_graph import decode_steps
 from tandem.export.graphs import mtp_head, target_step, verify_step
 from tandem.export.layers import Weights
 from tandem.export.quantize import WeightQuant
@@ -89,17 +91,18 @@ EXPORT_DTYPES = ("float32", "float16")  # weights and activations; see export/la
 
 
 def build_graphs(ckpt: Checkpoint, dtype: str = "float32", gdn_chunk_size: int = 0,
-                 quant: WeightQuant | None = None, rounds: tuple[GraphKind, ...] = (),
+                 quant: WeightQuant | None = None, extra: tuple[GraphKind, ...] = (),
                  index_share: bool = False, draft_quant: WeightQuant | None | str = "same"
                  ) -> dict[str, onnx.ModelProto]:
     """quant: weight-only int8 / int4 linear layers (export/quantize.py); None keeps them in `dtype`.
-    rounds: the unified round graphs to add (export/round_graph.py); index_share: their sparse-MLA
-    draft steps reuse the first step's top-k."""
-    return dict(_graphs(ckpt, dtype, gdn_chunk_size, quant, rounds, index_share, draft_quant))
+    extra: the unified round graphs (export/round_graph.py) and multi-step decode graphs
+    (export/decode_graph.py) to add; index_share: the rounds' sparse-MLA draft steps reuse the
+    first step's top-k."""
+    return dict(_graphs(ckpt, dtype, gdn_chunk_size, quant, extra, index_share, draft_quant))
 
 
 def _graphs(ckpt: Checkpoint, dtype: str, gdn_chunk_size: int, quant: WeightQuant | None,
-            rounds: tuple[GraphKind, ...], index_share: bool = False, draft_quant: WeightQuant | None | str = "same",
+            extra: tuple[GraphKind, ...], index_share: bool = False, draft_quant: WeightQuant | None | str = "same",
             sink: _SharedWeights | None = None):
     """(name, graph) one at a time. Without `sink` each graph carries its own copy of the weights it
     reads (build_graphs: graphs held in memory). With it every weight goes to weights.bin as it is
@@ -109,7 +112,7 @@ def _graphs(ckpt: Checkpoint, dtype: str, gdn_chunk_size: int, quant: WeightQuan
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     desc, w = ckpt.description, Weights(ckpt, dtype, quant, draft_quant, sink)
-    for kind in exported_kinds(desc.mtp.num_layers if desc.mtp else 0, rounds):
+    for kind in exported_kinds(desc.mtp.num_layers if desc.mtp else 0, extra):
         yield kind.name, _graph(desc, w, kind, gdn_chunk_size, index_share)
 
 
@@ -120,6 +123,8 @@ def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int, index_share: 
         return verify_step(desc, w, sampling=kind.sampling)
     if kind.is_round:
         return round_step(desc, w, kind, index_share)
+    if kind.is_decode:
+        return decode_steps(desc, w, kind)
     return mtp_head(desc, w, kind.head)
 
 
@@ -128,7 +133,7 @@ def _format(quant: WeightQuant | None) -> str:
 
 
 def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float32",
-                      quant: WeightQuant | None = None, rounds: tuple[GraphKind, ...] = (),
+                      quant: WeightQuant | None = None, extra: tuple[GraphKind, ...] = (),
                       index_share: bool = False, draft_quant: WeightQuant | None | str = "same") -> ExportResult:
     """Export all graphs of `ckpt` into `out_dir` (created; existing graph files are replaced).
     draft_quant: the form of the lm_head the MTP heads draft with ("same": as `quant`)."""
@@ -140,7 +145,7 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
     shared = _SharedWeights(out / WEIGHTS_FILE)
     files, hashes, nodes = {}, {}, {}
     try:
-        for name, model in _graphs(ckpt, dtype, 0, quant, rounds, index_share, draft_quant, sink=shared):
+        for name, model in _graphs(ckpt, dtype, 0, quant, extra, index_share, draft_quant, sink=shared):
             shared.externalize(model)
             data = model.SerializeToString(deterministic=True)
             files[name], nodes[name] = f"{name}.onnx", len(model.graph.node)

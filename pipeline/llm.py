@@ -59,11 +59,18 @@ class EngineConfig:
     threads: int | None = None
     device: str | None = None              # None: the backend's own (onnxruntime: "cpu", tensorrt: "cuda");
                                            # "cuda" with onnxruntime engines: its CUDA provider and CUDA graphs
+    decode_steps: int | None = None        # plain greedy decoding: None runs the engine dir's multi-step decode
+                                           # graph where it has one (`build-engines --decode-steps`); 1: one
+                                           # token per call
     round: str = "unified"                 # "unified": one engine call per round where the engine dir has the
                                            # round graph (its head mode and widths); "multi": verify, re-anchor
                                            # and draft calls
 
     def __post_init__(self):
+        if self.decode_steps not in (None, 1):
+            raise ValueError(f"decode_steps must be None (the engine dir's multi-step decode graph, where built) or 1 "
+                             f"(one token per call), got {self.decode_steps!r}; the steps per call are a build option "
+                             "(`tandem build-engines --decode-steps N`)")
         if self.round not in ("unified", "multi"):
             raise ValueError(f"round must be 'unified' or 'multi', got {self.round!r}")
         if self.mtp_mode not in (None, "chained", "reused"):
@@ -117,8 +124,8 @@ class LLM:
         self.tokenizer = _load_tokenizer(self.engine_dir / "tokenizer.json")
         batch_sizes = rt["batch_sizes"]
         max_seqs = config.max_num_seqs or max(batch_sizes)
-        # the most rows one step writes per sequence: a prefill chunk or a verify width
-        rows = max(rt["prefill_chunk"], *self.verify_widths, 1)
+        # the most rows one step writes per sequence: a prefill chunk, a verify width or a multi-step decode
+        rows = max(rt["prefill_chunk"], *self.verify_widths, rt.get("decode_steps", 1))
         sizes = plan_pools(self.desc, self.page_size, config.memory_budget_bytes, max_seqs, self.mtp_layers,
                            dtype_bytes=np.dtype(self.dtype).itemsize, rows=rows)
         files = {kind.engine_key(e["rows"]): e["file"] for kind, e in kinds}
@@ -137,7 +144,8 @@ class LLM:
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
                              chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
                              width_per_batch=self.width_per_batch, width_control=self._width_control(batch_sizes),
-                             unified=self._unified_round([kind for kind, _ in kinds]))
+                             unified=self._unified_round([kind for kind, _ in kinds]),
+                             decode=self._decode_graph([kind for kind, _ in kinds]))
         self.engine.relaxed = RelaxedRows(config.relaxed_acceptance, think_markers(self.tokenizer),
                                           str(self.engine_dir / "tokenizer.json"))
         self.grammars = Grammars(self.engine_dir / "tokenizer.json", self.desc.vocab_size, self.desc.eos_token_ids)
@@ -152,7 +160,7 @@ class LLM:
         step and, with drafting, the heads that draft after a prefill and the round (or verify) engine
         of each batch size's starting width (batch 1's first). Others open when a round first wants
         them, in the background under the adaptive width (Engine._open_width)."""
-        first = [(TARGET_STEP, 1)]
+        first = [(TARGET_STEP, 1), *([(self.engine.decode, 1)] if self.engine.decode else [])]
         if not (self.config.speculative and self.spec_k and self.mtp_layers):
             return first
         chained = self.mtp_mode == "chained"
@@ -168,6 +176,14 @@ class LLM:
         if self.config.round != "unified" or not rounds:
             return None
         return UnifiedRound(self.desc, self.runner, self.pools, list(dict.fromkeys(rounds)))
+
+    def _decode_graph(self, kinds: list[GraphKind]) -> GraphKind | None:
+        """The multi-step decode graph plain greedy decoding runs (`--decode-steps`), unless the
+        config asks for one token per call."""
+        decode = [k for k in kinds if k.is_decode]
+        if not decode or self.config.decode_steps == 1:
+            return None
+        return max(decode, key=lambda k: k.steps)
 
     def _width_control(self, batch_sizes: list[int]) -> WidthController | None:
         """The adaptive width controller over the widths a round can use (k + 1 at most, and chained

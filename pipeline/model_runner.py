@@ -110,6 +110,13 @@ class ModelRunner:
         return self._call(kind, rows, {**self.fixed, **{k: v for f in self.head_fixed.values() for k, v in f.items()}},
                           commits)
 
+    def decode_steps(self, kind: GraphKind, seqs: list) -> Outputs:
+        """A multi-step decode call (export/decode_graph.py): each sequence's pending token in, the
+        `kind.steps` greedy tokens after it out, with the rows and states to commit (the caller
+        commits them: its states may be in their pools already, _place_states)."""
+        rows = [Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot) for s in seqs]
+        return self._call(kind, rows, self.fixed, commits=True)
+
     def verify_has(self, name: str, width: int) -> bool:
         """Whether the width-`width` verify engines take input `name` (an optional one such as
         contract.TOKEN_BITMASK, which engines built before it lack); asks the smallest bucket's binding."""
@@ -259,7 +266,7 @@ class ModelRunner:
         return binding
 
     def _new_binding(self, graph: GraphKind, batch, width, pages, fixed):
-        dims = {"batch": batch, "rows": width, "drafts": width - 1, "max_pages": pages}
+        dims = {"batch": batch, "rows": width, "drafts": width - 1, "steps": graph.steps, "max_pages": pages}
         shape = lambda spec: tuple(dims.get(d, d) if isinstance(d, str) else d for d in spec.shape)  # noqa: E731
         ins, outs = c.graph_io(self.desc, graph, self.dtype)
         ins = {s.name: shape(s) for s in ins if s.name not in fixed}

@@ -2,9 +2,10 @@
 
 Requests wait in arrival order, are admitted while a state slot is free, prefill in chunks (at
 most `max_batch` sequences per round), then decode. Before each round every decoding sequence
-gets pages for the rows it may write (k+1); when the pool runs out, the most recently admitted
-other sequence is preempted: its pages and slot are freed and it goes back to the front of the
-queue, to be recomputed (prefill over its prompt and the tokens it already produced).
+gets pages for the rows it may write (k+1, or a multi-step decode's n); when the pool runs out,
+the most recently admitted other sequence is preempted: its pages and slot are freed and it goes
+back to the front of the queue, to be recomputed (prefill over its prompt and the tokens it
+already produced).
 
 Pages come per page group (pipeline/allocator.py). Before a sequence's pages are reserved, its
 window groups give back the pages out of every window: those below min_context - w + 1, where
@@ -34,6 +35,7 @@ class Scheduler:
         self.slots, self.pools = slots, pools
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.head_lag = head_lag            # how far the heads' contexts may trail head_committed
+        self.decode_steps = 1               # tokens per plain decode call (the engine's multi-step graph)
         self.released_out_of_window = 0     # window pages given back while their sequences ran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order
@@ -69,7 +71,7 @@ class Scheduler:
     def decode_batch(self) -> list[Sequence]:
         out, reserved = [], False
         for seq in [s for s in self.running if s.status == Status.DECODE]:
-            positions = seq.committed + (seq.k + 1 if seq.speculative else 1)
+            positions = seq.committed + (seq.k + 1 if seq.speculative else seq.decode_rows(self.decode_steps))
             if not self.windowed and positions <= seq.table.capacity():   # most steps: pages held already
                 out.append(seq)
             elif seq.status == Status.DECODE and self._reserve(seq, positions):

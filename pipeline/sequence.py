@@ -113,3 +113,13 @@ class Sequence:
 
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
+
+    def decode_rows(self, steps: int) -> int:
+        """Rows one plain decode step writes for this sequence: `steps` (a multi-step decode call,
+        export/decode_graph.py) for a greedy request without a grammar whose token budget holds
+        them all, else 1. Within the budget a call writes no position the request was not admitted
+        for (pages, max_seq_len); near its end the last tokens come one per call."""
+        if steps > 1 and self.params.greedy and self.grammar is None \
+                and self.params.max_tokens - self.num_generated >= steps:
+            return steps
+        return 1

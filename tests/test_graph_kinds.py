@@ -34,6 +34,9 @@ def test_names_are_the_file_and_manifest_strings_and_parse_inverts_them():
                                         "round_greedy_reused_k3", "round_sample_reused_k3"]
     assert [GraphKind.parse(k.name) for k in rounds] == rounds
     assert rounds[3].engine_key(4) == "round_sample_reused_k3.w4"
+    decode = GraphKind.decode(4)
+    assert decode.name == "decode_greedy_n4" and GraphKind.parse("decode_greedy_n12") == GraphKind.decode(12)
+    assert decode.is_decode and not decode.per_width and decode.engine_key(1) == "decode_greedy_n4"
 
 
 def test_properties_say_what_callers_ask():
@@ -47,6 +50,7 @@ def test_properties_say_what_callers_ask():
 
 
 @pytest.mark.parametrize("name", ["verify", "mtp_head_", "mtp_head_01", "mtp_head_-1", "mtp_head_x",
+                                  "decode_greedy_n1", "decode_greedy_n04", "decode_sample_n4",
                                   "target_step.w1", "verify_greedy.w3", "Target_Step", "", 3, None])
 def test_other_strings_are_refused_naming_the_kinds(name):
     with pytest.raises(ValueError, match="is not a graph kind: expected target_step, verify_greedy"):
