@@ -33,7 +33,6 @@ import onnx
 
 from tandem import contract as c
 from tandem.checkpoint.description import LayerKind, ModelDescription
-from tandem.checkpoint.mla_specs import MLASpec
 from tandem.export.builder import GraphBuilder
 from tandem.export.graphs import (
     _conv_windows_after,
@@ -41,7 +40,7 @@ from tandem.export.graphs import (
     _functions,
     _lm_head,
     _paging,
-    attention_layer,
+    attention_mixer,
     new_rows_outputs,
 )
 from tandem.export.layers import conv_windows_index, decoder_layer, gated_deltanet_layer, norm_scale
@@ -90,12 +89,7 @@ def _step(b: GraphBuilder, desc: ModelDescription, w: Weights, token: str, ids: 
         p = f"layers.{i}."
         with b.scope(f"model/layers.{i}"):
             if layer.kind == LayerKind.FULL_ATTENTION:
-                reuse = isinstance(layer.mixer, MLASpec) and layer.mixer.indexer and layer.mixer.indexer.reuse_previous
-
-                def mixer(xn, i=i, p=p, spec=layer.mixer, sel=selected if reuse else None):
-                    out, new, picked = attention_layer(b, desc, spec, w, xn, p, paging, i, sel)
-                    return out, (new, picked)
-
+                mixer = attention_mixer(b, desc, w, i, paging, selected)
                 block = b.concat([carry[i], x], 1) if i in carry else x                           # [B, i+1, H]
                 carry[i] = block
                 x, extra = decoder_layer(b, desc, w, block, p, layer, mixer, kept_rows=last or (

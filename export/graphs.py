@@ -119,6 +119,20 @@ def attention_layer(b: GraphBuilder, desc: ModelDescription, spec: AttentionSpec
     return out, {KEY: k, VALUE: v}, None
 
 
+def attention_mixer(b: GraphBuilder, desc: ModelDescription, w: Weights, i: int, paging: Paging,
+                    selected: str | None):
+    """decoder_layer's mixer for trunk attention layer i: xn -> (output, (its new rows, the top-k
+    it attended)). A sparse-MLA layer that reuses the previous indexer's top-k attends `selected`."""
+    spec = desc.layers[i].mixer
+    reuse = isinstance(spec, MLASpec) and spec.indexer and spec.indexer.reuse_previous
+
+    def mixer(xn):
+        out, rows, picked = attention_layer(b, desc, spec, w, xn, f"layers.{i}.", paging, i,
+                                            selected if reuse else None)
+        return out, (rows, picked)
+    return mixer
+
+
 def new_rows_outputs(spec: AttentionSpec | MLASpec, layer: int | str, rows: dict[str, str]) -> dict[str, str]:
     """The contract's output name of each new-rows tensor of attention layer `layer`."""
     return {c.pool_output(s, layer): rows[s.name] for s in spec.cache_specs()}
@@ -139,11 +153,7 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
         p = f"layers.{i}."
         with b.scope(f"model/layers.{i}"):
             if layer.kind == LayerKind.FULL_ATTENTION:
-                reuse = isinstance(layer.mixer, MLASpec) and layer.mixer.indexer and layer.mixer.indexer.reuse_previous
-
-                def mixer(xn, i=i, p=p, spec=layer.mixer, sel=selected if reuse else None):
-                    out, rows, picked = attention_layer(b, desc, spec, w, xn, p, paging, i, sel)
-                    return out, (rows, picked)
+                mixer = attention_mixer(b, desc, w, i, paging, selected)
             else:
                 def mixer(xn, i=i, p=p, spec=layer.mixer):
                     rec = b.op("Gather", c.recurrent_pool(i), c.STATE_SLOTS, axis=0, name="gather_state")
