@@ -34,6 +34,7 @@ from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP, GraphKind
 from tandem.pipeline.grammar import allowed_tokens
 from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
+from tandem.pipeline.multi_step_decode import MultiStepDecode
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.relaxed import RelaxedRows
 from tandem.pipeline.sampler import sample, uniforms
@@ -155,7 +156,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, pools: Pools, scheduler: Scheduler, eos_ids: tuple[int, ...],
                  mtp_layers: int, chained: bool = True, synthetic_acceptance: float | None = None,
                  width_per_batch: dict[int, int] | None = None, width_control: WidthController | None = None,
-                 unified: UnifiedRound | None = None, decode: GraphKind | None = None):
+                 unified: UnifiedRound | None = None, decode: MultiStepDecode | None = None):
         self.runner, self.pools, self.scheduler = runner, pools, scheduler
         self.eos_ids = set(eos_ids)
         self.mtp_layers, self.chained = mtp_layers, chained
@@ -171,7 +172,7 @@ class Engine:
         self._lagging: dict[Sequence, tuple[int, list[int], list[np.ndarray]]] = {}  # seq -> head_committed, rows
         self._judged: set[Sequence] = set()     # turned plain for good by the controller (_workload_left)
         self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
-        self.decode = decode            # the multi-step decode graph plain greedy rows run (None: one token a call)
+        self.decode = decode            # n tokens a call for plain greedy rows (None: one token a call)
         scheduler.decode_steps = decode.steps if decode else 1     # it reserves the pages those calls write
         self.waits_for: set[tuple[GraphKind, int]] = set()   # round engines opening from the start (_open_width)
         self._open: set[tuple[GraphKind, int]] = set()       # round engines known to be open (_open_width)
@@ -210,9 +211,11 @@ class Engine:
         plain = [s for s in decoding if not s.speculative]
         if spec:
             self._adaptive_round(spec) if self.width_control else self._speculative_round(spec)
-        if plain:
+        if plain:   # n tokens a call where the dir has a multi-step decode graph and a sequence can take them
             with self._phase("decode"):
-                self._decode_round(plain)
+                rest = self.decode.run(plain) if self.decode is not None else plain
+                if rest:
+                    self._plain_round(rest)
         touched += decoding
         outputs = [self._postprocess(s) for s in dict.fromkeys(touched)]
         if decoding:
@@ -262,32 +265,6 @@ class Engine:
             seq.committed += 1
             seq.tokens.append(token)
         return outs
-
-    def _decode_round(self, seqs: list[Sequence]) -> None:
-        """Plain decoding: n tokens in one multi-step decode call for the sequences that can take
-        them (Sequence.decode_rows), one token a call for the others."""
-        if self.decode is None:
-            self._plain_round(seqs)
-            return
-        steps = self.decode.steps
-        multi = [s for s in seqs if s.decode_rows(steps) == steps]
-        if multi:
-            self._multi_step_round(multi)
-        if len(multi) < len(seqs):
-            self._plain_round([s for s in seqs if s.decode_rows(steps) == 1])
-
-    def _multi_step_round(self, seqs: list[Sequence]) -> None:
-        """n greedy tokens per sequence in one call: commit the n rows (the pending token and the
-        first n - 1 new ones) and the states after them, then append the n tokens. What a sequence
-        made past a stop is dropped in _postprocess; it has finished, so its rows are never read."""
-        steps, n = self.decode.steps, len(seqs)
-        outs = self.runner.decode_steps(self.decode, seqs)
-        self.pools.write_rows(self.runner.trunk_kv, outs.arrays, range(n), [steps] * n, [s.committed for s in seqs],
-                              [s.table.pages for s in seqs])
-        self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
-        for seq, new in zip(seqs, outs.arrays[c.NEXT_TOKENS][:n].tolist()):
-            seq.committed += steps
-            seq.tokens += new
 
     def _speculative_round(self, seqs: list[Sequence]) -> None:
         with self._phase("draft"):

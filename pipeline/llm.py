@@ -32,6 +32,7 @@ from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.engine import Engine, StepOutput
 from tandem.pipeline.grammar import Grammars
 from tandem.pipeline.model_runner import ModelRunner
+from tandem.pipeline.multi_step_decode import MultiStepDecode
 from tandem.pipeline.pools import Pools, plan_pools
 from tandem.pipeline.relaxed import RelaxedRows, think_markers
 from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_sampling, check_text, check_token_ids
@@ -160,7 +161,7 @@ class LLM:
         step and, with drafting, the heads that draft after a prefill and the round (or verify) engine
         of each batch size's starting width (batch 1's first). Others open when a round first wants
         them, in the background under the adaptive width (Engine._open_width)."""
-        first = [(TARGET_STEP, 1), *([(self.engine.decode, 1)] if self.engine.decode else [])]
+        first = [(TARGET_STEP, 1), *([(self.engine.decode.kind, 1)] if self.engine.decode else [])]
         if not (self.config.speculative and self.spec_k and self.mtp_layers):
             return first
         chained = self.mtp_mode == "chained"
@@ -177,13 +178,13 @@ class LLM:
             return None
         return UnifiedRound(self.desc, self.runner, self.pools, list(dict.fromkeys(rounds)))
 
-    def _decode_graph(self, kinds: list[GraphKind]) -> GraphKind | None:
+    def _decode_graph(self, kinds: list[GraphKind]) -> MultiStepDecode | None:
         """The multi-step decode graph plain greedy decoding runs (`--decode-steps`), unless the
         config asks for one token per call."""
         decode = [k for k in kinds if k.is_decode]
         if not decode or self.config.decode_steps == 1:
             return None
-        return max(decode, key=lambda k: k.steps)
+        return MultiStepDecode(self.runner, self.pools, max(decode, key=lambda k: k.steps))
 
     def _width_control(self, batch_sizes: list[int]) -> WidthController | None:
         """The adaptive width controller over the widths a round can use (k + 1 at most, and chained

@@ -71,7 +71,8 @@ class Scheduler:
     def decode_batch(self) -> list[Sequence]:
         out, reserved = [], False
         for seq in [s for s in self.running if s.status == Status.DECODE]:
-            positions = seq.committed + (seq.k + 1 if seq.speculative else seq.decode_rows(self.decode_steps))
+            rows = seq.k + 1 if seq.speculative else seq.decode_rows(self.decode_steps) if self.decode_steps > 1 else 1
+            positions = seq.committed + rows
             if not self.windowed and positions <= seq.table.capacity():   # most steps: pages held already
                 out.append(seq)
             elif seq.status == Status.DECODE and self._reserve(seq, positions):
