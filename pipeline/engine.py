@@ -213,8 +213,7 @@ class Engine:
             self._adaptive_round(spec) if self.width_control else self._speculative_round(spec)
         if plain:   # n tokens a call where the dir has a multi-step decode graph and a sequence can take them
             with self._phase("decode"):
-                rest = self.decode.run(plain) if self.decode is not None else plain
-                if rest:
+                if rest := (self.decode.run(plain) if self.decode is not None else plain):
                     self._plain_round(rest)
         touched += decoding
         outputs = [self._postprocess(s) for s in dict.fromkeys(touched)]
