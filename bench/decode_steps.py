@@ -1,18 +1,21 @@
-"""Multi-step decode against one token per call, on one engine dir, alternated in one process.
+"""Several greedy tokens per engine step against one, on one engine dir, alternated in one process.
 
-    .venv/bin/python bench/decode_steps.py ENGINE_DIR [--batch 1 8] [--tokens 128] [--rounds 5]
-                                           [--prompt-len 32] [--threads N] [--json OUT.json]
+    .venv/bin/python bench/decode_steps.py ENGINE_DIR [--burst N] [--batch 1 8] [--tokens 128]
+                                           [--rounds 5] [--prompt-len 32] [--threads N] [--json OUT.json]
 
-ENGINE_DIR must be built with `tandem build-engines --decode-steps N`. The script opens it twice
-with speculation off: `EngineConfig(decode_steps=None)` runs its multi-step decode graph (N greedy
-tokens per call) and `decode_steps=1` the target step (one token per call, what the dir does
-without the graph). Per batch size it warms both up, then alternates one timed generation of each
+Two ways to take several tokens per engine step (the Python step of the pipeline): without
+`--burst`, ENGINE_DIR must be built with `tandem build-engines --decode-steps N` and
+`EngineConfig(decode_steps=None)` runs its multi-step decode graph (N greedy tokens per call);
+with `--burst N`, `EngineConfig(decode_burst=N)` runs up to N target steps back to back per engine
+step (pipeline/decode_burst.py; `--burst-ms` its time budget). The baseline opens the same dir with
+one token per engine step (`decode_steps=1, decode_burst=1`). Speculation is off in both. Per
+batch size it warms both up, then alternates one timed generation of each
 per round (`--batch` requests of `--tokens` greedy tokens, random `--prompt-len`-token prompts,
 prefill excluded: decode tokens over the time from the last first token to the last finish) and
 reports per mode the median decode tokens/s, the host share of a step (engine dir's
 EngineStats: wall time outside engine calls), the host µs per token, and the ratio of the
-medians. Both modes must emit the same tokens (checked every round): a multi-step call is n plain
-greedy steps, not an approximation of them.
+medians. Both modes must emit the same tokens (checked every round): a multi-step call or a burst
+is n plain greedy steps, not an approximation of them.
 """
 
 from __future__ import annotations
@@ -46,15 +49,17 @@ def timed_generation(llm: LLM, prompts: list[list[int]], params: SamplingParams)
             [r.token_ids for r in results])
 
 
-def compare(engine_dir: Path, batch: int, tokens: int, rounds: int, prompt_len: int, threads: int | None) -> dict:
+def compare(engine_dir: Path, batch: int, tokens: int, rounds: int, prompt_len: int, threads: int | None,
+            burst: int | None, burst_ms: float) -> dict:
     rng = np.random.default_rng(batch)
     modes = {}
-    for label, steps in (("multi-step", None), ("one per call", 1)):
-        llm = LLM(engine_dir, EngineConfig(speculative=False, decode_steps=steps, threads=threads,
-                                           memory_budget_bytes=1 << 30))
+    several = {"decode_steps": 1, "decode_burst": burst, "decode_burst_ms": burst_ms} if burst else \
+        {"decode_steps": None, "decode_burst": 1}
+    for label, fields in (("multi-step", several), ("one per call", {"decode_steps": 1, "decode_burst": 1})):
+        llm = LLM(engine_dir, EngineConfig(speculative=False, threads=threads, memory_budget_bytes=1 << 30, **fields))
         if label == "multi-step" and llm.engine.decode is None:
             raise SystemExit(f"{engine_dir} has no multi-step decode graph: build it with "
-                             "`tandem build-engines MODEL --out DIR --decode-steps 4`")
+                             "`tandem build-engines MODEL --out DIR --decode-steps 4`, or pass --burst N")
         modes[label] = llm
     vocab = modes["multi-step"].desc.vocab_size
     prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(batch)]
@@ -70,7 +75,10 @@ def compare(engine_dir: Path, batch: int, tokens: int, rounds: int, prompt_len: 
             outputs[label] = ids
         if outputs["multi-step"] != outputs["one per call"]:
             raise SystemExit(f"batch {batch}: the multi-step decode emitted other tokens than one per call")
-    report = {"batch": batch, "steps": modes["multi-step"].engine.decode.steps}
+    decode = modes["multi-step"].engine.decode
+    report = {"batch": batch, "steps": decode.steps, "mode": "burst" if burst else "graph"}
+    if burst:    # how many target steps a burst ran, on average (its time budget may end it early)
+        report["steps_per_burst"] = decode.calls / max(1, decode.bursts)
     for label, runs in got.items():
         report[label] = {"tokens_per_s": statistics.median(r[0] for r in runs),
                          "host_share": statistics.median(r[1] for r in runs),
@@ -88,19 +96,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--burst", type=int, default=None, help="a burst of N target steps per engine step instead of "
+                        "the dir's multi-step decode graph")
+    parser.add_argument("--burst-ms", type=float, default=4.0, help="a burst's time budget")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     print(f"{machine()}; {args.engine_dir}, {args.tokens} greedy tokens, {args.rounds} rounds alternated")
     reports = []
     for batch in args.batch:
-        r = compare(args.engine_dir, batch, args.tokens, args.rounds, args.prompt_len, args.threads)
+        r = compare(args.engine_dir, batch, args.tokens, args.rounds, args.prompt_len, args.threads, args.burst,
+                    args.burst_ms)
         reports.append(r)
         for label in ("one per call", "multi-step"):
             m = r[label]
-            print(f"  batch {batch}, {label:>12} ({r['steps'] if label == 'multi-step' else 1} a call): "
+            print(f"  batch {batch}, {label if label != 'multi-step' else r['mode']:>12} "
+                  f"({r['steps'] if label == 'multi-step' else 1} a step): "
                   f"{m['tokens_per_s']:8.1f} tok/s, host {m['host_share']:.0%} of a step, "
                   f"{m['host_us_per_token']:.0f} µs a token  (runs {m['runs']})")
-        print(f"  batch {batch}: multi-step / one per call = {r['speedup']:.2f}x, same tokens")
+        extra = f", {r['steps_per_burst']:.1f} target steps a burst" if "steps_per_burst" in r else ""
+        print(f"  batch {batch}: {r['mode']} / one per call = {r['speedup']:.2f}x, same tokens{extra}")
     if args.json:
         args.json.write_text(json.dumps(reports, indent=2) + "\n")
 

@@ -42,6 +42,19 @@ class IncrementalDetokenizer:
                 self.pending.clear()
                 self._stream = DecodeStream(skip_special_tokens=True)
 
+    def add_until_stop(self, token_ids: list[int]) -> tuple[int, int]:
+        """Add tokens up to the one that completes a stop string -> (tokens added, index in
+        self.text where the stop string starts, or -1). With stop strings, one token at a time: a
+        round or burst of several tokens then ends where one token a step would have ended."""
+        if not self.stop:
+            self.add(token_ids)
+            return len(token_ids), -1
+        for i, t in enumerate(token_ids):
+            self.add([t])
+            if (at := self.find_stop()) >= 0:
+                return i + 1, at
+        return len(token_ids), -1
+
     def find_stop(self) -> int:
         """Index in self.text where the first stop string starts, or -1. Only the text added since
         the last search is searched, with the `_hold` chars before it that a stop string may start

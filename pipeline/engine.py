@@ -25,16 +25,17 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from dataclasses import dataclass, field
 from operator import attrgetter
 
 import numpy as np
 
 from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP, GraphKind
+from tandem.pipeline.decode_burst import DecodeBurst
 from tandem.pipeline.grammar import allowed_tokens
 from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
 from tandem.pipeline.multi_step_decode import MultiStepDecode
+from tandem.pipeline.outputs import EngineStats, StepOutput
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.relaxed import RelaxedRows
 from tandem.pipeline.sampler import sample, uniforms
@@ -45,60 +46,6 @@ from tandem.pipeline.unified_round import UnifiedRound
 from tandem.pipeline.width_control import WidthController
 
 _F32_MAX = float(np.finfo(np.float32).max)
-
-
-@dataclass
-class StepOutput:
-    request_id: str
-    text: str                 # new text since the last output
-    token_ids: list[int]      # new tokens since the last output
-    finished: bool
-    finish_reason: str | None
-    sequence: Sequence
-
-
-@dataclass
-class EngineStats:
-    """Global counters (the server's /metrics and `tandem profile` read them)."""
-
-    rounds: int = 0
-    round_seconds: float = 0.0
-    engine_seconds: float = 0.0
-    finished: int = 0
-    generated_tokens: int = 0
-    prompt_tokens: int = 0
-    verify_rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
-    phase_seconds: dict[str, float] = field(default_factory=dict)  # prefill/draft/grammar/verify/commit/reanchor/decode
-
-    @property
-    def host_share(self) -> float:
-        """Share of a decode step's wall time spent outside engine calls."""
-        return 1.0 - self.engine_seconds / self.round_seconds if self.round_seconds else 0.0
-
-    @property
-    def accept_length(self) -> float:
-        return (self.accepted + self.verify_rounds) / self.verify_rounds if self.verify_rounds else 0.0
-
-    def acceptance_per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
-
-    def add_finished(self, seq: Sequence) -> None:
-        m = seq.metrics
-        self.finished += 1
-        self.generated_tokens += seq.num_generated
-        self.prompt_tokens += len(seq.prompt)
-        self.verify_rounds += m.rounds
-        self.drafted += m.drafted
-        self.accepted += m.accepted
-        for mine, theirs in ((self.drafted_per_position, m.drafted_per_position),
-                             (self.accepted_per_position, m.accepted_per_position)):
-            mine.extend([0] * (len(theirs) - len(mine)))
-            for i, v in enumerate(theirs):
-                mine[i] += v
 
 
 def _head_rows(j: int, base: int, n: int) -> tuple[int, int]:
@@ -156,7 +103,7 @@ class Engine:
     def __init__(self, runner: ModelRunner, pools: Pools, scheduler: Scheduler, eos_ids: tuple[int, ...],
                  mtp_layers: int, chained: bool = True, synthetic_acceptance: float | None = None,
                  width_per_batch: dict[int, int] | None = None, width_control: WidthController | None = None,
-                 unified: UnifiedRound | None = None, decode: MultiStepDecode | None = None):
+                 unified: UnifiedRound | None = None, decode: MultiStepDecode | DecodeBurst | None = None):
         self.runner, self.pools, self.scheduler = runner, pools, scheduler
         self.eos_ids = set(eos_ids)
         self.mtp_layers, self.chained = mtp_layers, chained
@@ -172,7 +119,8 @@ class Engine:
         self._lagging: dict[Sequence, tuple[int, list[int], list[np.ndarray]]] = {}  # seq -> head_committed, rows
         self._judged: set[Sequence] = set()     # turned plain for good by the controller (_workload_left)
         self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
-        self.decode = decode            # n tokens a call for plain greedy rows (None: one token a call)
+        self.decode = decode            # n tokens a step for plain greedy rows: a multi-step graph's call
+                                        # or a burst of n calls (None: one token a step)
         scheduler.decode_steps = decode.steps if decode else 1     # it reserves the pages those calls write
         self.waits_for: set[tuple[GraphKind, int]] = set()   # round engines opening from the start (_open_width)
         self._open: set[tuple[GraphKind, int]] = set()       # round engines known to be open (_open_width)
@@ -330,13 +278,15 @@ class Engine:
             self._catch_up([s for s in on if s in self._lagging])
             before = {s: (s.metrics.drafted, s.metrics.accepted) for s in on}
             t = time.perf_counter()
+            steps = 1
             if on:
                 self._speculative_round(on)
             if off:
                 with self._phase("decode"):
-                    self._off_round(off)
+                    steps = self._off_round(off)
+            # a burst of plain steps counts as that many rounds of width 1, each its share of the time
             mixed = (on and off) or any(s.k_fixed for s in seqs)
-            self.width_control.observe(batch, self._width, None if mixed else time.perf_counter() - t,
+            self.width_control.observe(batch, self._width, None if mixed else (time.perf_counter() - t) / steps,
                                        [s.metrics.drafted - before[s][0] for s in on],
                                        [s.metrics.accepted - before[s][1] for s in on])
         finally:
@@ -385,16 +335,28 @@ class Engine:
             return self.unified.kinds[(sampling, width)], width
         return GraphKind.verify(sampling), width
 
-    def _off_round(self, seqs: list[Sequence]) -> None:
-        """A plain decode step; the (new token, hidden) row the heads would re-anchor over is kept
-        until drafting resumes or lag_rows rows wait (rows kept since a preemption are dropped)."""
-        outs = self._plain_round(seqs)
-        for seq, out in zip(seqs, outs.rows()):
-            start, ids, hidden = self._lagging.get(seq, (seq.head_committed, [], []))
+    def _off_round(self, seqs: list[Sequence]) -> int:
+        """Plain decode steps: a burst where the engine runs them (pipeline/decode_burst.py; not with
+        window page groups, whose heads catch up every round), else one. The (new token, hidden)
+        rows the heads would re-anchor over are kept until drafting resumes or lag_rows rows wait
+        (rows kept since a preemption are dropped). Returns the steps it took, so that the
+        controller compares a round with plain decoding as it runs."""
+        new: dict[Sequence, tuple[list[int], list[np.ndarray]]] = {}
+        hidden: list[np.ndarray] = []           # a burst's, per step [sequences, H]
+        if isinstance(self.decode, DecodeBurst) and not self.scheduler.windowed and not self.decode.run(seqs, hidden):
+            for i, seq in enumerate(seqs):      # the burst took them all
+                new[seq] = (seq.tokens[-len(hidden):], [h[i] for h in hidden])
+        else:
+            outs = self._plain_round(seqs)
+            for seq, out in zip(seqs, outs.rows()):
+                new[seq] = ([seq.tokens[-1]], [out[c.HIDDEN][0].copy()])
+        for seq, (ids, rows) in new.items():
+            start, kept_ids, kept_rows = self._lagging.get(seq, (seq.head_committed, [], []))
             if start != seq.head_committed:     # preempted and prefilled again: the heads are current
-                start, ids, hidden = seq.head_committed, [], []
-            self._lagging[seq] = (start, [*ids, seq.tokens[-1]], [*hidden, out[c.HIDDEN][0].copy()])
+                start, kept_ids, kept_rows = seq.head_committed, [], []
+            self._lagging[seq] = (start, [*kept_ids, *ids], [*kept_rows, *rows])
         self._catch_up([s for s in seqs if len(self._lagging[s][1]) >= self.lag_rows])
+        return max(1, len(hidden))
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Re-anchor the heads over every row kept while drafting was off, one call per head."""
@@ -561,14 +523,6 @@ class Engine:
         """Drop what the engine keeps for a sequence that ended (finished or aborted)."""
         self._lagging.pop(seq, None)
 
-    def _stop_ids(self, seq: Sequence) -> frozenset[int]:
-        """The token ids that end `seq` (EOS unless ignore_eos, and its stop ids), made on its first
-        output and kept on it: _postprocess runs for every sequence every step."""
-        if seq.stop_ids is None:
-            eos = frozenset() if seq.params.ignore_eos else frozenset(self.eos_ids)
-            seq.stop_ids = frozenset(seq.params.stop_token_ids) | eos
-        return seq.stop_ids
-
     def _postprocess(self, seq: Sequence) -> StepOutput | None:
         """Emit the tokens committed since the last output; stop on EOS, stop ids, stop strings
         or max_tokens (dropping whatever the round produced past the stop)."""
@@ -577,16 +531,16 @@ class Engine:
         start = seq.emitted
         new = seq.tokens[start:]
         budget = seq.params.max_tokens - (start - len(seq.prompt))
-        stops = self._stop_ids(seq)
+        stops = seq.ending_ids(self.eos_ids)
         reason, kept = None, new
         if not stops.isdisjoint(new):     # (most steps: no stop id among the new tokens)
             kept = list(itertools.takewhile(lambda t: t not in stops, new))
             reason = "stop"
         if kept and len(kept) >= budget:
             kept, reason = kept[: max(budget, 1)], "length"
-        seq.detok.add(kept)
-        at = seq.detok.find_stop()
-        if at >= 0:
+        added, at = seq.detok.add_until_stop(kept)
+        if at >= 0:     # the token that completed a stop string ends the output
+            kept = kept[:added]
             seq.detok.truncate(at)
             reason = "stop"
         seq.emitted = start + len(kept)

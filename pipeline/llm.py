@@ -26,13 +26,16 @@ from tandem.checkpoint.description import description_from_dict
 from tandem.engines.backends import get_backend
 from tandem.engines.integrity import verify_engine_dir
 from tandem.engines.manifest import MANIFEST, ManifestError, read_manifest
+from tandem.engines.options import MAX_DECODE_STEPS
 from tandem.graph_kinds import TARGET_STEP, GraphKind
 from tandem.pipeline.allocator import FreeList, PageGroups
+from tandem.pipeline.decode_burst import DEFAULT_BUDGET_MS, DEFAULT_STEPS, DecodeBurst
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
-from tandem.pipeline.engine import Engine, StepOutput
+from tandem.pipeline.engine import Engine
 from tandem.pipeline.grammar import Grammars
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.multi_step_decode import MultiStepDecode
+from tandem.pipeline.outputs import StepOutput
 from tandem.pipeline.pools import Pools, plan_pools
 from tandem.pipeline.relaxed import RelaxedRows, think_markers
 from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_sampling, check_text, check_token_ids
@@ -63,6 +66,9 @@ class EngineConfig:
     decode_steps: int | None = None        # plain greedy decoding: None runs the engine dir's multi-step decode
                                            # graph where it has one (`build-engines --decode-steps`); 1: one
                                            # token per call
+    decode_burst: int = DEFAULT_STEPS      # plain greedy decoding without a multi-step graph: up to this many
+                                           # target steps per engine step, back to back (1: one step) ...
+    decode_burst_ms: float = DEFAULT_BUDGET_MS  # ... within about this time (pipeline/decode_burst.py)
     round: str = "unified"                 # "unified": one engine call per round where the engine dir has the
                                            # round graph (its head mode and widths); "multi": verify, re-anchor
                                            # and draft calls
@@ -72,6 +78,11 @@ class EngineConfig:
             raise ValueError(f"decode_steps must be None (the engine dir's multi-step decode graph, where built) or 1 "
                              f"(one token per call), got {self.decode_steps!r}; the steps per call are a build option "
                              "(`tandem build-engines --decode-steps N`)")
+        if not isinstance(self.decode_burst, int) or not 1 <= self.decode_burst <= MAX_DECODE_STEPS:
+            raise ValueError(f"decode_burst must be 1..{MAX_DECODE_STEPS} target steps per engine step (1: off), got "
+                             f"{self.decode_burst!r}")
+        if not self.decode_burst_ms > 0:
+            raise ValueError(f"decode_burst_ms must be > 0 (a burst's time budget), got {self.decode_burst_ms!r}")
         if self.round not in ("unified", "multi"):
             raise ValueError(f"round must be 'unified' or 'multi', got {self.round!r}")
         if self.mtp_mode not in (None, "chained", "reused"):
@@ -126,7 +137,7 @@ class LLM:
         batch_sizes = rt["batch_sizes"]
         max_seqs = config.max_num_seqs or max(batch_sizes)
         # the most rows one step writes per sequence: a prefill chunk, a verify width or a multi-step decode
-        rows = max(rt["prefill_chunk"], *self.verify_widths, rt.get("decode_steps", 1))
+        rows = max(rt["prefill_chunk"], *self.verify_widths, rt.get("decode_steps", 1), config.decode_burst)
         sizes = plan_pools(self.desc, self.page_size, config.memory_budget_bytes, max_seqs, self.mtp_layers,
                            dtype_bytes=np.dtype(self.dtype).itemsize, rows=rows)
         files = {kind.engine_key(e["rows"]): e["file"] for kind, e in kinds}
@@ -161,7 +172,8 @@ class LLM:
         step and, with drafting, the heads that draft after a prefill and the round (or verify) engine
         of each batch size's starting width (batch 1's first). Others open when a round first wants
         them, in the background under the adaptive width (Engine._open_width)."""
-        first = [(TARGET_STEP, 1), *([(self.engine.decode.kind, 1)] if self.engine.decode else [])]
+        first = [(TARGET_STEP, 1), *([(self.engine.decode.kind, 1)] if isinstance(self.engine.decode, MultiStepDecode)
+                                     else [])]
         if not (self.config.speculative and self.spec_k and self.mtp_layers):
             return first
         chained = self.mtp_mode == "chained"
@@ -178,13 +190,17 @@ class LLM:
             return None
         return UnifiedRound(self.desc, self.runner, self.pools, list(dict.fromkeys(rounds)))
 
-    def _decode_graph(self, kinds: list[GraphKind]) -> MultiStepDecode | None:
-        """The multi-step decode graph plain greedy decoding runs (`--decode-steps`), unless the
-        config asks for one token per call."""
+    def _decode_graph(self, kinds: list[GraphKind]) -> MultiStepDecode | DecodeBurst | None:
+        """How plain greedy decoding takes several tokens per engine step: the multi-step decode
+        graph (`--decode-steps`) unless the config asks for one token per call, else a burst of
+        target steps (`decode_burst`), else none."""
         decode = [k for k in kinds if k.is_decode]
-        if not decode or self.config.decode_steps == 1:
-            return None
-        return MultiStepDecode(self.runner, self.pools, max(decode, key=lambda k: k.steps))
+        if decode and self.config.decode_steps != 1:
+            return MultiStepDecode(self.runner, self.pools, max(decode, key=lambda k: k.steps))
+        if self.config.decode_burst > 1:
+            return DecodeBurst(self.runner, self.pools, self.config.decode_burst, self.desc.eos_token_ids,
+                               self.config.decode_burst_ms)
+        return None
 
     def _width_control(self, batch_sizes: list[int]) -> WidthController | None:
         """The adaptive width controller over the widths a round can use (k + 1 at most, and chained

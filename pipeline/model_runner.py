@@ -93,6 +93,7 @@ class ModelRunner:
         self._views: dict[tuple, tuple] = {}       # (binding key, n) -> (outputs, their first n rows)
         self._decode_fills: dict[tuple, list] = {}  # binding key -> what decode() last wrote per batch row
         self._consecutive: dict[tuple, bool | None] = {}   # binding key -> whether decode's slots are consecutive
+        self._last_decode: tuple | None = None     # (binding key, binding, n) of the last decode() call
         self._batch_for = [next((b for b in self.batch_sizes if b >= n), None) for n in range(self.batch_sizes[-1] + 1)]
 
     # ---- public calls ------------------------------------------------------------------
@@ -179,8 +180,17 @@ class ModelRunner:
         consecutive = self._consecutive.get(key)
         if consecutive is None:     # only when a row's slot changed: the slots' check is numpy work
             consecutive = self._consecutive[key] = _consecutive(buf.get(c.STATE_SLOTS))
+        self._last_decode = (key, binding, n)
         outputs = self._run(TARGET_STEP, binding, commits=True, consecutive=consecutive)
         return self._first_rows(key, outputs, n), buf
+
+    def decode_again(self) -> Outputs:
+        """The last decode() call's bucket run again, after its caller wrote each row's next token
+        and context into the inputs decode() handed back (a decode burst, pipeline/decode_burst.py:
+        nothing else runs in between). Its rows' tables and slots are those decode() wrote."""
+        key, binding, n = self._last_decode
+        outputs = self._run(TARGET_STEP, binding, commits=True, consecutive=self._consecutive[key])
+        return self._first_rows(key, outputs, n)
 
     # ---- machinery ---------------------------------------------------------------------
     def _call(self, graph: GraphKind, rows: list[Rows], fixed: dict, commits: bool = False) -> Outputs:

@@ -90,7 +90,7 @@ class Sequence:
     seed: int | None = None     # the request's, else drawn from OS entropy at creation
     table: PageTables = field(default=None)   # one block table per page group (the scheduler's groups on admission)
     grammar: object | None = None   # structured output: its pipeline.grammar.Matcher, which follows output_ids()
-    stop_ids: frozenset[int] | None = None   # the ids that end it (Engine._stop_ids, on its first output)
+    stop_ids: frozenset[int] | None = None   # the ids that end it (ending_ids, on its first output)
 
     def __post_init__(self):
         if not self.tokens:
@@ -114,12 +114,20 @@ class Sequence:
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
 
+    def ending_ids(self, eos_ids) -> frozenset[int]:
+        """The token ids that end it (`eos_ids` unless ignore_eos, and its stop ids), made on the
+        first ask and kept: the engine asks for every sequence every step."""
+        if self.stop_ids is None:
+            eos = frozenset() if self.params.ignore_eos else frozenset(eos_ids)
+            self.stop_ids = frozenset(self.params.stop_token_ids) | eos
+        return self.stop_ids
+
     def decode_rows(self, steps: int) -> int:
-        """Rows one plain decode step writes for this sequence: `steps` (a multi-step decode call,
-        export/decode_graph.py) for a greedy request without a grammar whose token budget holds
-        them all, else 1. Within the budget a call writes no position the request was not admitted
-        for (pages, max_seq_len); near its end the last tokens come one per call."""
-        if steps > 1 and self.params.greedy and self.grammar is None \
-                and self.params.max_tokens - self.num_generated >= steps:
-            return steps
+        """Rows one plain decode step may write for this sequence, up to `steps` (a decode burst,
+        pipeline/decode_burst.py, or a multi-step decode graph's call, which takes exactly its n):
+        for a greedy request without a grammar, as many as its token budget holds, so no position
+        past the request's admitted length is written (pages, max_seq_len); else 1. Also 1 while its
+        first token is not out yet: the time to first token does not wait for several steps."""
+        if steps > 1 and self.params.greedy and self.grammar is None and self.emitted > len(self.prompt):
+            return max(1, min(steps, self.params.max_tokens - self.num_generated))
         return 1

@@ -31,8 +31,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from tandem.pipeline.engine import StepOutput
 from tandem.pipeline.llm import LLM
+from tandem.pipeline.outputs import StepOutput
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.sequence import Sequence, Status
 from tandem.server import metrics as m

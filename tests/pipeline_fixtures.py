@@ -93,7 +93,7 @@ def after_one_round(monkeypatch, engine_dir, prompt, plain_tokens, n_right: int,
     while seq.metrics.rounds == 0:
         spec.step()
     assert seq.metrics.accepted == n_right and seq.committed == len(prompt) + n_right + 1
-    base = LLM(engine_dir)
+    base = LLM(engine_dir, EngineConfig(decode_burst=1))      # one token a step: it stops at that length
     other = base.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative=False))
     while other.committed < seq.committed:
         base.step()
@@ -117,12 +117,14 @@ def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
 
 def record_logits(monkeypatch) -> list[np.ndarray]:
     """Wrap the engine's token choice (the real one still runs): the logits row behind every token
-    a sequence appends outside verify rounds (a prompt's first token, plain decode steps)."""
+    a sequence appends outside verify rounds (a prompt's first token, plain decode steps, bursts)."""
+    from tandem.pipeline import decode_burst
     from tandem.pipeline import engine as engine_module
 
     rows = []
-    one, batch = engine_module._next_token, engine_module._next_tokens
+    one, batch, burst = engine_module._next_token, engine_module._next_tokens, decode_burst._greedy
     monkeypatch.setattr(engine_module, "_next_token", lambda seq, row: rows.append(row.copy()) or one(seq, row))
     monkeypatch.setattr(engine_module, "_next_tokens",
                         lambda seqs, logits: rows.extend(logits.copy()) or batch(seqs, logits))
+    monkeypatch.setattr(decode_burst, "_greedy", lambda logits: rows.extend(logits.copy()) or burst(logits))
     return rows

@@ -129,13 +129,14 @@ def _addresses(llm: LLM) -> dict[str, int]:
 
 
 def test_pool_and_bucket_buffers_keep_their_addresses_over_100_rounds_and_are_what_onnxruntime_reads(engine_dirs):
-    llm = LLM(engine_dirs[KIND], EngineConfig(max_num_seqs=2))
+    llm = LLM(engine_dirs[KIND], EngineConfig(max_num_seqs=2, decode_burst=1))    # 1: a token a round
     seqs = [llm.add_request(p, SamplingParams(max_tokens=400, ignore_eos=True)) for p in PROMPTS[:2]]
     for _ in range(40):    # past prefill, and past a few block-table widths (new buckets)
         llm.step()
     before, buckets = _addresses(llm), set(llm.runner.runner._bindings)
     rounds0 = llm.engine.stats.rounds
     while llm.engine.stats.rounds < rounds0 + 100:
+        assert llm.scheduler.has_work(), "the sequences finished before 100 rounds"
         llm.step()
     assert all(s.finish_reason is None for s in seqs)
     after = _addresses(llm)

@@ -57,7 +57,7 @@ def test_one_call_equals_n_committed_decode_steps_bit_for_bit(built, tiny_root):
 
 
 def _generate(engine_dir, decode_steps, params):
-    llm = LLM(engine_dir, EngineConfig(decode_steps=decode_steps))
+    llm = LLM(engine_dir, EngineConfig(decode_steps=decode_steps, decode_burst=1))   # 1: one token a call
     results = llm.generate(PROMPTS, params)
     return [(r.token_ids, r.finish_reason) for r in results], llm.runner.calls
 

@@ -11,6 +11,7 @@ from tandem.cli import main
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
+from tandem.pipeline.width_control import WidthController
 
 from .pipeline_fixtures import after_one_round, record_drafts
 
@@ -117,6 +118,9 @@ def test_stops_eos_and_max_tokens(engine_dirs):
     if needle and "\ufffd" not in needle:
         cut = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, stop=(needle,), ignore_eos=True))[0]
         assert cut.finish_reason == "stop" and cut.text == text[: text.index(needle)]
+        one = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False, decode_burst=1)).generate(
+            [PROMPTS[1]], SamplingParams(max_tokens=12, stop=(needle,), ignore_eos=True))[0]
+        assert cut.token_ids == one.token_ids      # a round of several tokens ends where one a step ends
 
 
 def test_a_round_ends_at_its_first_stop_id_or_at_max_tokens(engine_dirs):
@@ -209,26 +213,68 @@ def test_stop_strings_are_found_across_steps_and_only_in_new_text(tiny_root):
     assert detok.find_stop() == -1 and calls == [len(real) - 3 - 3]
 
 
+def test_tokens_added_several_at_a_time_end_at_the_one_that_completes_a_stop_string(tiny_root):
+    """A speculative round or a decode burst hands the detokenizer several tokens: it takes them up
+    to the one that completes a stop string, as one token a step would have ended there."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_root / "qwen3_5_mtp1" / "tokenizer.json"))
+    text = "aaaa b END; more text"
+    ids = tok.encode(text).ids
+    one = IncrementalDetokenizer(tok, stop=("END;",))
+    last = next(i for i, t in enumerate(ids) if one.add_until_stop([t])[1] >= 0)
+    for step in (2, 3, len(ids)):
+        detok, taken = IncrementalDetokenizer(tok, stop=("END;",)), 0
+        for i in range(0, len(ids), step):
+            added, at = detok.add_until_stop(ids[i : i + step])
+            taken += added
+            if at >= 0:
+                break
+        assert taken == last + 1 and at == text.index("END;"), step
+    plain = IncrementalDetokenizer(tok)
+    assert plain.add_until_stop(ids) == (len(ids), -1) and plain.text == text
+
+
 def test_generate_cli(engine_dirs, capsys):
     assert main(["generate", str(engine_dirs["qwen3_5_mtp3"]), "--prompt", "def add(a, b):", "--max-tokens", "8",
-                 "--ignore-eos"]) == 0
+                 "--ignore-eos", "--spec-k", "3"]) == 0      # k fixed: drafts every round
     out = capsys.readouterr().out
     assert "accept length" in out and "tokens/s" in out
 
 
-@pytest.mark.parametrize("mode", ["chained", "reused"])
-def test_drafts_match_the_reference_drafter(engine_dirs, tiny_root, monkeypatch, mode):
+class _OffForAWhile(WidthController):
+    """Drafting off (width 1) in rounds 2-5, then the widest width: off rounds run decode bursts
+    while the heads lag (but the round where a sequence's first token goes out), and catch up over
+    the bursts' rows when drafting resumes."""
+
+    rounds = 0
+
+    def width(self, batch: int) -> int:
+        self.rounds += 1
+        return 1 if 2 <= self.rounds <= 5 else self.widths[-1]
+
+    def hopeless(self, batch: int) -> bool:
+        return False
+
+
+@pytest.mark.parametrize("mode,off", [("chained", False), ("reused", False), ("chained", True)])
+def test_drafts_match_the_reference_drafter(engine_dirs, tiny_root, monkeypatch, mode, off):
     """The real heads inside the pipeline draft what the torch reference drafts from the same
-    committed tokens: re-anchoring uses the target's hidden, chaining the heads' own."""
+    committed tokens: re-anchoring uses the target's hidden, chaining the heads' own; `off`: also
+    after catching up over the rows of off rounds' decode bursts."""
     pytest.importorskip("torch")
     from tandem.testing.mtp_reference import MTPReference, greedy_draft, load_target
 
     text_model, lm_head, cfg = load_target(tiny_root / "qwen3_5_mtp3")
     ref = MTPReference.from_checkpoint(tiny_root / "qwen3_5_mtp3", text_model, lm_head, cfg)
     seen = record_drafts(monkeypatch)
-    llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(mtp_mode=mode))
-    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=10, ignore_eos=True))
+    llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(mtp_mode=mode, decode_burst=4))
+    if off:
+        llm.engine.width_control = _OffForAWhile(sorted(llm.verify_widths), [1, 2, 4, 8])
+    llm.generate(PROMPTS[:2], SamplingParams(max_tokens=24 if off else 10, ignore_eos=True))
     assert len(seen) >= 6
+    if off:     # the bursts ran (3 rounds of 4 tokens), and drafting resumed after them
+        assert llm.engine.decode.bursts >= 3 and max(len(t) for t, _ in seen) > len(PROMPTS[1]) + 12
     for tokens, drafts in seen:
         _, expected = greedy_draft(text_model, lm_head, ref, tokens[:-1], k=3, chained=mode == "chained")
         assert drafts == expected

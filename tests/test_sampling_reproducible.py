@@ -107,7 +107,8 @@ def test_any_verify_width_per_engine(engine_dirs, plain):
 
 def test_under_preemption(engine_dirs, plain):
     # a budget of a few pages forces sequences out and back in (recomputed from their tokens)
-    llm = LLM(engine_dirs[KIND], EngineConfig(memory_budget_bytes=230_000, max_num_seqs=8))
+    # (one token a step: greedy companions that burst finish before the pages run out)
+    llm = LLM(engine_dirs[KIND], EngineConfig(memory_budget_bytes=230_000, max_num_seqs=8, decode_burst=1))
     assert run_in_batch(llm, SAMPLED, 7, stagger=2) == plain
     assert sum(s.metrics.preemptions for s in llm.test_sequences) > 0
 

@@ -123,7 +123,7 @@ def test_stream_interval_merges_outputs_and_an_unstreamed_request_gets_one(engin
     """--stream-interval N: after the first output with a token (sent at once: the time to first token), a
     streamed request's outputs are merged until they hold N tokens; a request that is not streamed
     is handed its final output only. The text is the same either way."""
-    from tandem.pipeline.engine import StepOutput
+    from tandem.pipeline.outputs import StepOutput
     from tandem.server import engine_loop
 
     sent, real = [], engine_loop._send

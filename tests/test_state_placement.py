@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tandem.pipeline.allocator import FreeList
-from tandem.pipeline.llm import LLM
+from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.sequence import Status
@@ -80,6 +80,9 @@ def test_a_padded_batch_is_not_placed(engine_dirs, monkeypatch):
     assert padded and all(key is None for key in padded)
 
 
+NO_BUDGET = EngineConfig(decode_burst_ms=1e6)   # bursts of their steps whatever the machine's load: the same calls
+
+
 def _four_then_a_fifth(engine_dirs, monkeypatch, second_tokens: int, joins) -> tuple[list, list]:
     """Four sequences decode (the second ends after `second_tokens`), a fifth is added once
     joins(the four) holds; the tokens with placement must equal those with every state copied.
@@ -98,8 +101,8 @@ def _four_then_a_fifth(engine_dirs, monkeypatch, second_tokens: int, joins) -> t
 
     with monkeypatch.context() as m:
         m.setattr(ModelRunner, "_place_states", lambda self, binding, commits, consecutive=None: None)
-        copied = run(LLM(engine_dirs["qwen3_5_mtp3"]))
-    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+        copied = run(LLM(engine_dirs["qwen3_5_mtp3"], NO_BUDGET))
+    llm = LLM(engine_dirs["qwen3_5_mtp3"], NO_BUDGET)
     keys, slots = _placements(llm, monkeypatch), []
     real_run = ModelRunner._run
 

@@ -1,0 +1,110 @@
+"""Plain greedy decoding several steps per engine step, host side: a decode burst (vLLM's
+multi-step scheduling, `--num-scheduler-steps`).
+
+One engine step of plain decoding is the target step's call plus the Python around it: the
+scheduler's walk, the inputs' fill, the commit, the per-sequence output (detokenizer, stop
+checks). On a small model the Python costs as much as the call (tiny model: 70 of 176 µs a step).
+A burst runs up to n target steps back to back over the bucket the first one filled, doing
+between calls only what the next call needs:
+
+    call      target step over the bound inputs (each row's token at position c)
+    commit    its K/V row into the page at c, its states to the slot (Pools.commit_decode)
+    next      t = argmax(logits); the row's token <- t, c <- c + 1, in the bound inputs
+
+and hands the n tokens to the engine's usual output path once (Engine._postprocess: stop ids,
+stop strings, max_tokens, detokenizer), as a multi-step decode graph's call
+(pipeline/multi_step_decode.py) does. The same engine calls in the same order as n engine
+steps, so the tokens are the same bits. The invariant after a burst is n decode steps':
+
+    tokens += t_1 .. t_n; committed += n; pools hold the rows of every token but the pending one
+
+Who takes a burst: a batch of greedy rows without a grammar whose first tokens are out (the time
+to first token does not wait for a burst), for as many steps as the smallest token budget among
+them holds (Sequence.decode_rows); the scheduler reserves those rows' pages before the step, so a
+burst never writes a position a request was not admitted for. A batch with any other row takes one
+step. A burst ends early when a token is a stop id of any of its rows (what follows would be
+dropped) and before a call that would take it past its time budget (so that a step of a large
+model, where the host's share is small anyway, stays one call: streaming and new arrivals wait at
+most about the budget). A stop string inside a burst ends the output there; the sequence has finished and its
+extra rows are never read.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from tandem import contract as c
+from tandem.graph_kinds import TARGET_STEP
+from tandem.pipeline.model_runner import ModelRunner
+from tandem.pipeline.pools import Pools
+from tandem.pipeline.sequence import Sequence
+
+DEFAULT_STEPS = 8             # target steps a burst may run
+DEFAULT_BUDGET_MS = 4.0       # and the time it may take, about
+
+
+def _greedy(logits: np.ndarray) -> np.ndarray:
+    """Each row's token from logits [n, V]: the first of its largest (as the engine's greedy rows)."""
+    return logits.argmax(-1)
+
+
+class DecodeBurst:
+    kind = TARGET_STEP        # the graph it calls (LLM opens it first anyway)
+
+    def __init__(self, runner: ModelRunner, pools: Pools, steps: int,
+                 eos_ids: tuple[int, ...], budget_ms: float = DEFAULT_BUDGET_MS):
+        if steps < 2:
+            raise ValueError(f"a decode burst runs 2 or more steps, got {steps}")
+        self.runner, self.pools, self.steps = runner, pools, steps
+        self.eos_ids, self.budget_s = eos_ids, budget_ms / 1000
+        self.calls = self.bursts = 0        # target steps run in bursts, and bursts
+        self.made = 0                       # the last burst's steps
+        self._tokens: dict[int, np.ndarray] = {}   # batch -> [steps, batch] tokens, kept
+
+    def run(self, seqs: list[Sequence], hidden: list[np.ndarray] | None = None) -> list[Sequence]:
+        """A burst when every sequence can take one, for as many steps as the least of them holds;
+        returns the sequences left to take one token a step (all of them, or none). All or none:
+        rows left out would advance a token per burst (a sampled request beside greedy ones, at an
+        eighth of their speed), and the batch would take two calls a step. A batch larger than the
+        largest bucket splits its calls (ModelRunner.decode): one step. `hidden`: gets each step's
+        target hidden rows [sequences, H], in step order (drafting off for a while, the heads catch
+        up over them later: Engine._off_round)."""
+        steps = min((s.decode_rows(self.steps) for s in seqs), default=1)
+        if steps < 2 or len(seqs) > self.runner.batch_sizes[-1]:
+            return seqs
+        self._burst(seqs, steps, hidden)
+        return []
+
+    def _burst(self, seqs: list[Sequence], steps: int, hidden: list[np.ndarray] | None) -> None:
+        n = len(seqs)
+        stops = frozenset().union(*(s.ending_ids(self.eos_ids) for s in seqs))
+        tokens = self._tokens.get(n)
+        if tokens is None:
+            tokens = self._tokens[n] = np.zeros((self.steps, n), np.int64)
+        start = time.perf_counter()
+        outs, inputs = self.runner.decode(seqs)        # fills the bucket's inputs (the lean decode path)
+        ids, context = inputs[c.INPUT_IDS][:n, 0], inputs[c.CONTEXT_LENS][:n]
+        made = 0
+        while True:
+            self.pools.commit_decode(self.runner.trunk_kv, outs.arrays, inputs, n)
+            token = _greedy(outs.arrays[c.LOGITS][:, 0])
+            tokens[made] = token
+            if hidden is not None:
+                hidden.append(outs.arrays[c.HIDDEN][:, 0].copy())
+            made += 1
+            if made == steps or (stops and not stops.isdisjoint(token.tolist())):
+                break
+            now = time.perf_counter()
+            if now + (now - start) / made > start + self.budget_s:    # the next call would end past the budget
+                break
+            ids[:] = token
+            context += 1
+            outs = self.runner.decode_again()
+        self.calls += made
+        self.bursts += 1
+        self.made = made
+        for seq, new in zip(seqs, tokens[:made].T.tolist()):
+            seq.committed += made
+            seq.tokens += new

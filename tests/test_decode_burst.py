@@ -1,0 +1,133 @@
+"""Decode bursts (pipeline/decode_burst.py): plain greedy rows run up to n target steps per engine
+step. A burst is the same engine calls as n engine steps of one token each, so everything it
+leaves is the same bits: the tokens, the finish reasons, the pools; stops and budgets end it
+where one token a step would have ended, with no call more."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tandem.engines.builder import build_engines
+from tandem.engines.options import BuildOptions
+from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.sampling_params import SamplingParams
+from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
+
+BURST = 4
+PROMPTS = [[5, 17, 33, 200, 7, 64, 91], [9, 120, 77, 301, 15], [3]]
+
+
+@pytest.fixture(scope="module", params=["qwen3_5_mtp3", "step3p5"])   # step3p5: window pages released
+def built(request, tmp_path_factory):
+    kind, root = request.param, tmp_path_factory.mktemp("decode_burst")
+    write_tiny_checkpoint(root / kind, kind)
+    out = root / "engines"
+    build_engines(root / kind, out, BuildOptions(batch_sizes=(1, 4), prefill_chunk=8, max_seq_len=64,
+                                                      page_size=4, no_mtp=True), show_progress=False)
+    return out
+
+
+def _generate(engine_dir, burst: int, params, prompts=PROMPTS, **config):
+    llm = LLM(engine_dir, EngineConfig(decode_burst=burst, **config))
+    results = llm.generate(prompts, params)
+    return [(r.token_ids, r.finish_reason) for r in results], llm
+
+
+@pytest.mark.parametrize("max_tokens", [BURST * 5 + 2, BURST - 1, BURST])
+def test_bursts_emit_what_one_token_a_step_emits(built, max_tokens):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    plain, one = _generate(built, 1, params)
+    burst, llm = _generate(built, BURST, params)
+    assert burst == plain
+    assert one.engine.decode is None
+    assert llm.runner.calls["target_step"] == one.runner.calls["target_step"]    # no call more
+    # a burst takes what the budget holds (no position past the request's is written): with the prompt's
+    # token and the step that sends the first output, 3 tokens leave 1 (no burst), 4 leave 2
+    assert (llm.engine.decode.bursts > 0) == (max_tokens >= 4)
+    if max_tokens > BURST:
+        assert llm.engine.stats.rounds < one.engine.stats.rounds
+
+
+def test_the_pools_after_a_burst_are_those_after_one_token_a_step(built):
+    """commit(n) == n decode steps: one request, the same pages and slot in both, every pool equal bit
+    for bit after the generation (rows are never cleared: the finished request's are still there)."""
+    params = SamplingParams(max_tokens=BURST * 3 + 1, ignore_eos=True)
+    _, one = _generate(built, 1, params, prompts=PROMPTS[:1])
+    _, burst = _generate(built, BURST, params, prompts=PROMPTS[:1])
+    assert burst.engine.decode.calls >= BURST * 2
+    pools = lambda llm: {f"{layer}.{name}": pool for layer, group in {**llm.pools.paged, **llm.pools.states}.items()  # noqa: E731
+                         for name, pool in group.items()}
+    for name, pool in pools(one).items():
+        assert np.array_equal(pools(burst)[name], pool), name
+
+
+def test_a_stop_inside_a_burst_ends_the_output_and_the_burst_there(built):
+    free, _ = _generate(built, 1, SamplingParams(max_tokens=3 * BURST, ignore_eos=True))
+    ids = free[0][0]       # tokens 0 (the prefill's) and 1 (the first output's step) come before the bursts
+    at = next(i for i in range(3, len(ids)) if (i - 2) % BURST == 1 and ids[i] not in ids[:i])
+    stop = ids[at]         # the first prompt's first token there: second of a burst, more would follow
+    params = SamplingParams(max_tokens=3 * BURST, ignore_eos=True, stop_token_ids=(stop,))
+    plain, _ = _generate(built, 1, params)
+    burst, _ = _generate(built, BURST, params)
+    assert burst == plain and burst[0][1] == "stop" and len(burst[0][0]) == at
+    alone, one = _generate(built, 1, params, prompts=PROMPTS[:1])    # alone: no call after the stop
+    burst, llm = _generate(built, BURST, params, prompts=PROMPTS[:1])
+    assert burst == alone and llm.runner.calls["target_step"] == one.runner.calls["target_step"]
+
+
+def test_a_stop_string_inside_a_burst_ends_the_output_there(built):
+    params = SamplingParams(max_tokens=3 * BURST, ignore_eos=True)
+    free, one = _generate(built, 1, params)
+    text = one.tokenizer.decode(free[0][0][: BURST + 2])
+    stop = text[-3:] if len(text.strip()) >= 3 else None
+    if stop is None:
+        pytest.skip("the first prompt's early text is too short for a stop string")
+    params = SamplingParams(max_tokens=3 * BURST, ignore_eos=True, stop=[stop])
+    plain, _ = _generate(built, 1, params)
+    burst, _ = _generate(built, BURST, params)
+    assert burst == plain and burst[0][1] == "stop"
+
+
+def test_sampled_and_greedy_rows_in_one_batch(built):
+    """A batch with a sampled row takes one token a step (rows left out of a burst would fall behind);
+    once the sampled requests finish, the greedy rows burst. Each emits what it emits alone with one
+    token a step (sampling depends on the seed and positions only)."""
+    greedy = SamplingParams(max_tokens=BURST * 4, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=BURST, ignore_eos=True, temperature=0.9, seed=11)
+    expected = []
+    for params in (greedy, sampled):
+        got, _ = _generate(built, 1, params)
+        expected.append(got)
+    llm = LLM(built, EngineConfig(decode_burst=BURST))
+    bursts = []
+    real = llm.engine.decode._burst
+    llm.engine.decode._burst = lambda seqs, *rest: bursts.append({s.params.greedy for s in seqs}) or real(seqs, *rest)
+    results = llm.generate(PROMPTS * 2, [greedy] * 3 + [sampled] * 3)
+    assert [(r.token_ids, r.finish_reason) for r in results] == expected[0] + expected[1]
+    assert bursts and all(kinds == {True} for kinds in bursts)
+
+
+def test_the_time_budget_ends_a_burst(built):
+    """A budget shorter than one call: every burst is one target step (a large model's step stays one call)."""
+    params = SamplingParams(max_tokens=BURST * 3, ignore_eos=True)
+    plain, _ = _generate(built, 1, params)
+    burst, llm = _generate(built, BURST, params, decode_burst_ms=1e-6)
+    assert burst == plain
+    assert llm.engine.decode.calls == llm.engine.decode.bursts > 0
+
+
+def test_a_request_at_the_length_limit(built):
+    """prompt + max_tokens = max_seq_len - 1: the burst's reserved rows stay inside the request's."""
+    prompt = list(range(1, 30))
+    params = SamplingParams(max_tokens=63 - len(prompt), ignore_eos=True)
+    plain, _ = _generate(built, 1, params, prompts=[prompt])
+    burst, _ = _generate(built, BURST, params, prompts=[prompt])
+    assert burst == plain and len(burst[0][0]) == 63 - len(prompt)
+
+
+@pytest.mark.parametrize("fields", [{"decode_burst": 0}, {"decode_burst": 17}, {"decode_burst": 4.0},
+                                    {"decode_burst_ms": 0}])
+def test_out_of_range_bursts_are_refused(fields):
+    with pytest.raises(ValueError, match="decode_burst"):
+        EngineConfig(**fields)
