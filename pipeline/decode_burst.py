@@ -63,21 +63,19 @@ class DecodeBurst:
         self.made = 0                       # the last burst's steps
         self._tokens: dict[int, np.ndarray] = {}   # batch -> [steps, batch] tokens, kept
 
-    def run(self, seqs: list[Sequence], hidden: list[np.ndarray] | None = None) -> list[Sequence]:
+    def run(self, seqs: list[Sequence]) -> list[Sequence]:
         """A burst when every sequence can take one, for as many steps as the least of them holds;
         returns the sequences left to take one token a step (all of them, or none). All or none:
         rows left out would advance a token per burst (a sampled request beside greedy ones, at an
         eighth of their speed), and the batch would take two calls a step. A batch larger than the
-        largest bucket splits its calls (ModelRunner.decode): one step. `hidden`: gets each step's
-        target hidden rows [sequences, H], in step order (drafting off for a while, the heads catch
-        up over them later: Engine._off_round)."""
+        largest bucket splits its calls (ModelRunner.decode): one step."""
         steps = min((s.decode_rows(self.steps) for s in seqs), default=1)
         if steps < 2 or len(seqs) > self.runner.batch_sizes[-1]:
             return seqs
-        self._burst(seqs, steps, hidden)
+        self._burst(seqs, steps)
         return []
 
-    def _burst(self, seqs: list[Sequence], steps: int, hidden: list[np.ndarray] | None) -> None:
+    def _burst(self, seqs: list[Sequence], steps: int) -> None:
         n = len(seqs)
         stops = frozenset().union(*(s.ending_ids(self.eos_ids) for s in seqs))
         tokens = self._tokens.get(n)
@@ -91,8 +89,6 @@ class DecodeBurst:
             self.pools.commit_decode(self.runner.trunk_kv, outs.arrays, inputs, n)
             token = _greedy(outs.arrays[c.LOGITS][:, 0])
             tokens[made] = token
-            if hidden is not None:
-                hidden.append(outs.arrays[c.HIDDEN][:, 0].copy())
             made += 1
             if made == steps or (stops and not stops.isdisjoint(token.tolist())):
                 break

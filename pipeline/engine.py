@@ -278,15 +278,13 @@ class Engine:
             self._catch_up([s for s in on if s in self._lagging])
             before = {s: (s.metrics.drafted, s.metrics.accepted) for s in on}
             t = time.perf_counter()
-            steps = 1
             if on:
                 self._speculative_round(on)
             if off:
                 with self._phase("decode"):
-                    steps = self._off_round(off)
-            # a burst of plain steps counts as that many rounds of width 1, each its share of the time
+                    self._off_round(off)
             mixed = (on and off) or any(s.k_fixed for s in seqs)
-            self.width_control.observe(batch, self._width, None if mixed else (time.perf_counter() - t) / steps,
+            self.width_control.observe(batch, self._width, None if mixed else time.perf_counter() - t,
                                        [s.metrics.drafted - before[s][0] for s in on],
                                        [s.metrics.accepted - before[s][1] for s in on])
         finally:
@@ -335,28 +333,18 @@ class Engine:
             return self.unified.kinds[(sampling, width)], width
         return GraphKind.verify(sampling), width
 
-    def _off_round(self, seqs: list[Sequence]) -> int:
-        """Plain decode steps: a burst where the engine runs them (pipeline/decode_burst.py; not with
-        window page groups, whose heads catch up every round), else one. The (new token, hidden)
-        rows the heads would re-anchor over are kept until drafting resumes or lag_rows rows wait
-        (rows kept since a preemption are dropped). Returns the steps it took, so that the
-        controller compares a round with plain decoding as it runs."""
-        new: dict[Sequence, tuple[list[int], list[np.ndarray]]] = {}
-        hidden: list[np.ndarray] = []           # a burst's, per step [sequences, H]
-        if isinstance(self.decode, DecodeBurst) and not self.scheduler.windowed and not self.decode.run(seqs, hidden):
-            for i, seq in enumerate(seqs):      # the burst took them all
-                new[seq] = (seq.tokens[-len(hidden):], [h[i] for h in hidden])
-        else:
-            outs = self._plain_round(seqs)
-            for seq, out in zip(seqs, outs.rows()):
-                new[seq] = ([seq.tokens[-1]], [out[c.HIDDEN][0].copy()])
-        for seq, (ids, rows) in new.items():
-            start, kept_ids, kept_rows = self._lagging.get(seq, (seq.head_committed, [], []))
+    def _off_round(self, seqs: list[Sequence]) -> None:
+        """A plain decode step; the (new token, hidden) row the heads would re-anchor over is kept
+        until drafting resumes or lag_rows rows wait (rows kept since a preemption are dropped).
+        One step, not a burst: with bursts here the shipped model's batch-1 decode fell from 1.15x
+        to 0.89x of plain one token a step (docs/performance.md, decode bursts)."""
+        outs = self._plain_round(seqs)
+        for seq, out in zip(seqs, outs.rows()):
+            start, ids, hidden = self._lagging.get(seq, (seq.head_committed, [], []))
             if start != seq.head_committed:     # preempted and prefilled again: the heads are current
-                start, kept_ids, kept_rows = seq.head_committed, [], []
-            self._lagging[seq] = (start, [*kept_ids, *ids], [*kept_rows, *rows])
+                start, ids, hidden = seq.head_committed, [], []
+            self._lagging[seq] = (start, [*ids, seq.tokens[-1]], [*hidden, out[c.HIDDEN][0].copy()])
         self._catch_up([s for s in seqs if len(self._lagging[s][1]) >= self.lag_rows])
-        return max(1, len(hidden))
 
     def _catch_up(self, seqs: list[Sequence]) -> None:
         """Re-anchor the heads over every row kept while drafting was off, one call per head."""

@@ -71,9 +71,7 @@ class Scheduler:
     def decode_batch(self) -> list[Sequence]:
         out, reserved = [], False
         for seq in [s for s in self.running if s.status == Status.DECODE]:
-            rows = seq.decode_rows(self.decode_steps) if self.decode_steps > 1 else 1
-            if seq.speculative:     # a round's k + 1, or drafting off: a burst (Engine._off_round)
-                rows = max(seq.k + 1, rows if not self.windowed else 1)
+            rows = seq.k + 1 if seq.speculative else seq.decode_rows(self.decode_steps) if self.decode_steps > 1 else 1
             positions = seq.committed + rows
             if not self.windowed and positions <= seq.table.capacity():   # most steps: pages held already
                 out.append(seq)

@@ -220,7 +220,7 @@ def test_rounds_that_cannot_pay_end_drafting_and_the_heads_catch_up(engine_dirs,
     the bucket is off and every width is known to lose even at full acceptance, its sequences decode
     plain for good: no probes, no heads' catch-up, and a later request skips the heads in prefill."""
     install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
-    llm = LLM(engine_dirs[KIND], EngineConfig(decode_burst=1))    # rounds of one token while off: the climb in rounds
+    llm = LLM(engine_dirs[KIND])
     llm.engine.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
     assert generate(llm, PROMPTS) == plain
     assert llm.engine.width_control.hopeless(len(PROMPTS))
@@ -238,7 +238,7 @@ def judged_off(engine_dirs, monkeypatch):
     joins the bucket of the two running ones): PROMPTS decode until their sequences flip to plain
     or one finishes -> (llm, controller, sequences)."""
     install_drafter(monkeypatch, "wrong")
-    llm = LLM(engine_dirs[KIND], EngineConfig(decode_burst=1))   # a token a plain round: the verdict takes rounds
+    llm = LLM(engine_dirs[KIND])
     llm.engine.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 4],
                                                  policy=WidthPolicy(probe_every=2, probe_max=8))
     seqs = [llm.add_request(p, LONG, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
@@ -301,7 +301,7 @@ def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
 
 def test_oracle_climbs_from_off_to_the_widest_built_width(engine_dirs, plain, monkeypatch, widths):
     install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
-    llm = LLM(engine_dirs[KIND], EngineConfig(decode_burst=1))    # rounds of one token while off: the climb in rounds
+    llm = LLM(engine_dirs[KIND])
     top = max(llm.verify_widths)
     llm.engine.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8], start={8: 1})
     assert generate(llm, PROMPTS) == plain
@@ -343,8 +343,7 @@ def test_deferred_catch_up_equals_reanchoring_every_round(engine_dirs, mode):
     schedule = [4, 4] + [1] * 11 + [4] * 3 + [1] * 3 + [4] * 10
     traces = []
     for lag_rows in (None, 1):
-        # off rounds run bursts of 8 steps; no time budget, so that both runs take the same steps
-        llm = LLM(engine_dirs[KIND], EngineConfig(mtp_mode=mode, decode_burst_ms=1e6))
+        llm = LLM(engine_dirs[KIND], EngineConfig(mtp_mode=mode))
         llm.engine.width_control = Scripted(schedule)
         if lag_rows:
             llm.engine.lag_rows = lag_rows

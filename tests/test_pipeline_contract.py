@@ -50,8 +50,7 @@ def test_chained_and_reused_heads(engine_dirs, plain, mode):
 
 def test_oracle_drafts_are_all_accepted(engine_dirs, plain, monkeypatch):
     install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain["qwen3_5_mtp3"].items()})
-    # the tuned width every round: on tiny engines plain bursts outrun any round, so the adaptive width would go off
-    llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(adaptive_width=False))
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
     seq = llm.add_request(PROMPTS[1], GREEDY, request_id="r1")
     while seq.finish_reason is None:
         llm.step()
