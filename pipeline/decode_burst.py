@@ -60,7 +60,6 @@ class DecodeBurst:
         self.runner, self.pools, self.steps = runner, pools, steps
         self.eos_ids, self.budget_s = eos_ids, budget_ms / 1000
         self.calls = self.bursts = 0        # target steps run in bursts, and bursts
-        self.made = 0                       # the last burst's steps
         self._tokens: dict[int, np.ndarray] = {}   # batch -> [steps, batch] tokens, kept
 
     def run(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -100,7 +99,6 @@ class DecodeBurst:
             outs = self.runner.decode_again()
         self.calls += made
         self.bursts += 1
-        self.made = made
         for seq, new in zip(seqs, tokens[:made].T.tolist()):
             seq.committed += made
             seq.tokens += new
