@@ -41,9 +41,10 @@ from tandem.export.graphs import (
     _lm_head,
     _paging,
     attention_mixer,
+    gdn_mixer,
     new_rows_outputs,
 )
-from tandem.export.layers import conv_windows_index, decoder_layer, gated_deltanet_layer, norm_scale
+from tandem.export.layers import decoder_layer, norm_scale
 from tandem.export.primitives import Weights, rms_norm
 from tandem.graph_kinds import GraphKind
 
@@ -95,20 +96,11 @@ def _step(b: GraphBuilder, desc: ModelDescription, w: Weights, token: str, ids: 
                 x, extra = decoder_layer(b, desc, w, block, p, layer, mixer, kept_rows=last or (
                     lambda h: b.slice(h, [-1], [np.iinfo(np.int64).max], [1])))                   # row i: the MLP's
             else:
-                def mixer(xn, i=i, p=p, spec=layer.mixer):
-                    if i in carry:      # the last step's, as pools over slots 0..B-1 (the kernel reads them so)
-                        local = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(one), [0]),
-                                     b.const(1, np.int64))
-                        state, conv = (b.op("Gather", t, local, axis=0) for t in carry[i])
-                    else:
-                        state = b.op("Gather", c.recurrent_pool(i), c.STATE_SLOTS, axis=0, name="gather_state")
-                        conv = b.op("Gather", c.conv_pool(i), c.STATE_SLOTS, axis=0, name="gather_conv")
-                    if spec.conv_kernel not in conv_index:
-                        conv_index[spec.conv_kernel] = conv_windows_index(b, token, spec.conv_kernel)
-                    out = gated_deltanet_layer(b, desc, spec, w, xn, p, state, conv, one, row_states=False,
-                                               conv_index=conv_index[spec.conv_kernel])
-                    return out.output, out
-
+                states = None
+                if i in carry:      # the last step's, as pools over slots 0..B-1 (the kernel reads them so)
+                    local = b.op("Range", b.const(0, np.int64), b.squeeze(b.shape_of(one), [0]), b.const(1, np.int64))
+                    states = tuple(b.op("Gather", t, local, axis=0) for t in carry[i])
+                mixer = gdn_mixer(b, desc, w, i, token, one, False, conv_index, states)
                 x, extra = decoder_layer(b, desc, w, x, p, layer, mixer)
         if layer.kind == LayerKind.FULL_ATTENTION:
             rows[i], selected = extra[0], extra[1] or selected

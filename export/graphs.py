@@ -133,6 +133,28 @@ def attention_mixer(b: GraphBuilder, desc: ModelDescription, w: Weights, i: int,
     return mixer
 
 
+def gdn_mixer(b: GraphBuilder, desc: ModelDescription, w: Weights, i: int, ids: str, state_rows: str,
+              row_states: bool, conv_index: dict, states: tuple[str, str] | None = None):
+    """decoder_layer's mixer for trunk Gated DeltaNet layer i: xn -> (output, its GatedDeltaNetOutputs).
+    It reads its recurrent state and conv window from `states` (state, conv) where given, else
+    gathers them from its pools at the call's slots; `conv_index` holds one conv windows' index
+    per kernel size for the whole graph (made by the first layer that needs it, from `ids`)."""
+    spec = desc.layers[i].mixer
+
+    def mixer(xn):
+        if states is None:
+            state = b.op("Gather", c.recurrent_pool(i), c.STATE_SLOTS, axis=0, name="gather_state")
+            conv = b.op("Gather", c.conv_pool(i), c.STATE_SLOTS, axis=0, name="gather_conv")
+        else:
+            state, conv = states
+        if spec.conv_kernel not in conv_index:
+            conv_index[spec.conv_kernel] = conv_windows_index(b, ids, spec.conv_kernel)
+        out = gated_deltanet_layer(b, desc, spec, w, xn, f"layers.{i}.", state, conv, state_rows,
+                                   row_states=row_states, conv_index=conv_index[spec.conv_kernel])
+        return out.output, out
+    return mixer
+
+
 def new_rows_outputs(spec: AttentionSpec | MLASpec, layer: int | str, rows: dict[str, str]) -> dict[str, str]:
     """The contract's output name of each new-rows tensor of attention layer `layer`."""
     return {c.pool_output(s, layer): rows[s.name] for s in spec.cache_specs()}
@@ -155,14 +177,7 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
             if layer.kind == LayerKind.FULL_ATTENTION:
                 mixer = attention_mixer(b, desc, w, i, paging, selected)
             else:
-                def mixer(xn, i=i, p=p, spec=layer.mixer):
-                    rec = b.op("Gather", c.recurrent_pool(i), c.STATE_SLOTS, axis=0, name="gather_state")
-                    conv = b.op("Gather", c.conv_pool(i), c.STATE_SLOTS, axis=0, name="gather_conv")
-                    if spec.conv_kernel not in conv_index:
-                        conv_index[spec.conv_kernel] = conv_windows_index(b, c.INPUT_IDS, spec.conv_kernel)
-                    out = gated_deltanet_layer(b, desc, spec, w, xn, p, rec, conv, state_rows, row_states=verify,
-                                               conv_index=conv_index[spec.conv_kernel])
-                    return out.output, out
+                mixer = gdn_mixer(b, desc, w, i, c.INPUT_IDS, state_rows, verify, conv_index)
             x, extra = decoder_layer(b, desc, w, x, p, layer, mixer)
         if layer.kind == LayerKind.FULL_ATTENTION:
             kv[i], selected = extra[0], extra[1] or selected
