@@ -159,7 +159,7 @@ class Engine:
         plain = [s for s in decoding if not s.speculative]
         if spec:
             self._adaptive_round(spec) if self.width_control else self._speculative_round(spec)
-        if plain:   # n tokens a call where the dir has a multi-step decode graph and a sequence can take them
+        if plain:   # n tokens a step where the batch can take them (a burst, or the dir's multi-step graph)
             with self._phase("decode"):
                 if rest := (self.decode.run(plain) if self.decode is not None else plain):
                     self._plain_round(rest)

@@ -172,8 +172,8 @@ class LLM:
         step and, with drafting, the heads that draft after a prefill and the round (or verify) engine
         of each batch size's starting width (batch 1's first). Others open when a round first wants
         them, in the background under the adaptive width (Engine._open_width)."""
-        first = [(TARGET_STEP, 1), *([(self.engine.decode.kind, 1)] if isinstance(self.engine.decode, MultiStepDecode)
-                                     else [])]
+        decode = self.engine.decode     # a burst calls the target step; a multi-step graph, its own
+        first = list(dict.fromkeys([(TARGET_STEP, 1), *([(decode.kind, 1)] if decode else [])]))
         if not (self.config.speculative and self.spec_k and self.mtp_layers):
             return first
         chained = self.mtp_mode == "chained"

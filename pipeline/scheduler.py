@@ -2,7 +2,7 @@
 
 Requests wait in arrival order, are admitted while a state slot is free, prefill in chunks (at
 most `max_batch` sequences per round), then decode. Before each round every decoding sequence
-gets pages for the rows it may write (k+1, or a multi-step decode's n); when the pool runs out,
+gets pages for the rows it may write (k+1, or a burst's or multi-step decode's n); when the pool runs out,
 the most recently admitted other sequence is preempted: its pages and slot are freed and it goes
 back to the front of the queue, to be recomputed (prefill over its prompt and the tokens it
 already produced).
@@ -35,7 +35,7 @@ class Scheduler:
         self.slots, self.pools = slots, pools
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.head_lag = head_lag            # how far the heads' contexts may trail head_committed
-        self.decode_steps = 1               # tokens per plain decode call (the engine's multi-step graph)
+        self.decode_steps = 1               # most tokens a plain greedy step takes (a burst, a multi-step graph)
         self.released_out_of_window = 0     # window pages given back while their sequences ran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order
