@@ -49,17 +49,42 @@ def test_bursts_emit_what_one_token_a_step_emits(built, max_tokens):
         assert llm.engine.stats.rounds < one.engine.stats.rounds
 
 
-def test_the_pools_after_a_burst_are_those_after_one_token_a_step(built):
-    """commit(n) == n decode steps: one request, the same pages and slot in both, every pool equal bit
-    for bit after the generation (rows are never cleared: the finished request's are still there)."""
+def _live_rows_at_finish(llm) -> dict:
+    """Every pool's rows the finished request still held, by logical position (paged: the positions of
+    the pages its tables held in each page group; states: its slot), taken as the scheduler lets it go."""
+    seen, finish = {}, llm.engine.scheduler.finish
+
+    def snapshot(seq, reason):
+        page_size = llm.pools.page_size
+        for layer, group in llm.pools.paged.items():
+            windows = {spec.name: spec.window for spec in llm.pools._specs[layer].paged}
+            for name, pool in group.items():
+                table = seq.table.groups[windows[name]]
+                rows = range(table.released * page_size, seq.committed)
+                seen[f"{layer}.{name}"] = np.stack([pool[table.pages[r // page_size], r % page_size] for r in rows])
+        for layer, group in llm.pools.states.items():
+            for name, pool in group.items():
+                seen[f"{layer}.{name}"] = pool[seq.slot].copy()
+        finish(seq, reason)
+
+    llm.engine.scheduler.finish = snapshot
+    return seen
+
+
+@pytest.mark.parametrize("budget_ms", [1e6, 1e-6])   # whole bursts; bursts the clock cuts after one call
+def test_the_pools_after_a_burst_are_those_after_one_token_a_step(built, budget_ms):
+    """commit(n) == n decode steps: every row and state the request holds when it finishes is equal bit
+    for bit. By logical position: a window group's pages go back once per burst, not once a step, so
+    after a burst the clock cut short the same rows may sit in other pages."""
     params = SamplingParams(max_tokens=BURST * 3 + 1, ignore_eos=True)
-    _, one = _generate(built, 1, params, prompts=PROMPTS[:1])
-    _, burst = _generate(built, BURST, params, prompts=PROMPTS[:1])
+    one = LLM(built, EngineConfig(decode_burst=1))
+    burst = LLM(built, EngineConfig(decode_burst=BURST, decode_burst_ms=budget_ms))
+    rows_one, rows_burst = _live_rows_at_finish(one), _live_rows_at_finish(burst)
+    assert one.generate(PROMPTS[:1], params)[0].token_ids == burst.generate(PROMPTS[:1], params)[0].token_ids
     assert burst.engine.decode.calls >= BURST * 2
-    pools = lambda llm: {f"{layer}.{name}": pool for layer, group in {**llm.pools.paged, **llm.pools.states}.items()  # noqa: E731
-                         for name, pool in group.items()}
-    for name, pool in pools(one).items():
-        assert np.array_equal(pools(burst)[name], pool), name
+    assert rows_one.keys() == rows_burst.keys() and rows_one
+    for name, rows in rows_one.items():
+        assert np.array_equal(rows_burst[name], rows), name
 
 
 def test_a_stop_inside_a_burst_ends_the_output_and_the_burst_there(built):
