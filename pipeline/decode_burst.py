@@ -83,9 +83,10 @@ class DecodeBurst:
         start = time.perf_counter()
         outs, inputs = self.runner.decode(seqs)        # fills the bucket's inputs (the lean decode path)
         ids, context = inputs[c.INPUT_IDS][:n, 0], inputs[c.CONTEXT_LENS][:n]
-        made = 0
+        layers, made = self.runner.trunk_kv, 0
+        burst = self.pools.burst_destinations(layers, inputs, n, steps)
         while True:
-            self.pools.commit_decode(self.runner.trunk_kv, outs.arrays, inputs, n)
+            self.pools.commit_decode(layers, outs.arrays, inputs, n, burst, made)
             token = _greedy(outs.arrays[c.LOGITS][:, 0])
             tokens[made] = token
             made += 1

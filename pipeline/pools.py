@@ -170,27 +170,44 @@ class Pools:
             if runs:
                 self.memory.scatter_runs(pairs, runs)
 
-    def commit_decode(self, layers, outputs: dict, inputs: dict, n: int) -> None:
+    def commit_decode(self, layers, outputs: dict, inputs: dict, n: int, burst: dict | None = None,
+                      step: int = 0) -> None:
         """Plain decoding's commit, from the call's own inputs: each of its n sequences wrote one
         row at position context_lens[b], into the page its block table holds there, and its
         states go to state_slots[b]. The index work is a few vector ops for the whole batch, and
-        the pools and outputs come as [rows, row] views made once per bucket (_DecodeCommit)."""
+        the pools and outputs come as [rows, row] views made once per bucket (_DecodeCommit).
+        `burst`: burst_destinations() of the burst this call is step `step` of (its rows' pool rows
+        worked out once for the whole burst)."""
         plan = self._decode_plans.get((tuple(layers), n))
         if plan is None or plan.outputs is not outputs:
             plan = self._decode_plans[(tuple(layers), n)] = _DecodeCommit(self, layers, outputs, n)
         size = self.page_size
-        if n == 1:      # batch 1: integer arithmetic into a kept index array, no array temporaries
+        if burst is not None:
+            for table, pairs in plan.paged.items():
+                self.memory.scatter_many(pairs, burst[table][step], None)
+        elif n == 1:    # batch 1: integer arithmetic into a kept index array, no array temporaries
             logical, offset = divmod(int(inputs[c.CONTEXT_LENS][0]), size)
             for table, pairs in plan.paged.items():
                 plan.dst[0] = inputs[table][0, logical] * size + offset
-                self.memory.scatter_many(pairs, plan.dst, plan.rows)
+                self.memory.scatter_many(pairs, plan.dst, None)
         else:
             positions = inputs[c.CONTEXT_LENS][:n]
             logical, offsets = positions // size, positions % size
             for table, pairs in plan.paged.items():
-                self.memory.scatter_many(pairs, inputs[table][plan.rows, logical] * size + offsets, plan.rows)
+                self.memory.scatter_many(pairs, inputs[table][plan.rows, logical] * size + offsets, None)
         if plan.states:
-            self.memory.scatter_many(plan.states, inputs[c.STATE_SLOTS][:n], plan.rows)
+            self.memory.scatter_many(plan.states, inputs[c.STATE_SLOTS][:n], None)
+
+    def burst_destinations(self, layers, inputs: dict, n: int, steps: int) -> dict[str, np.ndarray]:
+        """Per block-table name, the pool rows [steps, n] a burst of `steps` decode calls from these
+        inputs writes: step s of row b is position context_lens[b] + s, in the page the row's table
+        holds there (the scheduler reserved the burst's pages before it began). One vector
+        computation per burst instead of one per call."""
+        positions = inputs[c.CONTEXT_LENS][:n] + np.arange(steps)[:, None]
+        logical, offsets = np.divmod(positions, self.page_size)
+        tables = {c.block_tables(p.window) for layer in layers for p in self._specs[layer].paged}
+        return {table: np.ascontiguousarray(inputs[table][np.arange(n), logical] * self.page_size + offsets)
+                for table in tables}
 
     def commit_states(self, outputs: dict, batch_rows: np.ndarray, slots: np.ndarray) -> None:
         """Every state pool's row slots[i] <- the output's row batch_rows[i]: one scatter_many for

@@ -54,8 +54,9 @@ class _NumpyShadow:
                         pos = start + w
                         self.paged[layer][p.name][table[pos // size], pos % size] = out[b, w]
 
-    def commit_decode(self, layers, outputs, inputs, n):
-        """Plain decoding: row b went to position context_lens[b] through its bound block table."""
+    def commit_decode(self, layers, outputs, inputs, n, burst=None, step=0):
+        """Plain decoding: row b went to position context_lens[b] through its bound block table
+        (in a burst too: the pools' rows worked out for the whole burst are not consulted)."""
         size = self.pools.page_size
         for layer in layers:
             for p in self.pools._specs[layer].paged:
@@ -117,6 +118,7 @@ def test_backend_commits_equal_the_numpy_commits_bitwise_after_every_step(engine
     st = llm.engine.stats
     assert st.verify_rounds > 0 and any(s.metrics.accepted < s.metrics.drafted for s in seqs[:2])
     assert any(a.any() for d in llm.pools.states.values() for a in d.values())   # states were committed
+    assert llm.engine.decode.bursts > 0      # the plain request took a burst: its commits are compared too
 
 
 # ---- no allocation per call, no copy at bind time ------------------------------------------------------

@@ -137,7 +137,7 @@ class DeviceMemory:
             self.synchronize()                    # the ring is full: let the queued copies finish first
         at = self._staged
         self._host_staging[at : at + n] = dst_rows
-        self._host_staging[at + n : at + 2 * n] = src_rows
+        self._host_staging[at + n : at + 2 * n] = np.arange(n) if src_rows is None else src_rows
         self._staged += 2 * n
         idx = self._device_staging + 8 * at
         self.cuda.copy_to_device(idx, self._host_staging.ctypes.data + 8 * at, 16 * n)

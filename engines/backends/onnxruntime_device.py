@@ -103,6 +103,7 @@ class OrtMemory:
         io.bind_input("pool", self.device, self.device_id, pool.dtype, [rows, row], pool.ptr)
         io.bind_input("src", self.device, self.device_id, src.dtype, [src_n, row], src.ptr)
         io.bind_cpu_input("dst_rows", np.ascontiguousarray(dst_rows, np.int64))
+        src_rows = np.arange(len(dst_rows)) if src_rows is None else src_rows   # None: the first rows
         io.bind_cpu_input("src_rows", np.ascontiguousarray(src_rows, np.int64))
         io.bind_output("pool_out", self.device, self.device_id, pool.dtype, [rows, row], pool.ptr)
         sess.run_with_iobinding(io)
