@@ -1,4 +1,4 @@
-"""Plain greedy decoding several steps per engine step, host side: a decode burst (vLLM's
+"""Plain decoding several steps per engine step, host side: a decode burst (vLLM's
 multi-step scheduling, `--num-scheduler-steps`).
 
 One engine step of plain decoding is the target step's call plus the Python around it: the
@@ -9,7 +9,8 @@ between calls only what the next call needs:
 
     call      target step over the bound inputs (each row's token at position c)
     commit    its K/V row into the page at c, its states to the slot (Pools.commit_decode)
-    next      t = argmax(logits); the row's token <- t, c <- c + 1, in the bound inputs
+    next      t = argmax(logits) (a sampled row: its draw, U(seed, index of t)); the row's token <- t,
+              c <- c + 1, in the bound inputs
 
 and hands the n tokens to the engine's usual output path once (Engine._postprocess: stop ids,
 stop strings, max_tokens, detokenizer), as a multi-step decode graph's call
@@ -18,8 +19,8 @@ steps, so the tokens are the same bits. The invariant after a burst is n decode 
 
     tokens += t_1 .. t_n; committed += n; pools hold the rows of every token but the pending one
 
-Who takes a burst: a batch of greedy rows without a grammar whose first tokens are out (the time
-to first token does not wait for a burst), for as many steps as the smallest token budget among
+Who takes a burst: a batch of greedy or sampled rows without a grammar whose first tokens are out
+(the time to first token does not wait for a burst), for as many steps as the smallest token budget among
 them holds (Sequence.decode_rows); the scheduler reserves those rows' pages before the step, so a
 burst never writes a position a request was not admitted for. A batch with any other row takes one
 step. A burst ends early when a token is a stop id of any of its rows (what follows would be
@@ -39,6 +40,7 @@ from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.pools import Pools
+from tandem.pipeline.sampler import sample, uniforms
 from tandem.pipeline.sequence import Sequence
 
 DEFAULT_STEPS = 8             # target steps a burst may run
@@ -58,6 +60,7 @@ class DecodeBurst:
         if steps < 2:
             raise ValueError(f"a decode burst runs 2 or more steps, got {steps}")
         self.runner, self.pools, self.steps = runner, pools, steps
+        self.samples = True       # sampled rows burst too: their tokens are drawn on the host between calls
         self.eos_ids, self.budget_s = eos_ids, budget_ms / 1000
         self.calls = self.bursts = 0        # target steps run in bursts, and bursts
         self._tokens: dict[int, np.ndarray] = {}   # batch -> [steps, batch] tokens, kept
@@ -65,10 +68,10 @@ class DecodeBurst:
     def run(self, seqs: list[Sequence]) -> list[Sequence]:
         """A burst when every sequence can take one, for as many steps as the least of them holds;
         returns the sequences left to take one token a step (all of them, or none). All or none:
-        rows left out would advance a token per burst (a sampled request beside greedy ones, at an
+        rows left out would advance a token per burst (a grammar request beside free ones, at an
         eighth of their speed), and the batch would take two calls a step. A batch larger than the
         largest bucket splits its calls (ModelRunner.decode): one step."""
-        steps = min((s.decode_rows(self.steps) for s in seqs), default=1)
+        steps = min((s.decode_rows(self.steps, self.samples) for s in seqs), default=1)
         if steps < 2 or len(seqs) > self.runner.batch_sizes[-1]:
             return seqs
         self._burst(seqs, steps)
@@ -80,6 +83,9 @@ class DecodeBurst:
         tokens = self._tokens.get(n)
         if tokens is None:
             tokens = self._tokens[n] = np.zeros((self.steps, n), np.int64)
+        # sampled rows: the token at index x of seq.tokens is decided by U(seed, x) (pipeline/sampler.py),
+        # so step s of the burst samples with the uniform of index len(tokens) + s, as step s would
+        sampled = [(b, s.params, s.seed, len(s.tokens)) for b, s in enumerate(seqs) if not s.params.greedy]
         start = time.perf_counter()
         outs, inputs = self.runner.decode(seqs)        # fills the bucket's inputs (the lean decode path)
         ids, context = inputs[c.INPUT_IDS][:n, 0], inputs[c.CONTEXT_LENS][:n]
@@ -87,7 +93,10 @@ class DecodeBurst:
         burst = self.pools.burst_destinations(layers, inputs, n, steps)
         while True:
             self.pools.commit_decode(layers, outs.arrays, inputs, n, burst, made)
-            token = _greedy(outs.arrays[c.LOGITS][:, 0])
+            logits = outs.arrays[c.LOGITS][:, 0]
+            token = _greedy(logits)
+            for b, params, seed, at in sampled:
+                token[b] = sample(logits[b], params, float(uniforms([seed], np.array([at + made]))[0]))
             tokens[made] = token
             made += 1
             if made == steps or (stops and not stops.isdisjoint(token.tolist())):

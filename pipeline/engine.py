@@ -119,9 +119,10 @@ class Engine:
         self._lagging: dict[Sequence, tuple[int, list[int], list[np.ndarray]]] = {}  # seq -> head_committed, rows
         self._judged: set[Sequence] = set()     # turned plain for good by the controller (_workload_left)
         self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
-        self.decode = decode            # n tokens a step for plain greedy rows: a multi-step graph's call
+        self.decode = decode            # n tokens a step for plain rows: a multi-step graph's call (greedy)
                                         # or a burst of n calls (None: one token a step)
-        scheduler.decode_steps = decode.steps if decode else 1     # it reserves the pages those calls write
+        # the scheduler reserves the pages those calls write
+        scheduler.decode_steps, scheduler.decode_samples = (decode.steps, decode.samples) if decode else (1, False)
         self.waits_for: set[tuple[GraphKind, int]] = set()   # round engines opening from the start (_open_width)
         self._open: set[tuple[GraphKind, int]] = set()       # round engines known to be open (_open_width)
         self.stats = EngineStats()

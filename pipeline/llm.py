@@ -66,8 +66,8 @@ class EngineConfig:
     decode_steps: int | None = None        # plain greedy decoding: None runs the engine dir's multi-step decode
                                            # graph where it has one (`build-engines --decode-steps`); 1: one
                                            # token per call
-    decode_burst: int = DEFAULT_STEPS      # plain greedy decoding without a multi-step graph: up to this many
-                                           # target steps per engine step, back to back (1: one step) ...
+    decode_burst: int = DEFAULT_STEPS      # plain decoding (greedy or sampled) without a multi-step graph: up to
+                                           # this many target steps per engine step, back to back (1: one) ...
     decode_burst_ms: float = DEFAULT_BUDGET_MS  # ... within about this time (pipeline/decode_burst.py)
     round: str = "unified"                 # "unified": one engine call per round where the engine dir has the
                                            # round graph (its head mode and widths); "multi": verify, re-anchor
@@ -191,9 +191,9 @@ class LLM:
         return UnifiedRound(self.desc, self.runner, self.pools, list(dict.fromkeys(rounds)))
 
     def _decode_graph(self, kinds: list[GraphKind]) -> MultiStepDecode | DecodeBurst | None:
-        """How plain greedy decoding takes several tokens per engine step: the multi-step decode
-        graph (`--decode-steps`) unless the config asks for one token per call, else a burst of
-        target steps (`decode_burst`), else none."""
+        """How plain decoding takes several tokens per engine step: the multi-step decode graph
+        (`--decode-steps`; greedy rows) unless the config asks for one token per call, else a burst
+        of target steps (`decode_burst`; greedy and sampled rows), else none."""
         decode = [k for k in kinds if k.is_decode]
         if decode and self.config.decode_steps != 1:
             return MultiStepDecode(self.runner, self.pools, max(decode, key=lambda k: k.steps))

@@ -29,12 +29,13 @@ class MultiStepDecode:
             raise ValueError(f"a multi-step decode graph kind expected, got {kind.name}")
         self.runner, self.pools, self.kind = runner, pools, kind
         self.steps = kind.steps
+        self.samples = False      # greedy rows only: the graph takes each step's argmax
 
     def run(self, seqs: list[Sequence]) -> list[Sequence]:
         """One call for the sequences that can take n tokens; returns the others (one token a call)."""
         multi, rest = [], []
         for s in seqs:
-            (multi if s.decode_rows(self.steps) == self.steps else rest).append(s)
+            (multi if s.decode_rows(self.steps, self.samples) == self.steps else rest).append(s)
         if multi:
             self._call(multi)
         return rest

@@ -35,7 +35,8 @@ class Scheduler:
         self.slots, self.pools = slots, pools
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.head_lag = head_lag            # how far the heads' contexts may trail head_committed
-        self.decode_steps = 1               # most tokens a plain greedy step takes (a burst, a multi-step graph)
+        self.decode_steps = 1               # most tokens a plain step takes (a burst, a multi-step graph)
+        self.decode_samples = False         # and whether sampled rows take them too (a burst)
         self.released_out_of_window = 0     # window pages given back while their sequences ran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order
@@ -71,7 +72,10 @@ class Scheduler:
     def decode_batch(self) -> list[Sequence]:
         out, reserved = [], False
         for seq in [s for s in self.running if s.status == Status.DECODE]:
-            rows = seq.k + 1 if seq.speculative else seq.decode_rows(self.decode_steps) if self.decode_steps > 1 else 1
+            if seq.speculative:
+                rows = seq.k + 1
+            else:
+                rows = seq.decode_rows(self.decode_steps, self.decode_samples) if self.decode_steps > 1 else 1
             positions = seq.committed + rows
             if not self.windowed and positions <= seq.table.capacity():   # most steps: pages held already
                 out.append(seq)

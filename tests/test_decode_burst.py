@@ -114,23 +114,31 @@ def test_a_stop_string_inside_a_burst_ends_the_output_there(built):
     assert burst == plain and burst[0][1] == "stop"
 
 
-def test_sampled_and_greedy_rows_in_one_batch(built):
-    """A batch with a sampled row takes one token a step (rows left out of a burst would fall behind);
-    once the sampled requests finish, the greedy rows burst. Each emits what it emits alone with one
-    token a step (sampling depends on the seed and positions only)."""
+def test_sampled_and_greedy_rows_burst_together(built):
+    """Sampled rows burst beside greedy ones: step s of a burst draws with the uniform of the index
+    its token fills (sampling depends on the seed and positions only), so every request emits what
+    it emits alone with one token a step, and the pools end the same."""
     greedy = SamplingParams(max_tokens=BURST * 4, ignore_eos=True)
-    sampled = SamplingParams(max_tokens=BURST, ignore_eos=True, temperature=0.9, seed=11)
-    expected = []
-    for params in (greedy, sampled):
-        got, _ = _generate(built, 1, params)
-        expected.append(got)
+    sampled = [SamplingParams(max_tokens=BURST * 3 + 1, ignore_eos=True, temperature=0.9, seed=11),
+               SamplingParams(max_tokens=BURST * 3, ignore_eos=True, temperature=1.3, top_k=20, top_p=0.9, seed=5),
+               SamplingParams(max_tokens=BURST * 2, ignore_eos=True, temperature=0.7, seed=2)]
+    params = [greedy] * 3 + sampled
+    expected = [_generate(built, 1, p, prompts=[prompt])[0][0] for prompt, p in zip(PROMPTS * 2, params)]
     llm = LLM(built, EngineConfig(decode_burst=BURST))
     bursts = []
     real = llm.engine.decode._burst
     llm.engine.decode._burst = lambda seqs, *rest: bursts.append({s.params.greedy for s in seqs}) or real(seqs, *rest)
-    results = llm.generate(PROMPTS * 2, [greedy] * 3 + [sampled] * 3)
-    assert [(r.token_ids, r.finish_reason) for r in results] == expected[0] + expected[1]
-    assert bursts and all(kinds == {True} for kinds in bursts)
+    results = llm.generate(PROMPTS * 2, params)
+    assert [(r.token_ids, r.finish_reason) for r in results] == expected
+    assert {False, True} in bursts           # greedy and sampled rows in one burst
+    assert llm.engine.decode.calls > llm.engine.decode.bursts
+
+
+def test_sampled_rows_alone_burst(built):
+    params = SamplingParams(max_tokens=BURST * 3, ignore_eos=True, temperature=1.0, seed=7)
+    plain, _ = _generate(built, 1, params)
+    burst, llm = _generate(built, BURST, params)
+    assert burst == plain and llm.engine.decode.bursts > 0
 
 
 def test_the_time_budget_ends_a_burst(built):

@@ -256,11 +256,11 @@ def test_a_killed_replica_fails_its_streams_clearly_and_is_replaced(ray_url, sin
         assert time.monotonic() - killed < 60, (engine, replicas)
         time.sleep(0.2)
 
-    ref = single(["after"], 8)[0]
+    ref = single(["after"], 48)[0]
 
-    async def four():                                 # in flight together: two on each replica
+    async def four():   # in flight together: two on each replica (long enough that none ends before all are sent)
         async with httpx.AsyncClient(base_url=ray_url, timeout=30) as client:
-            return await asyncio.gather(*(client.post("/v1/completions", json=body("after", 8)) for _ in range(4)))
+            return await asyncio.gather(*(client.post("/v1/completions", json=body("after", 48)) for _ in range(4)))
 
     after = asyncio.run(four())
     assert all(r.status_code == 200 and r.json()["choices"][0]["text"] == ref for r in after)
