@@ -244,3 +244,28 @@ def test_extreme_settings_through_the_pipeline(llm):
     huge_k = replace(SAMPLED, top_k=2**63 - 1, seed=99)         # int64 max: past the vocabulary
     assert llm.generate([PROMPT], huge_k)[0].token_ids == llm.generate(
         [PROMPT], replace(SAMPLED, top_k=0, seed=99))[0].token_ids   # = off
+
+
+def _sorted_filtered_probs(logits, temperature, top_k, top_p):
+    """filtered_probs over the sorted vocabulary, as the sampler computed it for every setting before
+    its path without a sort (the reference that path must equal bit for bit)."""
+    scaled = logits.astype(np.float64) / temperature
+    s = scaled[np.argsort(-scaled, kind="stable")]
+    k = top_k if 0 < top_k < len(s) else len(s)
+    p = np.exp(s[:k] - s[0])
+    p /= p.sum()
+    keep = int(np.searchsorted(np.cumsum(p) - p, top_p, side="left")) if top_p < 1.0 else k
+    threshold = s[max(1, min(keep, k)) - 1]
+    probs = np.where(scaled >= threshold, np.exp(scaled - s[0]), 0.0)
+    return probs / probs.sum()
+
+
+@pytest.mark.parametrize("temperature, top_k", [(0.8, 0), (1.0, 1), (1.3, 20), (0.5, 383), (2.0, 384), (1e-5, 0)])
+def test_the_sampler_without_a_nucleus_equals_the_sorted_one_bit_for_bit(temperature, top_k):
+    rng = np.random.default_rng(top_k)
+    for _ in range(20):
+        logits = (rng.standard_normal(384) * 4).astype(np.float32)
+        logits[rng.integers(0, 384, 8)] = logits.max()      # ties at the top and at the threshold
+        logits[rng.integers(0, 384, 4)] = -np.inf           # masked tokens
+        fast = filtered_probs(logits, temperature, top_k, 1.0)
+        assert fast.tobytes() == _sorted_filtered_probs(logits, temperature, top_k, 1.0).tobytes()
