@@ -54,13 +54,13 @@ def _greedy(logits: np.ndarray) -> np.ndarray:
 
 class DecodeBurst:
     kind = TARGET_STEP        # the graph it calls (LLM opens it first anyway)
+    samples = True            # sampled rows burst too: their tokens are drawn on the host between calls
 
     def __init__(self, runner: ModelRunner, pools: Pools, steps: int,
                  eos_ids: tuple[int, ...], budget_ms: float = DEFAULT_BUDGET_MS):
         if steps < 2:
             raise ValueError(f"a decode burst runs 2 or more steps, got {steps}")
         self.runner, self.pools, self.steps = runner, pools, steps
-        self.samples = True       # sampled rows burst too: their tokens are drawn on the host between calls
         self.eos_ids, self.budget_s = eos_ids, budget_ms / 1000
         self.calls = self.bursts = 0        # target steps run in bursts, and bursts
         self._tokens: dict[int, np.ndarray] = {}   # batch -> [steps, batch] tokens, kept
@@ -84,8 +84,11 @@ class DecodeBurst:
         if tokens is None:
             tokens = self._tokens[n] = np.zeros((self.steps, n), np.int64)
         # sampled rows: the token at index x of seq.tokens is decided by U(seed, x) (pipeline/sampler.py),
-        # so step s of the burst samples with the uniform of index len(tokens) + s, as step s would
-        sampled = [(b, s.params, s.seed, len(s.tokens)) for b, s in enumerate(seqs) if not s.params.greedy]
+        # so step s of the burst draws with the uniform of index len(tokens) + s, as step s would
+        sampled = [(b, s) for b, s in enumerate(seqs) if not s.params.greedy]
+        if sampled:     # every step's uniforms, [sampled rows, steps], at once
+            at = np.array([[len(s.tokens)] for _, s in sampled]) + np.arange(steps)
+            u = uniforms([s.seed for _, s in sampled], at)
         start = time.perf_counter()
         outs, inputs = self.runner.decode(seqs)        # fills the bucket's inputs (the lean decode path)
         ids, context = inputs[c.INPUT_IDS][:n, 0], inputs[c.CONTEXT_LENS][:n]
@@ -95,8 +98,8 @@ class DecodeBurst:
             self.pools.commit_decode(layers, outs.arrays, inputs, n, burst, made)
             logits = outs.arrays[c.LOGITS][:, 0]
             token = _greedy(logits)
-            for b, params, seed, at in sampled:
-                token[b] = sample(logits[b], params, float(uniforms([seed], np.array([at + made]))[0]))
+            for j, (b, s) in enumerate(sampled):
+                token[b] = sample(logits[b], s.params, float(u[j, made]))
             tokens[made] = token
             made += 1
             if made == steps or (stops and not stops.isdisjoint(token.tolist())):

@@ -24,12 +24,13 @@ from tandem.pipeline.sequence import Sequence
 
 
 class MultiStepDecode:
+    samples = False           # greedy rows only: the graph takes each step's argmax
+
     def __init__(self, runner: ModelRunner, pools: Pools, kind: GraphKind):
         if not kind.is_decode:
             raise ValueError(f"a multi-step decode graph kind expected, got {kind.name}")
         self.runner, self.pools, self.kind = runner, pools, kind
         self.steps = kind.steps
-        self.samples = False      # greedy rows only: the graph takes each step's argmax
 
     def run(self, seqs: list[Sequence]) -> list[Sequence]:
         """One call for the sequences that can take n tokens; returns the others (one token a call)."""

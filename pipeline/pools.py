@@ -182,7 +182,7 @@ class Pools:
         if plan is None or plan.outputs is not outputs:
             plan = self._decode_plans[(tuple(layers), n)] = _DecodeCommit(self, layers, outputs, n)
         size = self.page_size
-        if burst is not None:
+        if burst is not None:   # (no index work: burst_destinations made it)
             for table, pairs in plan.paged.items():
                 self.memory.scatter_many(pairs, burst[table][step], None)
         elif n == 1:    # batch 1: integer arithmetic into a kept index array, no array temporaries

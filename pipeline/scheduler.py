@@ -72,10 +72,7 @@ class Scheduler:
     def decode_batch(self) -> list[Sequence]:
         out, reserved = [], False
         for seq in [s for s in self.running if s.status == Status.DECODE]:
-            if seq.speculative:
-                rows = seq.k + 1
-            else:
-                rows = seq.decode_rows(self.decode_steps, self.decode_samples) if self.decode_steps > 1 else 1
+            rows = seq.k + 1 if seq.speculative else seq.decode_rows(self.decode_steps, self.decode_samples)
             positions = seq.committed + rows
             if not self.windowed and positions <= seq.table.capacity():   # most steps: pages held already
                 out.append(seq)
