@@ -50,7 +50,7 @@ def timed_generation(llm: LLM, prompts: list[list[int]], params: SamplingParams)
 
 
 def compare(engine_dir: Path, batch: int, tokens: int, rounds: int, prompt_len: int, threads: int | None,
-            burst: int | None, burst_ms: float, temperature: float = 0.0) -> dict:
+            burst: int | None, burst_ms: float, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> dict:
     rng = np.random.default_rng(batch)
     modes = {}
     several = {"decode_steps": 1, "decode_burst": burst, "decode_burst_ms": burst_ms} if burst else \
@@ -64,8 +64,8 @@ def compare(engine_dir: Path, batch: int, tokens: int, rounds: int, prompt_len: 
     vocab = modes["multi-step"].desc.vocab_size
     prompts = [rng.integers(0, vocab, prompt_len).tolist() for _ in range(batch)]
     # sampled: each prompt its seed, so both modes draw the same tokens (sampling depends on seed and position)
-    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=temperature, seed=i)
-              for i in range(batch)]
+    params = [SamplingParams(max_tokens=tokens, ignore_eos=True, temperature=temperature, top_k=top_k, top_p=top_p,
+                             seed=i) for i in range(batch)]
     for llm in modes.values():           # warm-up: sessions open, bindings made
         llm.generate(prompts, params)
     got = {label: [] for label in modes}
@@ -103,16 +103,19 @@ def main() -> None:
     parser.add_argument("--burst-ms", type=float, default=4.0, help="a burst's time budget")
     parser.add_argument("--temperature", type=float, default=0.0,
                         help="sampled requests (seeded), with --burst; 0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="the sampled requests' top-k (0: off)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="the sampled requests' top-p (1: off)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.temperature and not args.burst:
         parser.error("--temperature needs --burst N: a multi-step decode graph takes greedy rows only")
-    what = f"sampled at temperature {args.temperature}" if args.temperature else "greedy"
+    what = (f"sampled (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p})" if args.temperature
+            else "greedy")
     print(f"{machine()}; {args.engine_dir}, {args.tokens} {what} tokens, {args.rounds} rounds alternated")
     reports = []
     for batch in args.batch:
         r = compare(args.engine_dir, batch, args.tokens, args.rounds, args.prompt_len, args.threads, args.burst,
-                    args.burst_ms, args.temperature)
+                    args.burst_ms, args.temperature, args.top_k, args.top_p)
         reports.append(r)
         for label in ("one per call", "multi-step"):
             m = r[label]

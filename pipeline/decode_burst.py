@@ -40,7 +40,7 @@ from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.pools import Pools
-from tandem.pipeline.sampler import sample, uniforms
+from tandem.pipeline.sampler import sample_rows, uniforms
 from tandem.pipeline.sequence import Sequence
 
 DEFAULT_STEPS = 8             # target steps a burst may run
@@ -85,10 +85,11 @@ class DecodeBurst:
             tokens = self._tokens[n] = np.zeros((self.steps, n), np.int64)
         # sampled rows: the token at index x of seq.tokens is decided by U(seed, x) (pipeline/sampler.py),
         # so step s of the burst draws with the uniform of index len(tokens) + s, as step s would
-        sampled = [(b, s) for b, s in enumerate(seqs) if not s.params.greedy]
+        sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
         if sampled:     # every step's uniforms, [sampled rows, steps], at once
-            at = np.array([[len(s.tokens)] for _, s in sampled]) + np.arange(steps)
-            u = uniforms([s.seed for _, s in sampled], at)
+            params = [seqs[b].params for b in sampled]
+            at = np.array([[len(seqs[b].tokens)] for b in sampled]) + np.arange(steps)
+            u = uniforms([seqs[b].seed for b in sampled], at)
         start = time.perf_counter()
         outs, inputs = self.runner.decode(seqs)        # fills the bucket's inputs (the lean decode path)
         ids, context = inputs[c.INPUT_IDS][:n, 0], inputs[c.CONTEXT_LENS][:n]
@@ -98,8 +99,8 @@ class DecodeBurst:
             self.pools.commit_decode(layers, outs.arrays, inputs, n, burst, made)
             logits = outs.arrays[c.LOGITS][:, 0]
             token = _greedy(logits)
-            for j, (b, s) in enumerate(sampled):
-                token[b] = sample(logits[b], s.params, float(u[j, made]))
+            if sampled:
+                token[sampled] = sample_rows(logits[sampled], params, u[:, made])
             tokens[made] = token
             made += 1
             if made == steps or (stops and not stops.isdisjoint(token.tolist())):

@@ -38,7 +38,7 @@ from tandem.pipeline.multi_step_decode import MultiStepDecode
 from tandem.pipeline.outputs import EngineStats, StepOutput
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.relaxed import RelaxedRows
-from tandem.pipeline.sampler import sample, uniforms
+from tandem.pipeline.sampler import sample, sample_rows, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import Sequence, Status
@@ -68,10 +68,14 @@ def _next_token(seq: Sequence, logits: np.ndarray) -> int:
 
 
 def _next_tokens(seqs: list[Sequence], logits: np.ndarray) -> list[int]:
-    """_next_token for each sequence's row of logits [n, V]: greedy rows by one argmax over the batch."""
-    greedy = np.argmax(logits, axis=-1).tolist()
-    return [t if s.params.greedy and s.grammar is None else _next_token(s, row)
-            for s, t, row in zip(seqs, greedy, logits)]
+    """_next_token for each sequence's row of logits [n, V]: greedy rows by one argmax over the batch,
+    sampled rows without a grammar drawn together (sample_rows), grammar rows one at a time."""
+    free = [b for b, s in enumerate(seqs) if s.grammar is None and not s.params.greedy]
+    tokens = np.argmax(logits, axis=-1)
+    if free:
+        u = uniforms([seqs[b].seed for b in free], np.array([len(seqs[b].tokens) for b in free]))
+        tokens[free] = sample_rows(logits[free], [seqs[b].params for b in free], u)
+    return [t if s.grammar is None else _next_token(s, row) for s, t, row in zip(seqs, tokens.tolist(), logits)]
 
 
 def _last_row_mask(mask: np.ndarray | None, rows: int) -> np.ndarray | None:

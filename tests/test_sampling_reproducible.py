@@ -16,9 +16,10 @@ from tandem.engines.backends.onnxruntime_backend import session
 from tandem.export import acceptance
 from tandem.export.builder import IR_VERSION, OPSET, GraphBuilder, value_info
 from tandem.pipeline.llm import LLM, EngineConfig
-from tandem.pipeline.sampler import filtered_probs, sample, uniforms
+from tandem.pipeline.sampler import filtered_probs, sample, sample_rows, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.sequence import Sequence
+from tandem.testing.sampling_reference import lm_like_logits, sorted_filtered_probs, sorted_sample
 
 from .pipeline_fixtures import install_drafter
 
@@ -246,26 +247,32 @@ def test_extreme_settings_through_the_pipeline(llm):
         [PROMPT], replace(SAMPLED, top_k=0, seed=99))[0].token_ids   # = off
 
 
-def _sorted_filtered_probs(logits, temperature, top_k, top_p):
-    """filtered_probs over the sorted vocabulary, as the sampler computed it for every setting before
-    its path without a sort (the reference that path must equal bit for bit)."""
-    scaled = logits.astype(np.float64) / temperature
-    s = scaled[np.argsort(-scaled, kind="stable")]
-    k = top_k if 0 < top_k < len(s) else len(s)
-    p = np.exp(s[:k] - s[0])
-    p /= p.sum()
-    keep = int(np.searchsorted(np.cumsum(p) - p, top_p, side="left")) if top_p < 1.0 else k
-    threshold = s[max(1, min(keep, k)) - 1]
-    probs = np.where(scaled >= threshold, np.exp(scaled - s[0]), 0.0)
-    return probs / probs.sum()
+@pytest.mark.parametrize("vocab, spread", [(384, 4.0), (384, 0.1), (4096, 3.0), (4096, 0.05), (40_000, 2.0)])
+@pytest.mark.parametrize("temperature, top_k, top_p", [(0.8, 0, 1.0), (1.0, 1, 1.0), (1.3, 20, 1.0), (0.5, 383, 1.0),
+                                                       (2.0, 0, 0.9), (0.8, 40, 0.95), (1.0, 0, 0.5),
+                                                       (1.0, 3000, 0.99), (1e-5, 0, 1.0), (0.7, 0, 1e-300)])
+def test_the_sampler_equals_its_sorted_definition_bit_for_bit(vocab, spread, temperature, top_k, top_p):
+    """Partitioned thresholds, the nucleus among growing candidate sets (a flat row's runs past 256
+    and 1,024 of them), the kept tokens alone exponentiated: the same numbers as sorting every row."""
+    rng = np.random.default_rng(vocab + top_k)
+    for _ in range(5):
+        logits = lm_like_logits(rng, vocab, spread)
+        fast = filtered_probs(logits, temperature, top_k, top_p)
+        assert fast.tobytes() == sorted_filtered_probs(logits, temperature, top_k, top_p).tobytes()
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+        for u in (0.0, 0.3, 0.999, 1 - 2**-24):
+            assert sample(logits, params, u) == sorted_sample(logits, temperature, top_k, top_p, u)
 
 
-@pytest.mark.parametrize("temperature, top_k", [(0.8, 0), (1.0, 1), (1.3, 20), (0.5, 383), (2.0, 384), (1e-5, 0)])
-def test_the_sampler_without_a_nucleus_equals_the_sorted_one_bit_for_bit(temperature, top_k):
-    rng = np.random.default_rng(top_k)
-    for _ in range(20):
-        logits = (rng.standard_normal(384) * 4).astype(np.float32)
-        logits[rng.integers(0, 384, 8)] = logits.max()      # ties at the top and at the threshold
-        logits[rng.integers(0, 384, 4)] = -np.inf           # masked tokens
-        fast = filtered_probs(logits, temperature, top_k, 1.0)
-        assert fast.tobytes() == _sorted_filtered_probs(logits, temperature, top_k, 1.0).tobytes()
+@pytest.mark.parametrize("vocab", [384, 40_000])     # 40,000: the sampler's scratch buffers
+def test_a_rows_token_does_not_depend_on_the_rows_beside_it(vocab):
+    rng = np.random.default_rng(vocab)
+    settings = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, top_k=30),
+                SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=0.6, top_k=50, top_p=0.9),
+                SamplingParams(temperature=1.5)]
+    logits = np.stack([lm_like_logits(rng, vocab, 2.0) for _ in range(16)])
+    params = [settings[i % len(settings)] for i in range(16)]
+    u = uniforms([7], np.arange(16)[None])[0]
+    alone = [sample(row, p, x) for row, p, x in zip(logits, params, u)]
+    for rows in (np.arange(16), np.arange(16)[::-1], np.arange(3), np.array([5, 1, 4, 10])):
+        assert sample_rows(logits[rows], [params[i] for i in rows], u[rows]).tolist() == [alone[i] for i in rows]
