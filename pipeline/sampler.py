@@ -48,11 +48,11 @@ def uniforms(seeds: list[int], positions: np.ndarray) -> np.ndarray:
 
 def sample_rows(logits: np.ndarray, params: list[SamplingParams], u: np.ndarray) -> np.ndarray:
     """Tokens for rows of logits [n, V], row i by params[i] with the uniform u[i] of the position it
-    fills: greedy rows by one argmax; rows sampled over the whole vocabulary together, in one pass
-    of numpy calls (at a small vocabulary the calls' overhead is most of a token's host time); rows
-    with a top-k or top-p filter one at a time, over the tokens they keep. Every row is computed
-    from its own logits alone (elementwise, or reduced along its own row), so its token does not
-    depend on the rows beside it."""
+    fills: greedy rows by one argmax; sampled rows together, in one pass of numpy calls over the
+    batch (at a small vocabulary the calls' overhead is most of a token's host time), rows with a
+    top-k or top-p filter drawn over the tokens they keep. Every row is computed from its own
+    logits alone (elementwise, or reduced along its own row), so its token does not depend on the
+    rows beside it."""
     tokens = np.argmax(logits, axis=-1)
     vocab = logits.shape[-1]
     full, filtered = [], []
@@ -64,9 +64,10 @@ def sample_rows(logits: np.ndarray, params: list[SamplingParams], u: np.ndarray)
                               [params[i].temperature for i in full])
         for i, row in zip(full, probs):
             tokens[i] = _inverse_cdf(None, row, float(u[i]))
-    for i in filtered:
-        p = params[i]
-        tokens[i] = _inverse_cdf(*_kept(_scaled_row(logits[i], p.temperature), p.top_k, p.top_p), float(u[i]))
+    if filtered:
+        chosen = logits if len(filtered) == len(params) else logits[filtered]
+        for i, (kept, probs) in zip(filtered, _filtered_rows(chosen, [params[i] for i in filtered])):
+            tokens[i] = _inverse_cdf(kept, probs, float(u[i]))
     return tokens
 
 
@@ -83,7 +84,7 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: fl
     stays). The numbers sample_rows draws from, laid out over the vocabulary (a copy)."""
     if _unfiltered(SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p), len(logits)):
         return _softmax_rows(logits[None], [temperature])[0].copy()
-    kept, probs = _kept(_scaled_row(logits, temperature), top_k, top_p)
+    ((kept, probs),) = _filtered_rows(logits[None], [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)])
     out = np.zeros(len(logits))
     out[kept] = probs
     return out
@@ -96,14 +97,14 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: fl
 # float64 row (1.2 MB) is mapped and unmapped by malloc each time, about 300 page faults (1 ms).
 _F32_MAX = float(np.finfo(np.float32).max)
 _scratch_buffers = threading.local()
-_SCRATCH_FROM = 1 << 15        # elements: smaller temporaries come from numpy's allocator (no faults)
+_SCRATCH_FROM = 1 << 16        # bytes: smaller temporaries come from the heap (malloc maps 128 KiB and more)
 
 
 def _scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     """A reused buffer of this thread, viewed as `shape`, for a large temporary (its contents are
     whatever was left)."""
     size = math.prod(shape)
-    if size < _SCRATCH_FROM:
+    if size * np.dtype(dtype).itemsize < _SCRATCH_FROM:
         return np.empty(shape, dtype)
     buffers = _scratch_buffers.__dict__.setdefault("buffers", {})
     buf = buffers.get(name)
@@ -116,22 +117,21 @@ def _temperature(t: float) -> np.float32:
     return np.float32(min(t, _F32_MAX))     # the graph's input is float32 too
 
 
+def _scaled_rows(logits: np.ndarray, temperatures: list[float], name: str) -> np.ndarray:
+    """logits / T of rows [n, V], float32 (the scratch buffer `name`)."""
+    t = np.array([_temperature(x) for x in temperatures], np.float32)[:, None]
+    return np.divide(logits, t, out=_scratch(name, logits.shape, np.float32))
+
+
 def _softmax_rows(logits: np.ndarray, temperatures: list[float]) -> np.ndarray:
     """softmax(logits / T) of rows [n, V] -> float64 [n, V] (a scratch buffer)."""
-    n, vocab = logits.shape
-    w = _scratch("weights", (n, vocab), np.float32)
-    np.divide(logits, np.array([_temperature(t) for t in temperatures], np.float32)[:, None], out=w)
+    w = _scaled_rows(logits, temperatures, "weights")
     w -= w.max(1, keepdims=True)
     np.exp(w, out=w)
-    probs = _scratch("probs", (n, vocab), np.float64)
+    probs = _scratch("probs", w.shape, np.float64)
     probs[...] = w
     probs /= probs.sum(1, keepdims=True)
     return probs
-
-
-def _scaled_row(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """logits / T of one row [V], float32 (a scratch buffer)."""
-    return np.divide(logits, _temperature(temperature), out=_scratch("scaled", logits.shape, np.float32))
 
 
 def _unfiltered(params: SamplingParams, vocab: int) -> bool:
@@ -147,42 +147,70 @@ def _inverse_cdf(ids: np.ndarray | None, probs: np.ndarray, u: float) -> int:
     return j if ids is None else int(ids[j])
 
 
-def _kept(scaled: np.ndarray, top_k: int, top_p: float) -> tuple[np.ndarray, np.ndarray]:
-    """The ids a filtered row keeps, in id order, and their probabilities (float64): the softmax
-    over them of scaled = logits / T [V]. Only the kept tokens are exponentiated, summed and
-    accumulated: a top-k of 50 out of 150k logits costs a partition, not passes over the vocabulary."""
-    top = scaled.max()
-    mask = np.greater_equal(scaled, _threshold(scaled, top, top_k, top_p), out=_scratch("mask", scaled.shape, bool))
-    kept = np.flatnonzero(mask)
-    probs = np.exp(scaled[kept] - top).astype(np.float64)
-    return kept, probs / probs.sum()
+def _filtered_rows(logits: np.ndarray, params: list[SamplingParams]) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Per row of logits [n, V] with a top-k or top-p filter: the ids it keeps, in id order, and
+    their probabilities (float64), the softmax over them of logits / T. Only the kept tokens are
+    exponentiated, summed and accumulated: a top-k of 50 out of 150k logits costs a partition, not
+    passes over the vocabulary."""
+    scaled = _scaled_rows(logits, [p.temperature for p in params], "scaled")
+    top = scaled.max(1)
+    thresholds = _thresholds(scaled, top, [p.top_k for p in params], [p.top_p for p in params])
+    out = []
+    for row, best, threshold in zip(scaled, top, thresholds):
+        kept = np.flatnonzero(np.greater_equal(row, threshold, out=_scratch("mask", row.shape, bool)))
+        probs = np.exp(row[kept] - best).astype(np.float64)
+        out.append((kept, probs / probs.sum()))
+    return out
 
 
-def _threshold(scaled: np.ndarray, top: np.float32, top_k: int, top_p: float) -> np.float32:
-    """The least scaled logit a row keeps, found without sorting the vocabulary (a sort of 150k
-    logits costs tens of milliseconds a token). The nucleus is the verify graph's
-    (export/acceptance.py): over the top-k sorted, p = exp(s[:k] - s[0]) / sum, the leading tokens
-    whose mass before them is below top_p (at least one). Its candidates are the top m logits,
-    partitioned out and sorted; m grows until the nucleus ends inside them."""
-    vocab = len(scaled)
-    k = top_k if 0 < top_k < vocab else vocab
-    copy = _scratch("partition", scaled.shape, np.float32)
-    if top_p >= 1.0:
-        copy[...] = scaled
-        copy.partition(vocab - k)
-        return copy[vocab - k]
-    mass = None
-    if k == vocab:      # the top-k's mass is the whole row's: float64 sums of float32 exponentials
-        np.exp(np.subtract(scaled, top, out=copy), out=copy)
-        mass = copy.sum(dtype=np.float64)
-    m = min(k, _NUCLEUS_CANDIDATES) if k == vocab else k
-    while True:
-        copy[...] = scaled
-        copy.partition(vocab - m)
-        s = np.sort(copy[vocab - m:])[::-1]           # s[:m], descending
-        p = np.exp(s - top).astype(np.float64)
-        p /= p.sum() if m == k else mass
-        keep = int(np.searchsorted(np.cumsum(p) - p, top_p, side="left"))
-        if keep < m or m == k:
-            return s[max(1, min(keep, k)) - 1]
-        m = min(k, 4 * m)
+def _thresholds(scaled: np.ndarray, top: np.ndarray, top_k: list[int], top_p: list[float]) -> np.ndarray:
+    """The least scaled logit each row of scaled [n, V] keeps (float32 [n]), found without sorting
+    the vocabulary (a sort of 150k logits costs tens of milliseconds a token). A top-k alone: the
+    k-th largest, a partition. A nucleus is the verify graph's (export/acceptance.py): over the
+    top-k sorted, p = exp(s[:k] - s[0]) / sum, the leading tokens whose mass before them is below
+    top_p (at least one). Its candidates are the top m logits, partitioned out and sorted, m
+    growing 4x from 256 until the nucleus ends inside them; their p are normalised by the top-k's
+    own sum when they are the top-k, else by the row's whole mass (the same up to rounding). Rows
+    with the same top-k go through each numpy call together; the candidates, sums and cumulative
+    sums are along each row, so a row's threshold does not depend on the rows beside it."""
+    n, vocab = scaled.shape
+    out = np.empty(n, np.float32)
+    groups: dict[tuple[int, bool], list[int]] = {}     # (top-k, nucleus) -> its rows
+    for i, (k, p) in enumerate(zip(top_k, top_p)):
+        groups.setdefault((k if 0 < k < vocab else vocab, p < 1.0), []).append(i)
+    ps = np.array(top_p, np.float64)
+    for (k, nucleus), rows in groups.items():
+        rows = np.array(rows)
+        if not nucleus:
+            out[rows] = _rows_of(scaled, rows, vocab - k)[:, vocab - k]
+            continue
+        mass = None
+        if k == vocab:      # the top-k's mass is the whole row's: float64 sums of float32 exps
+            w = _rows_of(scaled, rows, None)
+            mass = np.exp(np.subtract(w, top[rows, None], out=w), out=w).sum(1, dtype=np.float64)
+        m = k if k < vocab else min(vocab, _NUCLEUS_CANDIDATES)
+        while len(rows):
+            s = np.sort(_rows_of(scaled, rows, vocab - m if m < vocab else None)[:, vocab - m:], axis=1)[:, ::-1]
+            p = np.exp(s - top[rows, None]).astype(np.float64)          # s: [rows, m], each row descending
+            p /= p.sum(1, keepdims=True) if m == k else mass[:, None]
+            before = np.cumsum(p, axis=1) - p
+            left = []
+            for j, (i, x) in enumerate(zip(rows.tolist(), ps[rows].tolist())):
+                keep = int(np.searchsorted(before[j], x, side="left"))
+                if keep < m or m == k:
+                    out[i] = s[j, max(1, min(keep, k)) - 1]
+                else:
+                    left.append(j)          # its nucleus runs past the candidates
+            rows, mass = rows[left], None if mass is None else mass[left]
+            m = min(k, 4 * m)
+    return out
+
+
+def _rows_of(scaled: np.ndarray, rows: np.ndarray, kth: int | None) -> np.ndarray:
+    """scaled[rows] in a scratch buffer, partitioned along each row at `kth` (None: as they are)."""
+    buf = _scratch("partition", (len(rows), scaled.shape[1]), np.float32)
+    for j, r in enumerate(rows.tolist()):     # (np.take with out= is several times slower than the copies)
+        buf[j] = scaled[r]
+    if kth is not None:
+        buf.partition(kth, axis=1)
+    return buf

@@ -16,7 +16,7 @@ from tandem.engines.backends.onnxruntime_backend import session
 from tandem.export import acceptance
 from tandem.export.builder import IR_VERSION, OPSET, GraphBuilder, value_info
 from tandem.pipeline.llm import LLM, EngineConfig
-from tandem.pipeline.sampler import filtered_probs, sample, sample_rows, uniforms
+from tandem.pipeline.sampler import _filtered_rows, filtered_probs, sample, sample_rows, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.sequence import Sequence
 from tandem.testing.sampling_reference import lm_like_logits, sorted_filtered_probs, sorted_sample
@@ -255,24 +255,35 @@ def test_the_sampler_equals_its_sorted_definition_bit_for_bit(vocab, spread, tem
     """Partitioned thresholds, the nucleus among growing candidate sets (a flat row's runs past 256
     and 1,024 of them), the kept tokens alone exponentiated: the same numbers as sorting every row."""
     rng = np.random.default_rng(vocab + top_k)
-    for _ in range(5):
-        logits = lm_like_logits(rng, vocab, spread)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    batch = np.stack([lm_like_logits(rng, vocab, spread) for _ in range(5)])
+    for logits in batch:
         fast = filtered_probs(logits, temperature, top_k, top_p)
         assert fast.tobytes() == sorted_filtered_probs(logits, temperature, top_k, top_p).tobytes()
-        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
         for u in (0.0, 0.3, 0.999, 1 - 2**-24):
             assert sample(logits, params, u) == sorted_sample(logits, temperature, top_k, top_p, u)
+    u = uniforms([3], np.arange(5)[None])[0]        # the five rows as one batch
+    expect = [sorted_sample(logits, temperature, top_k, top_p, float(x)) for logits, x in zip(batch, u)]
+    assert sample_rows(batch, [params] * 5, u).tolist() == expect
 
 
 @pytest.mark.parametrize("vocab", [384, 40_000])     # 40,000: the sampler's scratch buffers
 def test_a_rows_token_does_not_depend_on_the_rows_beside_it(vocab):
+    """Rows of every kind in one batch, peaked and flat (a flat row's nucleus runs past its first
+    candidates while a peaked one's ends there): each row's token and kept probabilities are those
+    it gets alone, bit for bit, in any order and company."""
     rng = np.random.default_rng(vocab)
     settings = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(temperature=1.2, top_k=30),
                 SamplingParams(temperature=0.9, top_p=0.8), SamplingParams(temperature=0.6, top_k=50, top_p=0.9),
-                SamplingParams(temperature=1.5)]
-    logits = np.stack([lm_like_logits(rng, vocab, 2.0) for _ in range(16)])
-    params = [settings[i % len(settings)] for i in range(16)]
-    u = uniforms([7], np.arange(16)[None])[0]
+                SamplingParams(temperature=1.5), SamplingParams(temperature=1.0, top_p=0.95)]
+    logits = np.stack([lm_like_logits(rng, vocab, 2.0 if i % 3 else 0.05) for i in range(21)])
+    params = [settings[i % len(settings)] for i in range(21)]
+    u = uniforms([7], np.arange(21)[None])[0]
     alone = [sample(row, p, x) for row, p, x in zip(logits, params, u)]
-    for rows in (np.arange(16), np.arange(16)[::-1], np.arange(3), np.array([5, 1, 4, 10])):
+    for rows in (np.arange(21), np.arange(21)[::-1], np.arange(3), np.array([5, 1, 4, 10, 17, 20, 13])):
         assert sample_rows(logits[rows], [params[i] for i in rows], u[rows]).tolist() == [alone[i] for i in rows]
+    filtered = [i for i, p in enumerate(params) if not p.greedy and (p.top_k or p.top_p < 1)]
+    together = _filtered_rows(logits[filtered], [params[i] for i in filtered])
+    for i, (kept, probs) in zip(filtered, together):
+        own = filtered_probs(logits[i], params[i].temperature, params[i].top_k, params[i].top_p)
+        assert np.array_equal(kept, np.flatnonzero(own)) and probs.tobytes() == own[kept].tobytes()
