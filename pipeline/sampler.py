@@ -58,7 +58,7 @@ def sample_rows(logits: np.ndarray, params: list[SamplingParams], u: np.ndarray)
     full, filtered = [], []
     for i, p in enumerate(params):
         if not p.greedy:
-            (full if _unfiltered(p, vocab) else filtered).append(i)
+            (full if _unfiltered(p.top_k, p.top_p, vocab) else filtered).append(i)
     if full:
         probs = _softmax_rows(logits if len(full) == len(params) else logits[full],
                               [params[i].temperature for i in full])
@@ -82,7 +82,7 @@ def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: fl
     """The probabilities a sampled row draws from, over the whole vocabulary [V] (float64):
     softmax(logits / T) over the top-k, then over the top-p nucleus of that (the top token always
     stays). The numbers sample_rows draws from, laid out over the vocabulary (a copy)."""
-    if _unfiltered(SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p), len(logits)):
+    if _unfiltered(top_k, top_p, len(logits)):
         return _softmax_rows(logits[None], [temperature])[0].copy()
     ((kept, probs),) = _filtered_rows(logits[None], [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)])
     out = np.zeros(len(logits))
@@ -134,8 +134,9 @@ def _softmax_rows(logits: np.ndarray, temperatures: list[float]) -> np.ndarray:
     return probs
 
 
-def _unfiltered(params: SamplingParams, vocab: int) -> bool:
-    return params.top_p >= 1.0 and not 0 < params.top_k < vocab
+def _unfiltered(top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether a sampled row keeps its whole vocabulary (no top-k below it, no nucleus)."""
+    return top_p >= 1.0 and not 0 < top_k < vocab
 
 
 def _inverse_cdf(ids: np.ndarray | None, probs: np.ndarray, u: float) -> int:
