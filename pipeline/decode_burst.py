@@ -40,7 +40,7 @@ from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.pools import Pools
-from tandem.pipeline.sampler import sample_rows, uniforms
+from tandem.pipeline.sampler import HostSampler, uniforms
 from tandem.pipeline.sequence import Sequence
 
 DEFAULT_STEPS = 8             # target steps a burst may run
@@ -57,11 +57,12 @@ class DecodeBurst:
     samples = True            # sampled rows burst too: their tokens are drawn on the host between calls
 
     def __init__(self, runner: ModelRunner, pools: Pools, steps: int,
-                 eos_ids: tuple[int, ...], budget_ms: float = DEFAULT_BUDGET_MS):
+                 eos_ids: tuple[int, ...], budget_ms: float = DEFAULT_BUDGET_MS, sampler: HostSampler | None = None):
         if steps < 2:
             raise ValueError(f"a decode burst runs 2 or more steps, got {steps}")
         self.runner, self.pools, self.steps = runner, pools, steps
         self.eos_ids, self.budget_s = eos_ids, budget_ms / 1000
+        self.sampler = sampler or HostSampler()     # the engine's: the same draws as one token a step
         self.calls = self.bursts = 0        # target steps run in bursts, and bursts
         self._tokens: dict[int, np.ndarray] = {}   # batch -> [steps, batch] tokens, kept
 
@@ -100,7 +101,7 @@ class DecodeBurst:
             logits = outs.arrays[c.LOGITS][:, 0]
             token = _greedy(logits)
             if sampled:
-                token[sampled] = sample_rows(logits[sampled], params, u[:, made])
+                token[sampled] = self.sampler.rows(logits[sampled], params, u[:, made])
             tokens[made] = token
             made += 1
             if made == steps or (stops and not stops.isdisjoint(token.tolist())):

@@ -38,7 +38,7 @@ from tandem.pipeline.multi_step_decode import MultiStepDecode
 from tandem.pipeline.outputs import EngineStats, StepOutput
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.relaxed import RelaxedRows
-from tandem.pipeline.sampler import sample, sample_rows, uniforms
+from tandem.pipeline.sampler import HostSampler, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import Sequence, Status
@@ -56,7 +56,7 @@ def _head_rows(j: int, base: int, n: int) -> tuple[int, int]:
     return first, max(0, base + n - j) - first
 
 
-def _next_token(seq: Sequence, logits: np.ndarray) -> int:
+def _next_token(sampler: HostSampler, seq: Sequence, logits: np.ndarray) -> int:
     """The token appended next, from one row of logits (masked by the request's grammar, if any); a
     sampled one takes the uniform of the position it fills (greedy rows skip computing it: it is on
     every plain decode step)."""
@@ -64,18 +64,19 @@ def _next_token(seq: Sequence, logits: np.ndarray) -> int:
         logits = seq.grammar.mask_logits(logits, seq.output_ids())
     if seq.params.greedy:
         return int(np.argmax(logits))
-    return sample(logits, seq.params, float(uniforms([seq.seed], np.array([len(seq.tokens)]))[0]))
+    return sampler.one(logits, seq.params, float(uniforms([seq.seed], np.array([len(seq.tokens)]))[0]))
 
 
-def _next_tokens(seqs: list[Sequence], logits: np.ndarray) -> list[int]:
+def _next_tokens(sampler: HostSampler, seqs: list[Sequence], logits: np.ndarray) -> list[int]:
     """_next_token for each sequence's row of logits [n, V]: greedy rows by one argmax over the batch,
-    sampled rows without a grammar drawn together (sample_rows), grammar rows one at a time."""
+    sampled rows without a grammar drawn together (sampler.rows), grammar rows one at a time."""
     free = [b for b, s in enumerate(seqs) if s.grammar is None and not s.params.greedy]
     tokens = np.argmax(logits, axis=-1)
     if free:
         u = uniforms([seqs[b].seed for b in free], np.array([len(seqs[b].tokens) for b in free]))
-        tokens[free] = sample_rows(logits[free], [seqs[b].params for b in free], u)
-    return [t if s.grammar is None else _next_token(s, row) for s, t, row in zip(seqs, tokens.tolist(), logits)]
+        tokens[free] = sampler.rows(logits[free], [seqs[b].params for b in free], u)
+    return [t if s.grammar is None else _next_token(sampler, s, row)
+            for s, t, row in zip(seqs, tokens.tolist(), logits)]
 
 
 def _last_row_mask(mask: np.ndarray | None, rows: int) -> np.ndarray | None:
@@ -107,8 +108,10 @@ class Engine:
     def __init__(self, runner: ModelRunner, pools: Pools, scheduler: Scheduler, eos_ids: tuple[int, ...],
                  mtp_layers: int, chained: bool = True, synthetic_acceptance: float | None = None,
                  width_per_batch: dict[int, int] | None = None, width_control: WidthController | None = None,
-                 unified: UnifiedRound | None = None, decode: MultiStepDecode | DecodeBurst | None = None):
+                 unified: UnifiedRound | None = None, decode: MultiStepDecode | DecodeBurst | None = None,
+                 sampler: HostSampler | None = None):
         self.runner, self.pools, self.scheduler = runner, pools, scheduler
+        self.sampler = sampler or HostSampler()     # the host's draws (native where the engine dir has it)
         self.eos_ids = set(eos_ids)
         self.mtp_layers, self.chained = mtp_layers, chained
         mtp = runner.desc.mtp
@@ -189,7 +192,7 @@ class Engine:
             seq.prefilled = seq.committed = b
             if b == seq.prefill_target:
                 if seq.num_generated == 0:  # fresh prompt: its first token comes from the last row
-                    seq.tokens.append(_next_token(seq, out[c.LOGITS][b - a - 1]))
+                    seq.tokens.append(_next_token(self.sampler, seq, out[c.LOGITS][b - a - 1]))
                     seq.metrics.first_token = time.perf_counter()
                 seq.status = Status.DECODE
                 done.append(seq)
@@ -213,7 +216,7 @@ class Engine:
             self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(n), np.ones(n, int),
                                   np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
             self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
-        for seq, token in zip(seqs, _next_tokens(seqs, outs.arrays[c.LOGITS][:, 0])):
+        for seq, token in zip(seqs, _next_tokens(self.sampler, seqs, outs.arrays[c.LOGITS][:, 0])):
             seq.committed += 1
             seq.tokens.append(token)
         return outs
@@ -419,8 +422,9 @@ class Engine:
                 outs = (self.runner.verify(rows, sampling, commits=True) if width > 1
                         else self.runner.target_step(rows, commits=True))
                 accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs.rows()]
-                nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else sample(_masked(o[c.LOGITS][0], r.bitmask), s.params,
-                                                                          0.0 if r.uniforms is None else r.uniforms[0])
+                nxt = [int(o[c.NEXT_TOKEN]) if width > 1
+                       else self.sampler.one(_masked(o[c.LOGITS][0], r.bitmask), s.params,
+                                             0.0 if r.uniforms is None else r.uniforms[0])
                        for o, s, r in zip(outs.rows(), seqs, rows)]
             else:
                 accepted, nxt, outs = self._synthetic_verify(seqs, rows, width)

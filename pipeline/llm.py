@@ -28,6 +28,7 @@ from tandem.engines.integrity import verify_engine_dir
 from tandem.engines.manifest import MANIFEST, ManifestError, read_manifest
 from tandem.engines.options import MAX_DECODE_STEPS
 from tandem.graph_kinds import TARGET_STEP, GraphKind
+from tandem.pipeline import native_sampler
 from tandem.pipeline.allocator import FreeList, PageGroups
 from tandem.pipeline.decode_burst import DEFAULT_BUDGET_MS, DEFAULT_STEPS, DecodeBurst
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
@@ -39,6 +40,7 @@ from tandem.pipeline.outputs import StepOutput
 from tandem.pipeline.pools import Pools, plan_pools
 from tandem.pipeline.relaxed import RelaxedRows, think_markers
 from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_sampling, check_text, check_token_ids
+from tandem.pipeline.sampler import HostSampler
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import RequestMetrics, Sequence
@@ -147,6 +149,8 @@ class LLM:
         max_pages = -(-self.max_seq_len // self.page_size)
         self.runner = ModelRunner(self.desc, runner, self.pools, files, batch_sizes, max_pages, self.mtp_layers,
                                   self.dtype)
+        # the host's draws: native where the engine dir's kernel library has the sampler and loads here
+        self.sampler = HostSampler(native_sampler.load(runner.host_kernels))
         self.page_groups = PageGroups(sizes.pages())    # one free list per page group (window None: full)
         self.pages = next(iter(self.page_groups.lists.values()))   # full attention's, when the model has it
         self.slots = FreeList(sizes.num_slots, "state slot", lowest_first=True)
@@ -157,7 +161,7 @@ class LLM:
                              chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
                              width_per_batch=self.width_per_batch, width_control=self._width_control(batch_sizes),
                              unified=self._unified_round([kind for kind, _ in kinds]),
-                             decode=self._decode_graph([kind for kind, _ in kinds]))
+                             decode=self._decode_graph([kind for kind, _ in kinds]), sampler=self.sampler)
         self.engine.relaxed = RelaxedRows(config.relaxed_acceptance, think_markers(self.tokenizer),
                                           str(self.engine_dir / "tokenizer.json"))
         self.grammars = Grammars(self.engine_dir / "tokenizer.json", self.desc.vocab_size, self.desc.eos_token_ids)
@@ -199,7 +203,7 @@ class LLM:
             return MultiStepDecode(self.runner, self.pools, max(decode, key=lambda k: k.steps))
         if self.config.decode_burst > 1:
             return DecodeBurst(self.runner, self.pools, self.config.decode_burst, self.desc.eos_token_ids,
-                               self.config.decode_burst_ms)
+                               self.config.decode_burst_ms, self.sampler)
         return None
 
     def _width_control(self, batch_sizes: list[int]) -> WidthController | None:

@@ -71,6 +71,33 @@ def sample_rows(logits: np.ndarray, params: list[SamplingParams], u: np.ndarray)
     return tokens
 
 
+class HostSampler:
+    """A pipeline's host draws: the engine dir's native sampler (pipeline/native_sampler.py) where
+    its kernel library has one, else numpy's (sample_rows). One per LLM, so every host draw of a
+    request is the same arithmetic: the first token, plain steps, bursts, grammar rows."""
+
+    def __init__(self, native=None):
+        self.native = native        # a NativeSampler, or None
+
+    def rows(self, logits: np.ndarray, params: list[SamplingParams], u) -> np.ndarray:
+        """sample_rows' tokens for rows of logits [n, V] (greedy rows by one argmax)."""
+        if self.native is None:
+            return sample_rows(logits, params, u)
+        tokens = np.argmax(logits, axis=-1)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if len(sampled) == len(params):
+            tokens[:] = self.native.sample(logits, params, u)
+        elif sampled:
+            tokens[sampled] = self.native.sample(logits[sampled], [params[i] for i in sampled], np.asarray(u)[sampled])
+        return tokens
+
+    def one(self, logits: np.ndarray, params: SamplingParams, u: float) -> int:
+        """The token for one row of logits [V] (sample's)."""
+        if params.greedy:
+            return int(np.argmax(logits))
+        return int(self.rows(logits[None], [params], (u,))[0])
+
+
 def sample(logits: np.ndarray, params: SamplingParams, u: float) -> int:
     """The token for one row of logits [V], decided by the uniform of the position it fills."""
     if params.greedy:

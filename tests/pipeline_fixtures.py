@@ -123,8 +123,9 @@ def record_logits(monkeypatch) -> list[np.ndarray]:
 
     rows = []
     one, batch, burst = engine_module._next_token, engine_module._next_tokens, decode_burst._greedy
-    monkeypatch.setattr(engine_module, "_next_token", lambda seq, row: rows.append(row.copy()) or one(seq, row))
+    monkeypatch.setattr(engine_module, "_next_token",
+                        lambda sampler, seq, row: rows.append(row.copy()) or one(sampler, seq, row))
     monkeypatch.setattr(engine_module, "_next_tokens",
-                        lambda seqs, logits: rows.extend(logits.copy()) or batch(seqs, logits))
+                        lambda sampler, seqs, logits: rows.extend(logits.copy()) or batch(sampler, seqs, logits))
     monkeypatch.setattr(decode_burst, "_greedy", lambda logits: rows.extend(logits.copy()) or burst(logits))
     return rows

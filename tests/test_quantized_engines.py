@@ -100,7 +100,8 @@ def test_int8_logits_stay_close_to_float(quantized_dirs, engine_dirs, monkeypatc
     def first_logits(path):
         rows = []
         real = engine_module._next_token
-        monkeypatch.setattr(engine_module, "_next_token", lambda seq, row: rows.append(row.copy()) or real(seq, row))
+        monkeypatch.setattr(engine_module, "_next_token",
+                            lambda sampler, seq, row: rows.append(row.copy()) or real(sampler, seq, row))
         LLM(path).generate([PROMPTS[1]], SamplingParams(max_tokens=1, speculative=False))
         monkeypatch.setattr(engine_module, "_next_token", real)
         return rows[0]

@@ -252,6 +252,10 @@ class HostRunner:
         opened = serving_files(Path(engine_dir), files)
         self.sessions = _Sessions(files, lambda f: open_served(Path(engine_dir), opened[f], threads, prefix(f)))
         self.memory = HostMemory()
+        # the backend protocol's host kernels: the library the served graphs load, which also holds
+        # the host sampler (pipeline/native_sampler.py); None where they are the lowered graphs
+        served_optimized = any(f.endswith(".opt.onnx") for f in opened.values())
+        self.host_kernels = kernel_files.engine_library(Path(engine_dir)) if served_optimized else None
         self._bindings: dict[tuple, _Binding] = {}
 
     @property

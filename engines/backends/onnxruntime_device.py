@@ -136,6 +136,7 @@ class DeviceRunner:
         providers = _providers(device, device_id, self.cuda_graph)
         self.sessions = {f: _session(str(Path(engine_dir) / f), providers, threads) for f in files}
         self.memory = OrtMemory(device, device_id, providers)
+        self.host_kernels = None      # the backend protocol's host kernels: none (numpy samples on the host)
         self._bindings: dict[tuple, _DeviceBinding] = {}
 
     @property

@@ -53,6 +53,7 @@ class Runner:
             tensorrt_backend._register_plugins()        # plans with plugin layers need their creators
             kernels = CommitKernels(self.cuda, current_capability())
         self.memory = DeviceMemory(self.cuda, kernels)
+        self.host_kernels = None      # the backend protocol's host kernels: none (numpy samples on the host)
         runtime = self.trt.Runtime(self.trt.Logger(self.trt.Logger.WARNING))
         self.engines = {}
         for f in files:
