@@ -38,14 +38,12 @@ from tandem.pipeline.multi_step_decode import MultiStepDecode
 from tandem.pipeline.outputs import EngineStats, StepOutput
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.relaxed import RelaxedRows
-from tandem.pipeline.sampler import HostSampler, uniforms
+from tandem.pipeline.sampler import HostSampler, clamped_temperature, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import Sequence, Status
 from tandem.pipeline.unified_round import UnifiedRound
 from tandem.pipeline.width_control import WidthController
-
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 def _head_rows(j: int, base: int, n: int) -> tuple[int, int]:
@@ -101,7 +99,7 @@ def _sampling_inputs(p: SamplingParams) -> dict:
     float32's range as its largest (still near-uniform, and no overflow filling the buffer)."""
     if p.greedy:
         return {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
-    return {"temperature": min(p.temperature, _F32_MAX), "top_k": p.top_k, "top_p": p.top_p}
+    return {"temperature": clamped_temperature(p.temperature), "top_k": p.top_k, "top_p": p.top_p}
 
 
 class Engine:

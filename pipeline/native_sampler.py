@@ -16,10 +16,10 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.pipeline.sampler import clamped_temperature
 from tandem.pipeline.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
-_F32_MAX = float(np.finfo(np.float32).max)
 
 
 class NativeSampler:
@@ -48,7 +48,7 @@ class NativeSampler:
         if n > len(self._tokens):
             self._grow(n)
         settings = self._settings[:n]
-        settings[:, 0] = [min(p.temperature, _F32_MAX) for p in params]
+        settings[:, 0] = [clamped_temperature(p.temperature) for p in params]
         settings[:, 1] = [p.top_k for p in params]
         settings[:, 2] = [p.top_p for p in params]
         settings[:, 3] = u

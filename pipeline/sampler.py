@@ -80,29 +80,31 @@ class HostSampler:
         self.native = native        # a NativeSampler, or None
 
     def rows(self, logits: np.ndarray, params: list[SamplingParams], u) -> np.ndarray:
-        """sample_rows' tokens for rows of logits [n, V] (greedy rows by one argmax)."""
+        """sample_rows' tokens for rows of logits [n, V] (greedy rows by one argmax; the pipeline
+        passes sampled rows only, which skip it)."""
         if self.native is None:
             return sample_rows(logits, params, u)
-        tokens = np.argmax(logits, axis=-1)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == len(params):
-            tokens[:] = self.native.sample(logits, params, u)
-        elif sampled:
+            return self.native.sample(logits, params, u)
+        tokens = np.argmax(logits, axis=-1)
+        if sampled:
             tokens[sampled] = self.native.sample(logits[sampled], [params[i] for i in sampled], np.asarray(u)[sampled])
         return tokens
 
     def one(self, logits: np.ndarray, params: SamplingParams, u: float) -> int:
-        """The token for one row of logits [V] (sample's)."""
+        """The token for one row of logits [V], decided by the uniform of the position it fills."""
         if params.greedy:
             return int(np.argmax(logits))
         return int(self.rows(logits[None], [params], (u,))[0])
 
 
 def sample(logits: np.ndarray, params: SamplingParams, u: float) -> int:
-    """The token for one row of logits [V], decided by the uniform of the position it fills."""
-    if params.greedy:
-        return int(np.argmax(logits))
-    return int(sample_rows(logits[None], [params], (u,))[0])
+    """HostSampler.one with numpy's sampler."""
+    return _NUMPY.one(logits, params, u)
+
+
+_NUMPY = HostSampler()
 
 
 def filtered_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float) -> np.ndarray:
@@ -140,8 +142,14 @@ def _scratch(name: str, shape: tuple[int, ...], dtype) -> np.ndarray:
     return buf[:size].reshape(shape)
 
 
+def clamped_temperature(t: float) -> float:
+    """T as the engines take it: at most float32's largest (still near-uniform, and no overflow
+    filling a float32 input); the host samplers use the same."""
+    return min(t, _F32_MAX)
+
+
 def _temperature(t: float) -> np.float32:
-    return np.float32(min(t, _F32_MAX))     # the graph's input is float32 too
+    return np.float32(clamped_temperature(t))     # the graph's input is float32 too
 
 
 def _scaled_rows(logits: np.ndarray, temperatures: list[float], name: str) -> np.ndarray:

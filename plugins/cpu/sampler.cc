@@ -20,7 +20,6 @@
 
 #include <algorithm>
 #include <functional>
-#include <numeric>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -74,22 +73,31 @@ float scale_row(const float* x, int64_t V, float t, float* s) {
   return top;
 }
 
-// e = exp(s - top) and the block sums
-void exps_and_blocks(const float* s, int64_t V, float top, float* e, double* blocks) {
+// e[j] = value(j) for every token, and the block sums
+template <typename Value>
+void fill_blocks(int64_t V, float* e, double* blocks, const Value& value) {
   for (int64_t b = 0; b * kBlock < V; ++b) {
     const int64_t first = b * kBlock, n = std::min(kBlock, V - first);
-    for (int64_t j = first; j < first + n; ++j) e[j] = exp_or_zero(s[j] - top);
+    for (int64_t j = first; j < first + n; ++j) e[j] = value(j);
     blocks[b] = block_sum(e + first, n);
   }
 }
 
+// e = exp(s - top) and the block sums
+void exps_and_blocks(const float* s, int64_t V, float top, float* e, double* blocks) {
+  fill_blocks(V, e, blocks, [&](int64_t j) { return exp_or_zero(s[j] - top); });
+}
+
 // e zeroed where s < keep_from, and the block sums again
 void keep_and_blocks(const float* s, int64_t V, float keep_from, float* e, double* blocks) {
-  for (int64_t b = 0; b * kBlock < V; ++b) {
-    const int64_t first = b * kBlock, n = std::min(kBlock, V - first);
-    for (int64_t j = first; j < first + n; ++j) e[j] = s[j] >= keep_from ? e[j] : 0.0f;
-    blocks[b] = block_sum(e + first, n);
-  }
+  fill_blocks(V, e, blocks, [&](int64_t j) { return s[j] >= keep_from ? e[j] : 0.0f; });
+}
+
+// the sum of the block sums, in order
+double total(const double* blocks, int64_t V) {
+  double sum = 0.0;
+  for (int64_t b = 0; b * kBlock < V; ++b) sum += blocks[b];
+  return sum;
 }
 
 #ifdef TANDEM_AVX512F
@@ -119,38 +127,36 @@ TANDEM_AVX512F float scale_row_avx512(const float* x, int64_t V, float t, float*
   return _mm512_reduce_max_ps(top);
 }
 
-TANDEM_AVX512F void exps_and_blocks_avx512(const float* s, int64_t V, float top, float* e, double* blocks) {
-  const __m512 topv = _mm512_set1_ps(top), low = _mm512_set1_ps(kExpMin);
+// fill_blocks' AVX-512 form: 16 tokens at a time, value(j, lanes) -> e[j .. j + 16) (a masked
+// tail gives zeros), the lanes j % 8 widened to float64 as the portable form adds them
+template <typename Value>
+TANDEM_AVX512F void fill_blocks_avx512(int64_t V, float* e, double* blocks, const Value& value) {
   for (int64_t b = 0; b * kBlock < V; ++b) {
     const int64_t first = b * kBlock, n = std::min(kBlock, V - first);
     __m512d lanes = _mm512_setzero_pd();
     for (int64_t j = first; j < first + n; j += 16) {
       const __mmask16 m = first_lanes(first + n - j);
-      const __m512 v = _mm512_maskz_loadu_ps(m, s + j);
-      const __m512 x = _mm512_sub_ps(v, topv);
-      const __mmask16 on = m & _mm512_cmp_ps_mask(x, low, _CMP_GE_OQ);
-      const __m512 y = _mm512_maskz_mov_ps(on, exp_avx512(x));
-      _mm512_mask_storeu_ps(e + j, m, y);
-      lanes = add_lanes(lanes, y);      // a masked tail adds zeros
-    }
-    blocks[b] = lanes_total(lanes);
-  }
-}
-
-TANDEM_AVX512F void keep_and_blocks_avx512(const float* s, int64_t V, float keep_from, float* e, double* blocks) {
-  const __m512 keep = _mm512_set1_ps(keep_from);
-  for (int64_t b = 0; b * kBlock < V; ++b) {
-    const int64_t first = b * kBlock, n = std::min(kBlock, V - first);
-    __m512d lanes = _mm512_setzero_pd();
-    for (int64_t j = first; j < first + n; j += 16) {
-      const __mmask16 m = first_lanes(first + n - j);
-      const __mmask16 on = m & _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(m, s + j), keep, _CMP_GE_OQ);
-      const __m512 y = _mm512_maskz_loadu_ps(on, e + j);
+      const __m512 y = value(j, m);
       _mm512_mask_storeu_ps(e + j, m, y);
       lanes = add_lanes(lanes, y);
     }
     blocks[b] = lanes_total(lanes);
   }
+}
+
+TANDEM_AVX512F void exps_and_blocks_avx512(const float* s, int64_t V, float top, float* e, double* blocks) {
+  const __m512 topv = _mm512_set1_ps(top), low = _mm512_set1_ps(kExpMin);
+  fill_blocks_avx512(V, e, blocks, [&](int64_t j, __mmask16 m) TANDEM_AVX512F {
+    const __m512 x = _mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), topv);
+    return _mm512_maskz_mov_ps(m & _mm512_cmp_ps_mask(x, low, _CMP_GE_OQ), exp_avx512(x));
+  });
+}
+
+TANDEM_AVX512F void keep_and_blocks_avx512(const float* s, int64_t V, float keep_from, float* e, double* blocks) {
+  const __m512 keep = _mm512_set1_ps(keep_from);
+  fill_blocks_avx512(V, e, blocks, [&](int64_t j, __mmask16 m) TANDEM_AVX512F {
+    return _mm512_maskz_loadu_ps(m & _mm512_cmp_ps_mask(_mm512_maskz_loadu_ps(m, s + j), keep, _CMP_GE_OQ), e + j);
+  });
 }
 #endif
 
@@ -299,8 +305,7 @@ float threshold(const float* s, const float* e, int64_t V, int64_t k, double top
 // the first token whose running sum of e exceeds u Z, never past the last with e > 0
 int64_t inverse_cdf(const float* e, const double* blocks, int64_t V, double u, double* Z_out) {
   const int64_t nb = (V + kBlock - 1) / kBlock;
-  double Z = 0.0;
-  for (int64_t b = 0; b < nb; ++b) Z += blocks[b];
+  const double Z = total(blocks, V);
   *Z_out = Z;
   const double target = u * Z;
   double c = 0.0;
@@ -356,9 +361,7 @@ void tandem_sample_rows(const float* logits, int64_t rows, int64_t vocab, const 
     } else {
       exps(s, vocab, top, e, blocks);
       if (k < vocab || top_p < 1.0) {
-        double M = 0.0;
-        for (size_t b = 0; b < w.blocks.size(); ++b) M += blocks[b];
-        keep(s, vocab, threshold(s, e, vocab, k, top_p, M, top, fast, w), e, blocks);
+        keep(s, vocab, threshold(s, e, vocab, k, top_p, total(blocks, vocab), top, fast, w), e, blocks);
       }
       tokens[i] = inverse_cdf(e, blocks, vocab, setting[3], &Z);
     }
