@@ -39,6 +39,7 @@ import numpy as np
 from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP
 from tandem.pipeline.model_runner import ModelRunner
+from tandem.pipeline.native_burst import BurstPlan, NativeBurst
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.sampler import HostSampler, uniforms
 from tandem.pipeline.sequence import Sequence
@@ -57,14 +58,18 @@ class DecodeBurst:
     samples = True            # sampled rows burst too: their tokens are drawn on the host between calls
 
     def __init__(self, runner: ModelRunner, pools: Pools, steps: int,
-                 eos_ids: tuple[int, ...], budget_ms: float = DEFAULT_BUDGET_MS, sampler: HostSampler | None = None):
+                 eos_ids: tuple[int, ...], budget_ms: float = DEFAULT_BUDGET_MS, sampler: HostSampler | None = None,
+                 native: NativeBurst | None = None):
         if steps < 2:
             raise ValueError(f"a decode burst runs 2 or more steps, got {steps}")
         self.runner, self.pools, self.steps = runner, pools, steps
         self.eos_ids, self.budget_s = eos_ids, budget_ms / 1000
         self.sampler = sampler or HostSampler()     # the engine's: the same draws as one token a step
+        self.native = native                        # the steps between calls in native code, where the dir has it
         self.calls = self.bursts = 0        # target steps run in bursts, and bursts
+        self.native_calls = 0               # of those, the ones whose step after ran natively
         self._tokens: dict[int, np.ndarray] = {}   # batch -> [steps, batch] tokens, kept
+        self._plans: dict[tuple, tuple] = {}        # (batch, bucket's inputs) -> (outputs, inputs, native plan)
 
     def run(self, seqs: list[Sequence]) -> list[Sequence]:
         """A burst when every sequence can take one, for as many steps as the least of them holds;
@@ -77,6 +82,21 @@ class DecodeBurst:
             return seqs
         self._burst(seqs, steps)
         return []
+
+    def _plan(self, outs, inputs: dict, n: int, tokens: np.ndarray, stops: frozenset[int]) -> BurstPlan | None:
+        """The native step's plan over this bucket's arrays (kept while the runner hands back the
+        same ones), started with this burst's stop ids; or None: numpy steps."""
+        if self.native is None:
+            return None
+        kept = self._plans.get((n, id(inputs)))
+        if kept is None or kept[0] is not outs or kept[1] is not inputs:
+            copies = self.pools.decode_copies(self.runner.trunk_kv, outs.arrays, inputs, n)
+            kept = self._plans[(n, id(inputs))] = (outs, inputs, self.native.plan(
+                copies, self.pools.page_size, outs.arrays[c.LOGITS][:, 0], tokens, inputs[c.INPUT_IDS][:n, 0],
+                inputs[c.CONTEXT_LENS][:n]))
+        if kept[2] is not None:
+            kept[2].start(stops)
+        return kept[2]
 
     def _burst(self, seqs: list[Sequence], steps: int) -> None:
         n = len(seqs)
@@ -95,25 +115,37 @@ class DecodeBurst:
         outs, inputs = self.runner.decode(seqs)        # fills the bucket's inputs (the lean decode path)
         ids, context = inputs[c.INPUT_IDS][:n, 0], inputs[c.CONTEXT_LENS][:n]
         layers, made = self.runner.trunk_kv, 0
-        burst = self.pools.burst_destinations(layers, inputs, n, steps)
+        plan = self._plan(outs, inputs, n, tokens, stops)
+        # numpy's commit: the burst's pool rows worked out once (None: from each call's context lengths)
+        burst = None if plan is not None else self.pools.burst_destinations(layers, inputs, n, steps)
         while True:
-            self.pools.commit_decode(layers, outs.arrays, inputs, n, burst, made)
-            logits = outs.arrays[c.LOGITS][:, 0]
-            token = _greedy(logits)
-            if sampled:
-                token[sampled] = self.sampler.rows(logits[sampled], params, u[:, made])
-            tokens[made] = token
-            made += 1
-            if made == steps or (stops and not stops.isdisjoint(token.tolist())):
+            if plan is not None and not sampled:    # one native call: commit, tokens, ids, context, stop ids
+                stopped = plan.greedy(made)
+                made += 1
+            else:
+                if plan is not None:
+                    plan.commit()
+                else:
+                    self.pools.commit_decode(layers, outs.arrays, inputs, n, burst, made)
+                logits = outs.arrays[c.LOGITS][:, 0]
+                token = _greedy(logits)
+                if sampled:
+                    token[sampled] = self.sampler.rows(logits[sampled], params, u[:, made])
+                tokens[made] = ids[:] = token
+                context += 1        # (the next decode() writes both afresh: harmless after the last call)
+                made += 1
+                stopped = bool(stops) and not stops.isdisjoint(token.tolist())
+            if made == steps or stopped:
                 break
             now = time.perf_counter()
             if now + (now - start) / made > start + self.budget_s:    # the next call would end past the budget
                 break
-            ids[:] = token
-            context += 1
-            outs = self.runner.decode_again()
+            again = self.runner.decode_again()
+            if again is not outs:   # a backend that hands back new arrays: the plan's addresses are stale
+                outs, plan = again, self._plan(again, inputs, n, tokens, stops)
         self.calls += made
         self.bursts += 1
+        self.native_calls += made if plan is not None else 0
         for seq, new in zip(seqs, tokens[:made].T.tolist()):
             seq.committed += made
             seq.tokens += new

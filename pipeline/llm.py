@@ -28,10 +28,10 @@ from tandem.engines.integrity import verify_engine_dir
 from tandem.engines.manifest import MANIFEST, ManifestError, read_manifest
 from tandem.engines.options import MAX_DECODE_STEPS
 from tandem.graph_kinds import TARGET_STEP, GraphKind
-from tandem.pipeline import native_sampler
+from tandem.pipeline import native_burst, native_sampler
 from tandem.pipeline.allocator import FreeList, PageGroups
 from tandem.pipeline.decode_burst import DEFAULT_BUDGET_MS, DEFAULT_STEPS, DecodeBurst
-from tandem.pipeline.detokenizer import IncrementalDetokenizer
+from tandem.pipeline.detokenizer import IncrementalDetokenizer, byte_pieces
 from tandem.pipeline.engine import Engine
 from tandem.pipeline.grammar import Grammars
 from tandem.pipeline.model_runner import ModelRunner
@@ -136,6 +136,8 @@ class LLM:
         self.mtp_layers = max([kind.head + 1 for kind, _ in kinds if kind.is_head], default=0)
         self.mtp_mode = config.mtp_mode or ("chained" if self.mtp_layers > 1 else "reused")
         self.tokenizer = _load_tokenizer(self.engine_dir / "tokenizer.json")
+        # the detokenizers' table of token bytes, where the tokenizer is byte-level
+        self.token_bytes = byte_pieces(self.tokenizer, self.desc.vocab_size)
         batch_sizes = rt["batch_sizes"]
         max_seqs = config.max_num_seqs or max(batch_sizes)
         # the most rows one step writes per sequence: a prefill chunk, a verify width or a multi-step decode
@@ -151,6 +153,7 @@ class LLM:
                                   self.dtype)
         # the host's draws: native where the engine dir's kernel library has the sampler and loads here
         self.sampler = HostSampler(native_sampler.load(runner.host_kernels))
+        self.native_burst = native_burst.load(runner.host_kernels)     # and a burst's steps between calls
         self.page_groups = PageGroups(sizes.pages())    # one free list per page group (window None: full)
         self.pages = next(iter(self.page_groups.lists.values()))   # full attention's, when the model has it
         self.slots = FreeList(sizes.num_slots, "state slot", lowest_first=True)
@@ -203,7 +206,7 @@ class LLM:
             return MultiStepDecode(self.runner, self.pools, max(decode, key=lambda k: k.steps))
         if self.config.decode_burst > 1:
             return DecodeBurst(self.runner, self.pools, self.config.decode_burst, self.desc.eos_token_ids,
-                               self.config.decode_burst_ms, self.sampler)
+                               self.config.decode_burst_ms, self.sampler, self.native_burst)
         return None
 
     def _width_control(self, batch_sizes: list[int]) -> WidthController | None:
@@ -291,8 +294,8 @@ class LLM:
         if params.grammar is not None and speculative and not self._masks_up_to(k + 1):
             speculative, k = False, 0   # verify engines without grammar masks: decode without drafting
         seq = Sequence(request_id or f"req-{next(self._ids)}", req.ids, params,
-                       IncrementalDetokenizer(self.tokenizer, params.stop), self.page_size, speculative,
-                       k, req.k_fixed)
+                       IncrementalDetokenizer(self.tokenizer, params.stop, self.token_bytes), self.page_size,
+                       speculative, k, req.k_fixed)
         if params.grammar is not None:
             seq.grammar = self.grammars.matcher(params.grammar)
         self.scheduler.add(seq)

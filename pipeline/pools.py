@@ -178,9 +178,7 @@ class Pools:
         the pools and outputs come as [rows, row] views made once per bucket (_DecodeCommit).
         `burst`: burst_destinations() of the burst this call is step `step` of (its rows' pool rows
         worked out once for the whole burst)."""
-        plan = self._decode_plans.get((tuple(layers), n))
-        if plan is None or plan.outputs is not outputs:
-            plan = self._decode_plans[(tuple(layers), n)] = _DecodeCommit(self, layers, outputs, n)
+        plan = self._decode_plan(layers, outputs, n)
         size = self.page_size
         if burst is not None:   # (no index work: burst_destinations made it)
             for table, pairs in plan.paged.items():
@@ -197,6 +195,22 @@ class Pools:
                 self.memory.scatter_many(pairs, inputs[table][plan.rows, logical] * size + offsets, None)
         if plan.states:
             self.memory.scatter_many(plan.states, inputs[c.STATE_SLOTS][:n], None)
+
+    def decode_copies(self, layers, outputs: dict, inputs: dict, n: int
+                      ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray, bool]]:
+        """commit_decode's copies, for a burst's native step (pipeline/native_burst.py): (pool
+        [rows, row], output [n, row], index, paged): a paged pool's rows are at the call's context
+        lengths in the pages of its block-table input `index`; a state pool not written in place
+        goes to the slots `index`."""
+        plan = self._decode_plan(layers, outputs, n)
+        copies = [(pool, out, inputs[table], True) for table, pairs in plan.paged.items() for pool, out in pairs]
+        return copies + [(pool, out, inputs[c.STATE_SLOTS], False) for pool, out in plan.states]
+
+    def _decode_plan(self, layers, outputs: dict, n: int) -> _DecodeCommit:
+        plan = self._decode_plans.get((tuple(layers), n))
+        if plan is None or plan.outputs is not outputs:
+            plan = self._decode_plans[(tuple(layers), n)] = _DecodeCommit(self, layers, outputs, n)
+        return plan
 
     def burst_destinations(self, layers, inputs: dict, n: int, steps: int) -> dict[str, np.ndarray]:
         """Per block-table name, the pool rows [steps, n] a burst of `steps` decode calls from these

@@ -117,8 +117,9 @@ def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
 
 def record_logits(monkeypatch) -> list[np.ndarray]:
     """Wrap the engine's token choice (the real one still runs): the logits row behind every token
-    a sequence appends outside verify rounds (a prompt's first token, plain decode steps, bursts)."""
-    from tandem.pipeline import decode_burst
+    a sequence appends outside verify rounds (a prompt's first token, plain decode steps, bursts) of
+    the LLMs opened after this call."""
+    from tandem.pipeline import decode_burst, native_burst
     from tandem.pipeline import engine as engine_module
 
     rows = []
@@ -128,4 +129,6 @@ def record_logits(monkeypatch) -> list[np.ndarray]:
     monkeypatch.setattr(engine_module, "_next_tokens",
                         lambda sampler, seqs, logits: rows.extend(logits.copy()) or batch(sampler, seqs, logits))
     monkeypatch.setattr(decode_burst, "_greedy", lambda logits: rows.extend(logits.copy()) or burst(logits))
+    # bursts take their tokens with numpy's argmax, not in the native step (LLMs opened from here on)
+    monkeypatch.setattr(native_burst, "load", lambda library: None)
     return rows

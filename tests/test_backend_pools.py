@@ -106,6 +106,9 @@ def test_backend_commits_equal_the_numpy_commits_bitwise_after_every_step(engine
     assert llm.dtype == dtype and any(p.dtype == np.float16 for d in llm.pools.paged.values()
                                       for p in d.values()) == (dtype == "float16")
     shadow = _shadowed(llm)
+    # the burst's commits through Pools.commit_decode (its native step is held to them in test_native_burst.py
+    # and test_decode_burst.py)
+    llm.engine.decode.native = None
     params = [SamplingParams(max_tokens=14, ignore_eos=True),
               SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=3),
               SamplingParams(max_tokens=9, ignore_eos=True, speculative=False)]

@@ -28,17 +28,34 @@ def built(request, tmp_path_factory):
     return out
 
 
-def _generate(engine_dir, burst: int, params, prompts=PROMPTS, **config):
+@pytest.fixture(params=["native", "numpy"])
+def steps(request):
+    """How a burst's steps between calls run: the engine dir's native step, or numpy's."""
+    return request.param
+
+
+def _open(engine_dir, burst: int, steps: str = "native", **config) -> LLM:
     llm = LLM(engine_dir, EngineConfig(decode_burst=burst, **config))
+    if llm.engine.decode is not None:
+        assert llm.engine.decode.native is not None    # the test dirs carry the kernel library
+        if steps == "numpy":
+            llm.engine.decode.native = None
+    return llm
+
+
+def _generate(engine_dir, burst: int, params, prompts=PROMPTS, steps: str = "native", **config):
+    llm = _open(engine_dir, burst, steps, **config)
     results = llm.generate(prompts, params)
+    if llm.engine.decode is not None:
+        assert (llm.engine.decode.native_calls > 0) == (steps == "native" and llm.engine.decode.bursts > 0)
     return [(r.token_ids, r.finish_reason) for r in results], llm
 
 
 @pytest.mark.parametrize("max_tokens", [BURST * 5 + 2, BURST - 1, BURST])
-def test_bursts_emit_what_one_token_a_step_emits(built, max_tokens):
+def test_bursts_emit_what_one_token_a_step_emits(built, max_tokens, steps):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     plain, one = _generate(built, 1, params)
-    burst, llm = _generate(built, BURST, params)
+    burst, llm = _generate(built, BURST, params, steps=steps)
     assert burst == plain
     assert one.engine.decode is None
     assert llm.runner.calls["target_step"] == one.runner.calls["target_step"]    # no call more
@@ -72,13 +89,13 @@ def _live_rows_at_finish(llm) -> dict:
 
 
 @pytest.mark.parametrize("budget_ms", [1e6, 1e-6])   # whole bursts; bursts the clock cuts after one call
-def test_the_pools_after_a_burst_are_those_after_one_token_a_step(built, budget_ms):
+def test_the_pools_after_a_burst_are_those_after_one_token_a_step(built, budget_ms, steps):
     """commit(n) == n decode steps: every row and state the request holds when it finishes is equal bit
     for bit. By logical position: a window group's pages go back once per burst, not once a step, so
     after a burst the clock cut short the same rows may sit in other pages."""
     params = SamplingParams(max_tokens=BURST * 3 + 1, ignore_eos=True)
     one = LLM(built, EngineConfig(decode_burst=1))
-    burst = LLM(built, EngineConfig(decode_burst=BURST, decode_burst_ms=budget_ms))
+    burst = _open(built, BURST, steps, decode_burst_ms=budget_ms)
     rows_one, rows_burst = _live_rows_at_finish(one), _live_rows_at_finish(burst)
     assert one.generate(PROMPTS[:1], params)[0].token_ids == burst.generate(PROMPTS[:1], params)[0].token_ids
     assert burst.engine.decode.calls >= BURST * 2
@@ -87,17 +104,17 @@ def test_the_pools_after_a_burst_are_those_after_one_token_a_step(built, budget_
         assert np.array_equal(rows_burst[name], rows), name
 
 
-def test_a_stop_inside_a_burst_ends_the_output_and_the_burst_there(built):
+def test_a_stop_inside_a_burst_ends_the_output_and_the_burst_there(built, steps):
     free, _ = _generate(built, 1, SamplingParams(max_tokens=3 * BURST, ignore_eos=True))
     ids = free[0][0]       # tokens 0 (the prefill's) and 1 (the first output's step) come before the bursts
     at = next(i for i in range(3, len(ids)) if (i - 2) % BURST == 1 and ids[i] not in ids[:i])
     stop = ids[at]         # the first prompt's first token there: second of a burst, more would follow
     params = SamplingParams(max_tokens=3 * BURST, ignore_eos=True, stop_token_ids=(stop,))
     plain, _ = _generate(built, 1, params)
-    burst, _ = _generate(built, BURST, params)
+    burst, _ = _generate(built, BURST, params, steps=steps)
     assert burst == plain and burst[0][1] == "stop" and len(burst[0][0]) == at
     alone, one = _generate(built, 1, params, prompts=PROMPTS[:1])    # alone: no call after the stop
-    burst, llm = _generate(built, BURST, params, prompts=PROMPTS[:1])
+    burst, llm = _generate(built, BURST, params, prompts=PROMPTS[:1], steps=steps)
     assert burst == alone and llm.runner.calls["target_step"] == one.runner.calls["target_step"]
 
 
@@ -114,7 +131,7 @@ def test_a_stop_string_inside_a_burst_ends_the_output_there(built):
     assert burst == plain and burst[0][1] == "stop"
 
 
-def test_sampled_and_greedy_rows_burst_together(built):
+def test_sampled_and_greedy_rows_burst_together(built, steps):
     """Sampled rows burst beside greedy ones: step s of a burst draws with the uniform of the index
     its token fills (sampling depends on the seed and positions only), so every request emits what
     it emits alone with one token a step, and the pools end the same."""
@@ -124,7 +141,7 @@ def test_sampled_and_greedy_rows_burst_together(built):
                SamplingParams(max_tokens=BURST * 2, ignore_eos=True, temperature=0.7, seed=2)]
     params = [greedy] * 3 + sampled
     expected = [_generate(built, 1, p, prompts=[prompt])[0][0] for prompt, p in zip(PROMPTS * 2, params)]
-    llm = LLM(built, EngineConfig(decode_burst=BURST))
+    llm = _open(built, BURST, steps)
     bursts = []
     real = llm.engine.decode._burst
     llm.engine.decode._burst = lambda seqs, *rest: bursts.append({s.params.greedy for s in seqs}) or real(seqs, *rest)
