@@ -33,15 +33,21 @@ def test_lowest_first_hands_out_the_lowest_free_slot():
 
 
 def _placements(llm: LLM, monkeypatch) -> list:
-    """Records each call's placement key (None: not placed) on the host runner's bindings."""
+    """Records each call's placement key (None: not placed) on the host runner's bindings; a decode
+    burst's later calls (decode_again) keep the placement its first call made, and say so."""
     keys = []
-    real = ModelRunner._place_states
+    real, again = ModelRunner._place_states, ModelRunner.decode_again
 
     def record(self, binding, commits, consecutive=None):
         real(self, binding, commits, consecutive)
         keys.append(getattr(binding, "_placed", "no placement"))
 
+    def record_again(self):
+        keys.append(getattr(self._last_decode[1], "_placed", "no placement"))
+        return again(self)
+
     monkeypatch.setattr(ModelRunner, "_place_states", record)
+    monkeypatch.setattr(ModelRunner, "decode_again", record_again)
     return keys
 
 
