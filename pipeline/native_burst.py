@@ -18,12 +18,12 @@ block tables and context lengths, as the attention op reads them.
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import numpy as np
 
-log = logging.getLogger(__name__)
+from tandem.plugins import cpu_kernels
+
 
 class NativeBurst:
     def __init__(self, library: Path):
@@ -105,13 +105,6 @@ def _int64(array) -> bool:
 
 
 def load(library: Path | None) -> NativeBurst | None:
-    """The native burst step of this library, or None (numpy steps) where there is no library or it
-    predates the burst's functions (said once in the log)."""
-    if library is None:
-        return None
-    try:
-        return NativeBurst(library)
-    except (OSError, AttributeError) as e:
-        log.info("%s has no native decode-burst step (%s); bursts run their steps in numpy. Rebuild the engine "
-                 "dir to use it.", library, e)
-        return None
+    """The native burst step of this library, or None (numpy steps) where there is none."""
+    return cpu_kernels.host_functions(NativeBurst, library, "native decode-burst step",
+                                      "bursts run their steps in numpy")

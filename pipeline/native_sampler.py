@@ -11,15 +11,13 @@ cost several times that, more after an engine call has pushed them out of the ca
 from __future__ import annotations
 
 import ctypes
-import logging
 from pathlib import Path
 
 import numpy as np
 
 from tandem.pipeline.sampler import clamped_temperature
 from tandem.pipeline.sampling_params import SamplingParams
-
-log = logging.getLogger(__name__)
+from tandem.plugins import cpu_kernels
 
 
 class NativeSampler:
@@ -70,13 +68,5 @@ def _writable_float32(logits: np.ndarray) -> np.ndarray:
 
 
 def load(library: Path | None) -> NativeSampler | None:
-    """The native sampler of this library, or None (numpy samples) where there is no library or it
-    has no sampler (said once in the log)."""
-    if library is None:
-        return None
-    try:
-        return NativeSampler(library)
-    except (OSError, AttributeError) as e:
-        log.info("%s has no native sampler (%s); sampling on the host with numpy. Rebuild the engine dir "
-                 "to use it.", library, e)
-        return None
+    """The native sampler of this library, or None (numpy samples) where there is none."""
+    return cpu_kernels.host_functions(NativeSampler, library, "native sampler", "sampling on the host with numpy")

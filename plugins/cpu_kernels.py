@@ -82,6 +82,20 @@ def f32_matmul() -> bool:
     return _fast() and "avx512f" in _flags_here()
 
 
+def host_functions(make, library: Path | None, what: str, instead: str):
+    """make(library): the pipeline's wrapper of some host functions of an engine dir's library (its
+    native sampler, a burst's native step), or None where there is no library, it does not load here
+    (OSError) or it predates those functions (AttributeError); the reason said once in the log, with
+    what runs `instead`."""
+    if library is None:
+        return None
+    try:
+        return make(library)
+    except (OSError, AttributeError) as e:
+        log.info("%s has no %s (%s); %s. Rebuild the engine dir to use it.", library, what, e, instead)
+        return None
+
+
 def _fast() -> bool:
     return enabled() and os.environ.get("TANDEM_CPU_KERNELS_PORTABLE") != "1"
 
