@@ -71,16 +71,19 @@ class DecodeBurst:
         self._tokens: dict[int, np.ndarray] = {}   # batch -> [steps, batch] tokens, kept
         self._plans: dict[tuple, tuple] = {}        # (batch, bucket's inputs) -> (outputs, inputs, native plan)
 
-    def run(self, seqs: list[Sequence]) -> list[Sequence]:
-        """A burst when every sequence can take one, for as many steps as the least of them holds;
-        returns the sequences left to take one token a step (all of them, or none). All or none:
-        rows left out would advance a token per burst (a grammar request beside free ones, at an
-        eighth of their speed), and the batch would take two calls a step. A batch larger than the
-        largest bucket splits its calls (ModelRunner.decode): one step."""
+    def run(self, seqs: list[Sequence], most: int | None = None, hidden: list | None = None) -> list[Sequence]:
+        """A burst when every sequence can take one, for as many steps as the least of them holds
+        (and at most `most`); returns the sequences left to take one token a step (all of them, or
+        none). All or none: rows left out would advance a token per burst (a grammar request beside
+        free ones, at an eighth of their speed), and the batch would take two calls a step. A batch
+        larger than the largest bucket splits its calls (ModelRunner.decode): one step. `hidden`:
+        each call's hidden rows [n, H] are appended to it (the heads' catch-up rows while drafting
+        is off, Engine._off_round)."""
         steps = min((s.decode_rows(self.steps, self.samples) for s in seqs), default=1)
+        steps = steps if most is None else min(steps, most)
         if steps < 2 or len(seqs) > self.runner.batch_sizes[-1]:
             return seqs
-        self._burst(seqs, steps)
+        self._burst(seqs, steps, hidden)
         return []
 
     def _plan(self, outs, inputs: dict, n: int, tokens: np.ndarray, stops: frozenset[int]) -> BurstPlan | None:
@@ -98,7 +101,7 @@ class DecodeBurst:
             kept[2].start(stops)
         return kept[2]
 
-    def _burst(self, seqs: list[Sequence], steps: int) -> None:
+    def _burst(self, seqs: list[Sequence], steps: int, hidden: list | None = None) -> None:
         n = len(seqs)
         stops = frozenset().union(*(s.ending_ids(self.eos_ids) for s in seqs))
         tokens = self._tokens.get(n)
@@ -119,6 +122,8 @@ class DecodeBurst:
         # numpy's commit: the burst's pool rows worked out once (None: from each call's context lengths)
         burst = None if plan is not None else self.pools.burst_destinations(layers, inputs, n, steps)
         while True:
+            if hidden is not None:      # before the commit: its row is this call's, whatever the path
+                hidden.append(outs.arrays[c.HIDDEN][:n, 0].copy())
             if plan is not None and not sampled:    # one native call: commit, tokens, ids, context, stop ids
                 stopped = plan.greedy(made)
                 made += 1

@@ -72,7 +72,9 @@ class Scheduler:
     def decode_batch(self) -> list[Sequence]:
         out, reserved = [], False
         for seq in [s for s in self.running if s.status == Status.DECODE]:
-            rows = seq.k + 1 if seq.speculative else seq.decode_rows(self.decode_steps, self.decode_samples)
+            # a speculative sequence: its widest round, or a burst while drafting is off (Engine._off_round)
+            rows = seq.decode_rows(self.decode_steps, self.decode_samples)
+            rows = max(rows, seq.k + 1) if seq.speculative else rows
             positions = seq.committed + rows
             if not self.windowed and positions <= seq.table.capacity():   # most steps: pages held already
                 out.append(seq)

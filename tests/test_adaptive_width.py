@@ -238,7 +238,8 @@ def judged_off(engine_dirs, monkeypatch):
     joins the bucket of the two running ones): PROMPTS decode until their sequences flip to plain
     or one finishes -> (llm, controller, sequences)."""
     install_drafter(monkeypatch, "wrong")
-    llm = LLM(engine_dirs[KIND])
+    # one token an off round: the verdict comes after a number of rounds, before 96 tokens are out
+    llm = LLM(engine_dirs[KIND], EngineConfig(decode_burst=1))
     llm.engine.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 4],
                                                  policy=WidthPolicy(probe_every=2, probe_max=8))
     seqs = [llm.add_request(p, LONG, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
@@ -342,8 +343,8 @@ def test_deferred_catch_up_equals_reanchoring_every_round(engine_dirs, mode):
     step's drafts and hidden are those of a run whose heads re-anchor every round."""
     schedule = [4, 4] + [1] * 11 + [4] * 3 + [1] * 3 + [4] * 10
     traces = []
-    for lag_rows in (None, 1):
-        llm = LLM(engine_dirs[KIND], EngineConfig(mtp_mode=mode))
+    for lag_rows in (None, 1):      # one token an off round (bursts: the next test), so the steps pair up
+        llm = LLM(engine_dirs[KIND], EngineConfig(mtp_mode=mode, decode_burst=1))
         llm.engine.width_control = Scripted(schedule)
         if lag_rows:
             llm.engine.lag_rows = lag_rows
@@ -365,6 +366,38 @@ def test_deferred_catch_up_equals_reanchoring_every_round(engine_dirs, mode):
                 np.testing.assert_allclose(h, h2, rtol=1e-4, atol=1e-5)
     assert synced >= len(deferred)
     assert any(hc < hc2 for a, b in zip(deferred, every) for (_, hc, *_), (_, hc2, *_) in zip(a, b))
+
+
+@pytest.mark.parametrize("mode", ["chained", "reused"])
+def test_off_rounds_burst_and_the_heads_catch_up_on_every_token(engine_dirs, mode):
+    """Drafting off, a round is a decode burst (several tokens, each call's hidden row kept for the
+    heads); the heads' catch-up over those rows leaves them as re-anchoring after every token does:
+    wherever the two runs have made the same tokens and their heads committed the same rows, the
+    drafts, their probabilities and the chain hidden are equal, and the outputs are."""
+    schedule = [4, 4] + [1] * 5 + [4] * 3 + [1] * 3 + [4] * 10
+    states, outputs = [], []
+    for burst, lag_rows in ((8, None), (1, 1)):
+        llm = LLM(engine_dirs[KIND], EngineConfig(mtp_mode=mode, decode_burst=burst))
+        llm.engine.width_control = Scripted(schedule)
+        if lag_rows:
+            llm.engine.lag_rows = lag_rows
+        seqs = [llm.add_request(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in PROMPTS]
+        seen = {}
+        while any(s.finish_reason is None for s in seqs):
+            llm.step()
+            for i, s in enumerate(seqs):
+                seen[(i, s.num_generated, s.head_committed)] = (s.draft, s.draft_prob, s.chain_hidden)
+        states.append(seen)
+        outputs.append([s.output_ids() for s in seqs])
+        if burst > 1:
+            assert llm.engine.decode.bursts > 0 and llm.engine.decode.calls > 2 * llm.engine.decode.bursts
+    assert outputs[0] == outputs[1]
+    common = states[0].keys() & states[1].keys()
+    assert len(common) >= 8
+    for key in common:
+        (d, p, h), (d2, p2, h2) = states[0][key], states[1][key]
+        assert d == d2 and p == pytest.approx(p2, rel=1e-4, abs=1e-6), key
+        np.testing.assert_allclose(h, h2, rtol=1e-4, atol=1e-5)
 
 
 def test_deferred_rows_are_dropped_after_preemption(engine_dirs, plain, monkeypatch):

@@ -11,6 +11,7 @@ from tokenizers import Tokenizer
 from tandem.cli import generation_figures, main
 from tandem.pipeline.llm import LLM
 from tandem.pipeline.sequence import RequestMetrics
+from tandem.pipeline.width_control import WidthController
 
 PROMPT = "def add(a, b):"
 PREFILL = re.compile(r"^\[prefill: (\d+) prompt tokens, first token after [\d.]+ ms\]$", re.M)
@@ -39,7 +40,10 @@ def run_generate(monkeypatch, capsys, engine_dir, *extra) -> tuple[str, list[str
 
 
 def test_generate_reports_prefill_decode_and_acceptance(engine_dirs, monkeypatch, capsys):
-    out, calls = run_generate(monkeypatch, capsys, engine_dirs["qwen3_5_mtp3"])
+    # drafting every round (--spec-k; never judged hopeless): on random tiny weights no round pays
+    # against plain bursts, and the adaptive width would stop drafting before the timed generation
+    monkeypatch.setattr(WidthController, "hopeless", lambda self, batch: False)
+    out, calls = run_generate(monkeypatch, capsys, engine_dirs["qwen3_5_mtp3"], "--spec-k", "3")
     assert calls == ["generate", "stream"]  # the warm-up generation runs first, untimed
     prompt_tokens = len(Tokenizer.from_file(str(engine_dirs["qwen3_5_mtp3"] / "tokenizer.json")).encode(PROMPT).ids)
     assert int(PREFILL.search(out).group(1)) == prompt_tokens

@@ -11,6 +11,7 @@ from tandem.cli import main
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
+from tandem.pipeline.width_control import WidthController
 
 from .pipeline_fixtures import after_one_round, record_drafts
 
@@ -234,9 +235,11 @@ def test_tokens_added_several_at_a_time_end_at_the_one_that_completes_a_stop_str
     assert plain.add_until_stop(ids) == (len(ids), -1) and plain.text == text
 
 
-def test_generate_cli(engine_dirs, capsys):
+def test_generate_cli(engine_dirs, capsys, monkeypatch):
+    # drafting every round (random tiny weights: the adaptive width would stop it, plain bursts cost less)
+    monkeypatch.setattr(WidthController, "hopeless", lambda self, batch: False)
     assert main(["generate", str(engine_dirs["qwen3_5_mtp3"]), "--prompt", "def add(a, b):", "--max-tokens", "8",
-                 "--ignore-eos"]) == 0
+                 "--ignore-eos", "--spec-k", "3"]) == 0
     out = capsys.readouterr().out
     assert "accept length" in out and "tokens/s" in out
 
