@@ -346,7 +346,7 @@ class Engine:
         the heads would re-anchor over are kept until drafting resumes or lag_rows rows wait (rows
         kept since a preemption are dropped). Returns the tokens each sequence took: the controller
         weighs drafting against the cost of a plain token, and a burst's token costs less than a
-        step's (shipped model: plain bursts 1.4x one token a step at batch 1)."""
+        step's (docs/performance.md, "Speculation against plain decoding with bursts")."""
         kept: list[np.ndarray] = []     # per call, [n, H]
         room = self.lag_rows - max(len(self._lagging.get(s, (0, ()))[1]) for s in seqs)
         if not isinstance(self.decode, DecodeBurst) or self.decode.run(seqs, room, kept):
