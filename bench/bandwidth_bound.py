@@ -12,12 +12,11 @@ engine dir: the target step's weight bytes per token (the initializers of the gr
 saved optimized one; those only gathered from, the embedding table, count one row), decode tokens/s (plain
 greedy, batch 1, prompt 32, prefill excluded), and achieved / bound. The machine's memory speed
 moves by 1.5-2x within seconds, so decoding (`--tokens` per decode, `--rounds` decodes per dir, the
-dirs in turn) is timed in segments of `--segment` steps, host work included, each divided by the
-GEMV run just before and just after it (their mean, one call each); the figure is the median over
-the segments. The last column is the same against ONNX Runtime's GEMV alone, the yardstick issue 15
-was written with. The bound
-for int8 / int4 engines is the same bytes/s: fewer bytes per token should give proportionally more
-tokens/s.
+dirs in turn) is timed in segments of `--segment` tokens (an engine step may take several: a decode
+burst), host work included, each divided by the GEMV run just before and just after it (their mean,
+one call each); the figure is the median over the segments. The last column is the same against
+ONNX Runtime's GEMV alone, the yardstick issue 15 was written with. The bound for int8 / int4
+engines is the same bytes/s: fewer bytes per token should give proportionally more tokens/s.
 
 Each engine dir is decoded from a fresh copy (a temporary dir, removed at exit; `--in-place` reads it
 where it lies), so its weights sit in memory written in this run, as the GEMV's do. The memory a
@@ -135,26 +134,26 @@ def decode_speed(llm: LLM, tokens: int) -> float:
 
 def decode_steps(llm: LLM, tokens: int, probe: GemvProbe,
                  segment: int) -> tuple[float, list[tuple[float, float, float]]]:
-    """One plain decode at batch 1 in segments of `segment` steps: (tokens/s, [(seconds per step of
-    a segment, the bound and ONNX Runtime's GEMV, each the mean of right before and right after
-    it)]). A GEMV evicts the caches, so the first step after one starts colder than decoding does;
-    a segment of 8 dilutes that to 1/8."""
+    """One plain decode at batch 1 in segments of at least `segment` tokens: (tokens/s, [(seconds per
+    token of a segment, the bound and ONNX Runtime's GEMV, each the mean of right before and right
+    after it)]). An engine step may take several tokens (a decode burst), so segments count tokens,
+    not steps. A GEMV evicts the caches, so the first token after one starts colder than decoding
+    does; a segment of 8 dilutes that to 1/8."""
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, speculative=False)
     seq = llm.add_request([int(t) for t in rng.integers(3, llm.desc.vocab_size, 32)], params)
     while seq.num_generated == 0:                  # the prefill and first token: not timed
         llm.step()
-    segments, before, total, steps = [], probe.bound(), 0.0, 0
+    segments, before, total, made = [], probe.bound(), 0.0, 0
     while seq.finish_reason is None:
-        t, n = time.perf_counter(), 0
-        while seq.finish_reason is None and n < segment:
+        t, start = time.perf_counter(), seq.num_generated
+        while seq.finish_reason is None and seq.num_generated - start < segment:
             llm.step()
-            n += 1
-        dt = time.perf_counter() - t
+        dt, n = time.perf_counter() - t, seq.num_generated - start
         after = probe.bound()
         segments.append((dt / n, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2))
-        before, total, steps = after, total + dt, steps + n
-    return steps / total, segments
+        before, total, made = after, total + dt, made + n
+    return made / total, segments
 
 
 def main() -> None:
@@ -163,7 +162,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--gemv-mib", type=int, default=256)
-    parser.add_argument("--segment", type=int, default=8, help="decode steps between two GEMVs")
+    parser.add_argument("--segment", type=int, default=8, help="decode tokens (at least) between two GEMVs")
     parser.add_argument("--in-place", action="store_true",
                         help="decode each engine dir where it lies instead of from a fresh copy")
     args = parser.parse_args()
