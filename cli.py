@@ -258,9 +258,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32",
                    help="engine precision: float32 or float16 (weights, activations, K/V and conv pools; "
                         "recurrent states, attention scores and logits stay float32)")
-    p.add_argument("--weights", default="float", choices=["float", "int8", "int4"],
-                   help="linear-layer weights: float (= --dtype), or weight-only int8 / int4 with one scale per "
-                        "--quant-block input rows (ONNX Runtime CPU runs them with its MatMulNBits kernels)")
+    p.add_argument("--weights", default="float", choices=["float", "bf16", "int8", "int4"],
+                   help="linear-layer weights: float (= --dtype); bf16 (rounded to bfloat16, computed in float32: "
+                        "half the bytes per token on tandem's CPU kernels, lossless for a bfloat16 checkpoint); or "
+                        "weight-only int8 / int4 with one scale per --quant-block input rows")
     p.add_argument("--quant-block", type=int, default=32, help="input rows per quantization scale (default 32)")
     p.add_argument("--draft-lm-head", default="auto", choices=["auto", "same", "int8"],
                    help="the lm_head the MTP heads draft with: int8 reads a quarter of a float lm_head per draft "

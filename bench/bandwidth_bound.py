@@ -50,8 +50,9 @@ from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.plugins import cpu_kernels  # noqa: E402
 
-_SIZES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.UINT8: 1, TensorProto.INT8: 1,
-          TensorProto.UINT4: 0.5, TensorProto.INT4: 0.5, TensorProto.INT64: 8, TensorProto.INT32: 4}
+_SIZES = {TensorProto.FLOAT: 4, TensorProto.FLOAT16: 2, TensorProto.UINT16: 2, TensorProto.UINT8: 1,
+          TensorProto.INT8: 1, TensorProto.UINT4: 0.5, TensorProto.INT4: 0.5, TensorProto.INT64: 8,
+          TensorProto.INT32: 4}   # (UINT16: bfloat16 panels)
 
 
 def weight_bytes_per_token(engine_dir: Path) -> float:

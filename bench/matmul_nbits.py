@@ -31,9 +31,9 @@ from bench.common import machine  # noqa: E402
 from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
 from tandem.export.builder import MS_DOMAIN  # noqa: E402
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN  # noqa: E402
-from tandem.export.cpu_matmul_lowering import weight_panels  # noqa: E402
+from tandem.export.cpu_matmul_lowering import bf16_bits, weight_panels  # noqa: E402
 from tandem.export.nbits_tiles import tile_weights  # noqa: E402
-from tandem.export.quantize import half_scales  # noqa: E402
+from tandem.export.quantize import Bf16Weights, half_scales  # noqa: E402
 from tandem.plugins import cpu_kernels  # noqa: E402
 
 BLOCK = 32
@@ -63,27 +63,32 @@ def graph(domain: str, K: int, N: int, bits: int, nodes: int, seed: int = 0):
     return model, nodes * N * nb * BLOCK * bits // 8
 
 
-def float_graph(domain: str, K: int, N: int, nodes: int, seed: int = 0):
+def float_graph(domain: str, K: int, N: int, nodes: int, seed: int = 0, bf16: bool = False):
     """`nodes` float32 MatMuls over the same input A [M, K], each with its own random weights:
-    ONNX Runtime's (domain "") or tandem's (its B the weight panels)."""
+    ONNX Runtime's (domain "") or tandem's (its B the weight panels; bf16: as bfloat16, the weights
+    rounded to it for both)."""
     rng = np.random.default_rng(seed)
     inits, ops, outs = [], [], []
     for i in range(nodes):
         w = rng.standard_normal((K, N), dtype=np.float32) * 0.02
-        inits.append(numpy_helper.from_array(weight_panels(w) if domain else w, f"B{i}"))
-        ops.append(helper.make_node("MatMul", ["A", f"B{i}"], [f"Y{i}"], domain=domain, **({"N": N} if domain else {})))
+        w = Bf16Weights.round(w) if bf16 else w
+        panels = bf16_bits(weight_panels(w)) if bf16 else weight_panels(w)
+        inits.append(numpy_helper.from_array(panels if domain else w, f"B{i}"))
+        attrs = ({"N": N, "bf16": 1} if bf16 else {"N": N}) if domain else {}
+        ops.append(helper.make_node("MatMul", ["A", f"B{i}"], [f"Y{i}"], domain=domain, **attrs))
         outs.append(helper.make_tensor_value_info(f"Y{i}", TensorProto.FLOAT, ["M", N]))
     g = helper.make_graph(ops, "mm", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", K])], outs, inits)
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)] + ([helper.make_opsetid(domain, 1)]
                                                                                  if domain else []))
     model.ir_version = 10
-    return model, nodes * K * N * 4
+    return model, nodes * K * N * (2 if bf16 else 4)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="768x3088,1024x768,768x4096,2048x768,768x32000")
-    parser.add_argument("--bits", type=int, default=4, choices=(4, 8, 32))
+    parser.add_argument("--bits", type=int, default=4, choices=(4, 8, 16, 32),
+                        help="16: tandem's float kernel over bfloat16 panels (MLAS: float32 weights)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--mib", type=float, default=48.0)
     parser.add_argument("--rounds", type=int, default=7)
@@ -91,15 +96,17 @@ def main() -> None:
     library = cpu_kernels.library()
     if library is None:
         raise SystemExit("tandem's CPU kernels are not built here (no C++ compiler, or TANDEM_CPU_KERNELS=0)")
-    fast = cpu_kernels.f32_matmul() if args.bits == 32 else cpu_kernels.nbits_matmul()
+    fast = cpu_kernels.f32_matmul() if args.bits >= 16 else cpu_kernels.nbits_matmul()
     print(f"{machine()}; {args.bits}-bit, block {BLOCK}; tandem's kernel: "
           f"{'AVX-512' if fast else 'portable loop (the build would not use it here)'}")
     for shape in args.shapes.split(","):
         K, N = (int(v) for v in shape.split("x"))
         per_node = N * K * args.bits // 8
         nodes = max(1, round(args.mib * 2**20 / per_node))
-        if args.bits == 32:
-            (ours, nbytes), (theirs, _) = float_graph(CPU_DOMAIN, K, N, nodes), float_graph("", K, N, nodes)
+        if args.bits >= 16:
+            bf16 = args.bits == 16
+            (ours, nbytes), (theirs, _) = float_graph(CPU_DOMAIN, K, N, nodes, bf16=bf16), \
+                float_graph("", K, N, nodes, bf16=bf16)
         else:
             ours, nbytes = graph(CPU_DOMAIN, K, N, args.bits, nodes)
             theirs, _ = graph(MS_DOMAIN, K, N, args.bits, nodes)

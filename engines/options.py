@@ -33,7 +33,8 @@ class BuildOptions:
     page_size: int = 16
     prefill_chunk: int = 64
     dtype: str = "float32"
-    weights: str = "float"        # linear layers: "float" (= dtype), or weight-only "int8" / "int4"
+    weights: str = "float"        # linear layers: "float" (= dtype), "bf16" (bfloat16 values; float32 compute),
+                                  # or weight-only "int8" / "int4"
     quant_block: int = 32         # input rows per quantization scale
     draft: str | None = None
     no_mtp: bool = False
@@ -88,6 +89,9 @@ class BuildOptions:
         if self.weights not in WEIGHT_FORMATS:
             raise OptionsError(f"--weights {self.weights!r}: use one of {', '.join(WEIGHT_FORMATS)} (int8 / int4: "
                                "weight-only quantization of the linear layers)")
+        if self.weights == "bf16" and self.dtype != "float32":
+            raise OptionsError(f"--weights bf16 with --dtype {self.dtype}: bfloat16 weights compute in float32; "
+                               "drop --dtype or use --weights float")
         try:
             weight_quant(self.weights, self.quant_block)
         except ValueError as e:
@@ -106,7 +110,7 @@ class BuildOptions:
         per round at k = 3). int8 reads a quarter of it; the drafts stay the float head's at 99%+
         (docs/performance.md). Small lm_heads gain nothing (a step is per-node overhead there): "auto"
         keeps them as they are."""
-        if self.draft_lm_head == "int8" or (self.draft_lm_head == "auto" and self.weights == "float"
+        if self.draft_lm_head == "int8" or (self.draft_lm_head == "auto" and self.weights in ("float", "bf16")
                                             and lm_head_params >= DRAFT_INT8_PARAMS):
             return weight_quant("int8", self.quant_block) if self.weights != "int8" else self.quant
         return self.quant

@@ -22,6 +22,11 @@ written once into optimized.bin and every session maps them. The norm before a p
 residual Add after it and the MLP's gate become part of the matmul node: two to four nodes fewer
 per sub-layer, and no normalized [..., K] or product [..., N] tensor written and read back.
 
+bfloat16 panels (`bf16`: `--weights bf16` builds, whose linear weights the export rounded to
+bfloat16 values): the same panels as bfloat16 bit patterns, half the bytes; the kernel widens each
+weight exactly, so its products are the float32 panels' bit for bit. A norm's scale is not folded
+into them (diag(s) W is not bfloat16): the node takes it as input 3 and scales A's columns.
+
 Numerics: the folded scale and the row scale applied after the product round differently from the
 RMSNormalization they replace, and the kernel's silu (its own exp) from ONNX Runtime's QuickGelu
 (within the build verification's tolerance; the residual add is the same single rounding). Every
@@ -31,6 +36,7 @@ bit.
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -52,6 +58,12 @@ def weight_panels(w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(padded.reshape(k, -1, PANEL).transpose(1, 0, 2))
 
 
+def bf16_bits(panels: np.ndarray) -> np.ndarray:
+    """float32 panels as bfloat16 bit patterns (uint16), rounded to nearest even: exact for the
+    bfloat16-valued weights of a `--weights bf16` export."""
+    return panels.astype(ml_dtypes.bfloat16).view(np.uint16)
+
+
 def swiglu_panels(w: np.ndarray) -> np.ndarray:
     """The gate and up projections W = [gate | up] ([K, 2I]) as a swiglu node's B: their panels in
     turns, gate panel q then up panel q ([2 ceil(I / 16), K, 16])."""
@@ -60,10 +72,11 @@ def swiglu_panels(w: np.ndarray) -> np.ndarray:
     return np.stack([gate, up], axis=1).reshape(-1, *gate.shape[1:])
 
 
-def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
+def lower_matmul_to_kernel(model: onnx.ModelProto, tensors, bf16: bool = False) -> bool:
     """Rewrite `model` in place as the module says. `tensors` is the saved graph's tensor store
     (array(tensor) -> ndarray; add(name, array) -> TensorProto, written once). Weights and norms
-    nothing reads any more leave the graph. Returns whether any node was rewritten."""
+    nothing reads any more leave the graph. Returns whether any node was rewritten. bf16: the
+    panels as bfloat16 (the norms' scales as inputs, not folded)."""
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     outputs = {o.name for o in graph.output}
@@ -80,22 +93,30 @@ def lower_matmul_to_kernel(model: onnx.ModelProto, tensors) -> bool:
         scale = norms.get(node.input[0])
         norm = producers.get(node.input[0])
         gate = _swiglu_gate(node, int(w.dims[1]), inits, readers, outputs)
-        name = f"{w.name}/{'swiglu_' if gate else ''}panels" + ("" if scale is None else f"*{scale.name}")
+        folds = scale is not None and not bf16
+        name = f"{w.name}/{'swiglu_' if gate else ''}panels" + (f"*{scale.name}" if folds else "") + \
+            (".bf16" if bf16 else "")
         if name not in inits:
             weight = tensors.array(w)
-            if scale is not None:
+            if folds:
                 weight = tensors.array(scale).astype(np.float32)[:, None] * weight
-            inits[name] = tensors.add(name, swiglu_panels(weight) if gate else weight_panels(weight))
+            panels = swiglu_panels(weight) if gate else weight_panels(weight)
+            inits[name] = tensors.add(name, bf16_bits(panels) if bf16 else panels)
             graph.initializer.append(inits[name])
         node.input[1] = name
         node.domain = CPU_DOMAIN
         node.attribute.extend([helper.make_attribute("N", int(w.dims[1]) // (2 if gate else 1))])
+        if bf16:
+            node.attribute.extend([helper.make_attribute("bf16", 1)])
         if gate:
             node.output[0] = gate[-1].output[0]            # the Mul's: Split, QuickGelu and Mul go
             node.attribute.extend([helper.make_attribute("swiglu", 1)])
             gated.update((g.op_type, g.output[0]) for g in gate)
         if scale is not None:
             node.input[0] = norm.input[0]
+            if not folds:              # the scale multiplies A's columns in the kernel (input 3)
+                node.input.extend([""] * (4 - len(node.input)))
+                node.input[3] = scale.name
             node.attribute.extend([helper.make_attribute("rms_norm", 1),
                                    helper.make_attribute("epsilon", _attr(norm, "epsilon", 1e-5))])
         lowered.append(w.name)

@@ -10,14 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 from tandem.export.builder import ONNX_DTYPES, GraphBuilder
-from tandem.export.quantize import WeightQuant
+from tandem.export.quantize import Bf16Weights, WeightQuant
 
 
 class Weights:
     """Canonical checkpoint tensors as export-dtype numpy, with the derived forms graphs use."""
 
-    def __init__(self, checkpoint, dtype: str = "float32", quant: WeightQuant | None = None,
-                 draft_quant: WeightQuant | None | str = "same", sink=None):
+    def __init__(self, checkpoint, dtype: str = "float32", quant: WeightQuant | Bf16Weights | None = None,
+                 draft_quant: WeightQuant | Bf16Weights | None | str = "same", sink=None):
         self.ckpt = checkpoint
         self.dtype = dtype              # the graphs' activation dtype (contract spelling)
         self.np_dtype = np.dtype(dtype)
@@ -66,6 +66,8 @@ class Weights:
 
         if quant is None:
             return self.derived(b, key + ".T", lambda: wt().astype(self.np_dtype))
+        if isinstance(quant, Bf16Weights):
+            return self.derived(b, key + ".T.bf16", lambda: quant.round(wt()).astype(self.np_dtype))
         q_name = f"{key}.T.{quant.format}"
         parts = (q_name, q_name + ".scale", q_name + ".zero")
         if not self._known(q_name):

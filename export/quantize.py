@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
-WEIGHT_FORMATS = ("float", "int8", "int4")   # "float": the activation dtype (no quantization)
+WEIGHT_FORMATS = ("float", "bf16", "int8", "int4")   # "float": the activation dtype (no quantization)
 _BITS = {"int8": 8, "int4": 4}
 _NUMPY = {"int8": np.int8, "int4": ml_dtypes.uint4}
 
@@ -89,8 +89,25 @@ def half_scales(scale: np.ndarray) -> np.ndarray:
     return half.astype(np.float32)
 
 
-def weight_quant(fmt: str, block: int = 32) -> WeightQuant | None:
-    """The quantization a `--weights` value asks for; None for "float"."""
+@dataclass(frozen=True)
+class Bf16Weights:
+    """`--weights bf16`: the linear layers' W^T rounded to bfloat16 (nearest even), kept as float32
+    values in the exported graph (a plain MatMul every runtime reads); tandem's CPU matmul stores
+    them as bfloat16 panels (export/cpu_matmul_lowering.py), half the bytes a token reads. For a
+    bfloat16 checkpoint (as the Hub ships Qwen3.5 and the others) the rounding changes nothing: the
+    engine computes with the checkpoint's own weights, as a float32 one does."""
+
+    format: str = "bf16"
+
+    @staticmethod
+    def round(wt: np.ndarray) -> np.ndarray:
+        return wt.astype(np.float32).astype(ml_dtypes.bfloat16).astype(np.float32)
+
+
+def weight_quant(fmt: str, block: int = 32) -> WeightQuant | Bf16Weights | None:
+    """The weight form a `--weights` value asks for; None for "float"."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"--weights {fmt!r} is not one of {', '.join(WEIGHT_FORMATS)}")
-    return None if fmt == "float" else WeightQuant(fmt, block)
+    if fmt == "float":
+        return None
+    return Bf16Weights() if fmt == "bf16" else WeightQuant(fmt, block)

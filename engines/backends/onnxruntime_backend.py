@@ -74,7 +74,8 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, opt
         if progress:
             progress.step(bucket.name)
     # every file, reused ones too: optimized.bin is written afresh, never shared with a previous build
-    save_served_graphs(export_dir, out_dir, graphs, lambda level, kernels: _options(level, kernels=kernels))
+    save_served_graphs(export_dir, out_dir, graphs, lambda level, kernels: _options(level, kernels=kernels),
+                       bf16=options is not None and options.weights == "bf16")
     return files
 
 

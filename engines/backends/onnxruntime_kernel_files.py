@@ -26,19 +26,20 @@ from tandem.export.lowering import lower_for_onnxruntime
 from tandem.plugins import cpu_kernels
 
 
-def save_served_graphs(export_dir: Path, out_dir: Path, graphs: dict[str, tuple[str, int | None]], options) -> None:
+def save_served_graphs(export_dir: Path, out_dir: Path, graphs: dict[str, tuple[str, int | None]], options,
+                       bf16: bool = False) -> None:
     """The saved optimized graph of every engine file (graphs: file -> (exported graph, rows)):
     optimized from the lowering on tandem's kernels where the library compiles here and the graph
     has an op it lowers, else from the engine file itself; then its int4 / int8 MatMulNBits (which the
     optimizer makes) and its constant-weight float MatMuls on tandem's kernels where those run fast
-    here. options(level, kernels) -> SessionOptions."""
+    here (bf16: their panels as bfloat16, for `--weights bf16`). options(level, kernels) -> SessionOptions."""
     kernels, variants = cpu_kernels.library(), {}
     nbits = kernels is not None and cpu_kernels.nbits_matmul()
     f32 = kernels is not None and cpu_kernels.f32_matmul()
 
     def matmuls(model: onnx.ModelProto, tensors) -> bool:   # both run: no short circuit
         quantized = bool(nbits and lower_matmul_nbits_to_kernel(model, tensors))
-        return bool(f32 and lower_matmul_to_kernel(model, tensors)) or quantized
+        return bool(f32 and lower_matmul_to_kernel(model, tensors, bf16=bf16)) or quantized
 
     try:
         if kernels is not None:

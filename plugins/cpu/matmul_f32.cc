@@ -2,7 +2,10 @@
 // panels, read where they lie (the engine dir's mapped optimized.bin), as one ONNX Runtime CPU kernel.
 //
 // Inputs   A [..., K] float32; B [ceil(N / 16), K, 16] float32: panel p holds columns 16p..16p+15 of
-//          W, row after row (columns past N are zeros): B[p, k, j] = W[k, 16 p + j];
+//          W, row after row (columns past N are zeros): B[p, k, j] = W[k, 16 p + j]; with bf16 = 1
+//          the same panels as bfloat16 bit patterns (uint16): half the bytes a token reads, each
+//          weight widened to float32 exactly (bits << 16) before its fma, so the products are those
+//          of a float32 B holding the same (bfloat16-valued) weights, bit for bit;
 //          residual (optional) [..., N] float32, added to the product
 // Output   [..., N]
 //          norm_scale (optional) [G], gate (optional) [like A]: with norm_group G, A (Gated
@@ -17,7 +20,9 @@
 //          rms_norm (0 or 1), epsilon: with rms_norm each row of A is RMS-normalized first, its
 //          scale folded into W by the build (W = diag(scale) W0): y = r A W + residual with
 //          r = 1 / sqrt(sum_k A[m, k]^2 / K + epsilon): the RMSNormalization before a matmul and the
-//          residual Add after it, as one node (export/cpu_kernel_lowering.py fuses them)
+//          residual Add after it, as one node (export/cpu_kernel_lowering.py fuses them); where the
+//          folded W would not be bfloat16 (bf16 panels), the scale comes as input 3 instead (norm_scale
+//          [K], norm_group 0) and multiplies A's columns: y = r (A diag(scale)) W0 + residual
 //
 // Why: ONNX Runtime's MatMul packs its own copy of every constant W per session at load (MLAS's
 // panels: 0.83 s and +461 MiB per 150M float target-step session). The build writes the panels
@@ -54,9 +59,10 @@ constexpr int64_t kLanes = 16;          // columns per panel
 constexpr int64_t kChunkPanels = 4;     // panels per task of the pool
 constexpr int64_t kAhead = 64;          // rows of a panel a prefetching tile reads ahead
 
+template <typename W>     // float (float32 panels) or uint16_t (bfloat16 bit patterns)
 struct Call {
   const float* A;          // [M, K]
-  const float* B;          // [P, K, 16]
+  const W* B;              // [P, K, 16]
   const float* residual;   // [M, N] or null
   const float* r;          // [M] row scales (rms_norm) or null
   float* y;                // [M, N]
@@ -73,17 +79,26 @@ struct Call {
   }
 };
 
+inline float widen(float w) { return w; }
+inline float widen(uint16_t w) {      // bfloat16 -> float32, exact
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
 // Panels [p0, p1) of every row, lane by lane: the chains the AVX-512 kernel runs, in its order
 // (swiglu: p0 even, a gate panel and its up panel together).
-void panels_portable(const Call& c, int64_t p0, int64_t p1) {
+template <typename W>
+void panels_portable(const Call<W>& c, int64_t p0, int64_t p1) {
   for (int64_t m = 0; m < c.M; ++m) {
     const float* a = c.A + m * c.K;
     for (int64_t p = p0; p < p1; p += c.swiglu ? 2 : 1) {
       float acc[2][kLanes] = {};
       for (int64_t v = 0; v < (c.swiglu ? 2 : 1); ++v) {
-        const float* b = c.B + (p + v) * c.K * kLanes;
+        const W* b = c.B + (p + v) * c.K * kLanes;
         for (int64_t k = 0; k < c.K; ++k) {
-          for (int64_t j = 0; j < kLanes; ++j) acc[v][j] = std::fma(a[k], b[k * kLanes + j], acc[v][j]);
+          for (int64_t j = 0; j < kLanes; ++j) acc[v][j] = std::fma(a[k], widen(b[k * kLanes + j]), acc[v][j]);
         }
       }
       const int64_t n0 = (c.swiglu ? p / 2 : p) * kLanes, lanes = std::min(kLanes, c.N - n0);
@@ -96,16 +111,22 @@ void panels_portable(const Call& c, int64_t p0, int64_t p1) {
 
 #ifdef TANDEM_AVX512F
 
+TANDEM_AVX512F inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+TANDEM_AVX512F inline __m512 load16(const uint16_t* w) {   // 16 bfloat16 -> float32, exact
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // y[m0 .. m0 + R] for panels [p0, p0 + V) (swiglu: V / 2 gate and up pairs), stores masked to N.
 // PF: prefetch each panel kAhead rows ahead into L1 (see panels_avx512).
-template <int R, int V, bool PF = false>
-TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0) {
+template <int R, int V, bool PF = false, typename W>
+TANDEM_AVX512F void tile(const Call<W>& c, int64_t m0, int64_t p0) {
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r) {
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   }
   const int64_t panel = c.K * kLanes;
-  const float* b = c.B + p0 * panel;
+  const W* b = c.B + p0 * panel;
   const float* a = c.A + m0 * c.K;
   for (int64_t k = 0; k < c.K; ++k, b += kLanes) {
     __m512 w[V];
@@ -114,7 +135,7 @@ TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0) {
         _mm_prefetch(reinterpret_cast<const char*>(b + v * panel + kAhead * kLanes), _MM_HINT_T0);
       }
     }
-    for (int v = 0; v < V; ++v) w[v] = _mm512_loadu_ps(b + v * panel);
+    for (int v = 0; v < V; ++v) w[v] = load16(b + v * panel);
     for (int r = 0; r < R; ++r) {
       const __m512 x = _mm512_set1_ps(a[r * c.K + k]);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(x, w[v], acc[r][v]);
@@ -152,8 +173,8 @@ TANDEM_AVX512F void tile(const Call& c, int64_t m0, int64_t p0) {
 
 // rows [m0, m0 + R) of panels [p0, p1), V at a time (fewer for the last ones: the same chains;
 // swiglu: an even count, the panels come in pairs)
-template <int R, int V, bool PF = false>
-TANDEM_AVX512F void rows_of(const Call& c, int64_t m0, int64_t p0, int64_t p1) {
+template <int R, int V, bool PF = false, typename W>
+TANDEM_AVX512F void rows_of(const Call<W>& c, int64_t m0, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; p += V) {
     switch (std::min<int64_t>(V, p1 - p)) {
       case 1: tile<R, 1, PF>(c, m0, p); break;
@@ -170,7 +191,8 @@ TANDEM_AVX512F void rows_of(const Call& c, int64_t m0, int64_t p0, int64_t p1) {
 // 128 1.09x, 256 1.04x); Intel Xeon (Sapphire Rapids class): T0 1.2x none and 1.18x NTA, so T0 on
 // both. The same at 4 rows measured 0.92-0.97x and at 1 row 0.96-1.00x, so those do not. Where
 // blocks of 8 rows repeat (prefill, wide verify), the panels come from L2 again: no prefetch.
-TANDEM_AVX512F void panels_avx512(const Call& c, int64_t p0, int64_t p1) {
+template <typename W>
+TANDEM_AVX512F void panels_avx512(const Call<W>& c, int64_t p0, int64_t p1) {
   switch (c.M) {
     case 8: return rows_of<8, 2, true>(c, 0, p0, p1);
     case 7: return rows_of<7, 2, true>(c, 0, p0, p1);
@@ -194,14 +216,15 @@ TANDEM_AVX512F void panels_avx512(const Call& c, int64_t p0, int64_t p1) {
 
 #else
 
-void panels_avx512(const Call& c, int64_t p0, int64_t p1) { panels_portable(c, p0, p1); }
+template <typename W>
+void panels_avx512(const Call<W>& c, int64_t p0, int64_t p1) { panels_portable(c, p0, p1); }
 
 #endif
 
 struct Kernel {
   static constexpr const char* kName = "MatMul";
-  static constexpr int kInputs[] = {kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat, kTensorFloat,
-      kTensorInt64, kTensorInt64};
+  static constexpr int kInputs[] = {kTensorFloat, 0, kTensorFloat, kTensorFloat, kTensorFloat,
+      kTensorInt64, kTensorInt64};     // B: float32, or uint16 (bf16 = 1)
   static constexpr uint32_t kOptionalInputs = from_index(2);
   static constexpr size_t kOutputs = kMaxSplits;
   static constexpr uint32_t kOptionalOutputs = from_index(1);
@@ -211,7 +234,8 @@ struct Kernel {
     check(api, api.KernelInfoGetAttributeInt64(info, "N", &N));
     expect(N > 0, "MatMul", "N must be positive");
     const MatMulFusions f = matmul_fusions(api, info, "MatMul");
-    return new Kernel{NodeApi(api, info), N, f.norm_group, f.swiglu, f.rms_norm, f.epsilon, avx512f()};
+    const bool bf16 = optional_int(api, info, "bf16", 0) != 0;
+    return new Kernel{NodeApi(api, info), N, f.norm_group, f.swiglu, f.rms_norm, f.epsilon, avx512f(), bf16};
   }
 
   NodeApi api;
@@ -234,12 +258,25 @@ struct Kernel {
   int64_t N, norm_group;
   bool swiglu, rms_norm;
   float epsilon;
-  bool fast;
+  bool fast, bf16;
+
+  // A diag(scale), scale input 3 ([K]: an RMS norm's, where the build could not fold it into bf16
+  // panels), in the calling thread's scratch; A itself where the node has no such input
+  const float* scaled_input(OrtKernelContext* context, const float* A, int64_t n, int64_t K) const {
+    std::vector<int64_t> sd;
+    const float* scale = optional_input<float>(api, context, 3, &sd);
+    if (scale == nullptr) return A;
+    expect(numel(sd) == K, "MatMul", "the norm scale (input 3) is not [K]");
+    thread_local std::vector<float> scaled;
+    scaled.resize(static_cast<size_t>(n));
+    for (int64_t i = 0; i < n; ++i) scaled[i] = A[i] * scale[i % K];
+    return scaled.data();
+  }
 
   void compute(OrtKernelContext* context) const {
     std::vector<int64_t> ad, bd, rd;
     const float* A = input<float>(api, context, 0, &ad);
-    const float* B = input<float>(api, context, 1, &bd);
+    const void* B = input<void>(api, context, 1, &bd);
     const float* residual = optional_input<float>(api, context, 2, &rd);
     const int64_t P = (N + kLanes - 1) / kLanes * (swiglu ? 2 : 1);
     expect(bd.size() == 3 && bd[0] == P && bd[2] == kLanes, "MatMul",
@@ -260,17 +297,24 @@ struct Kernel {
       scales.resize(static_cast<size_t>(M));
       rms_row_scales(A, M, bd[1], epsilon, fast, scales.data());
     }
-    const Call call{A, B, residual, rms_norm ? scales.data() : nullptr, y, M, bd[1], N, swiglu};
+    if (rms_norm) A = scaled_input(context, A, numel(ad), bd[1]);      // (after the row scales: of A)
+    const float* r = rms_norm ? scales.data() : nullptr;
+    const Call<float> f32{A, static_cast<const float*>(B), residual, r, y, M, bd[1], N, swiglu};
+    const Call<uint16_t> half{A, static_cast<const uint16_t*>(B), residual, r, y, M, bd[1], N, swiglu};
     if (numel(yd) == 0) {
       if (!split.empty()) split_columns(api, context, y, yd, split);
       return;
     }
     auto chunk = [&](int64_t first, int64_t last) {
       const int64_t p0 = first * kChunkPanels, p1 = std::min(P, last * kChunkPanels);
-      fast ? panels_avx512(call, p0, p1) : panels_portable(call, p0, p1);
+      if (bf16) {
+        fast ? panels_avx512(half, p0, p1) : panels_portable(half, p0, p1);
+      } else {
+        fast ? panels_avx512(f32, p0, p1) : panels_portable(f32, p0, p1);
+      }
     };
     // the panels stream once per block of 8 rows
-    const int64_t bytes = 4 * P * bd[1] * kLanes * ((M + 7) / 8);
+    const int64_t bytes = (bf16 ? 2 : 4) * P * bd[1] * kLanes * ((M + 7) / 8);
     parallel_for(api, context, (P + kChunkPanels - 1) / kChunkPanels, bytes, chunk);
     if (!split.empty()) split_columns(api, context, y, yd, split);
   }
