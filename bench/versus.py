@@ -14,8 +14,8 @@ source tree (llama-cpp-python's sdist has one in vendor/llama.cpp) for its conve
 made once into `--work` and reused. Setting the other interpreter up (llama.cpp compiles, ~15 min on
 2 cores):
 
-    python3 -m venv /tmp/other && /tmp/other/bin/pip install onnxruntime-genai llama-cpp-python gguf \
-        torch transformers onnx
+    python3 -m venv /tmp/other && /tmp/other/bin/pip install torch==2.13.0 && /tmp/other/bin/pip install \
+        onnxruntime-genai onnx-ir llama-cpp-python gguf transformers onnx    # (onnx-ir: genai's builder)
     /tmp/other/bin/pip download --no-deps --no-binary :all: llama-cpp-python -d /tmp/sdist  # its vendor/llama.cpp
 
 On an Intel CPU whose AMX the VM does not enable (the sandbox's Xeon), llama.cpp's AMX path dies
