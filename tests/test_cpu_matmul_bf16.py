@@ -42,7 +42,7 @@ def _model(B: np.ndarray, n: int, bf16: bool, swiglu: bool = False, scale: np.nd
     return m
 
 
-def _kernels(monkeypatch):
+def _kernels():
     """(portable?) for each kernel that runs here."""
     return [True, False] if cpu_kernels.f32_matmul() else [True]
 
@@ -62,7 +62,7 @@ def test_bf16_panels_equal_float32_panels_of_the_same_weights(library, monkeypat
     rng = np.random.default_rng(K * 31 + N)
     W = Bf16Weights.round(rng.standard_normal((K, N)).astype(np.float32))
     A = rng.standard_normal((11, K)).astype(np.float32)                         # tiles of 8 and 3 rows
-    for portable in _kernels(monkeypatch):
+    for portable in _kernels():
         monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1" if portable else "0")
         full = onnxruntime_backend.session(_model(weight_panels(W), N, False), kernels=library).run(None, {"A": A})[0]
         half = onnxruntime_backend.session(_model(bf16_bits(weight_panels(W)), N, True), kernels=library)
@@ -81,7 +81,7 @@ def test_bf16_swiglu_and_a_norm_scale_as_input(library, monkeypatch):
     s = (rng.random(K) + 0.5).astype(np.float32)
     a64 = A.astype(np.float64)
     exact = (a64 / np.sqrt((a64**2).mean(axis=1, keepdims=True) + 1e-6) * s) @ W[:, :I].astype(np.float64)
-    for portable in _kernels(monkeypatch):
+    for portable in _kernels():
         monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1" if portable else "0")
         full = onnxruntime_backend.session(_model(swiglu_panels(W), I, False, swiglu=True), kernels=library)
         half = onnxruntime_backend.session(_model(bf16_bits(swiglu_panels(W)), I, True, swiglu=True), kernels=library)
