@@ -96,6 +96,29 @@ def test_a_row_of_a_call_equals_single_row_calls_bit_for_bit(library):
         assert np.array_equal(o[:, 0], out[:, t]) and np.array_equal(pool, per_row[:, t])
 
 
+@pytest.mark.parametrize("dv", [64, 128, 256])
+@pytest.mark.parametrize("emit_output", [1, 0])
+def test_delta_rule_rows_portable_and_avx512_give_the_same_bits(library, monkeypatch, dv, emit_output):
+    """The AVX-512 rows (head dims 64, 128, 256) against the portable ones, operation for operation:
+    updated rows, rows past state_rows (the output from the state as it is), the state-only replay."""
+    if not cpu_kernels.f32_matmul():
+        pytest.skip("no AVX-512 here: both runs would take the portable rows")
+    rng = np.random.default_rng(dv + emit_output)
+    f = _inputs(rng, 3, 3, 2, 4, 32, dv, pool_rows=4)
+    feeds = {**f, "slots": np.array([3, 0, 2], np.int64), "n": np.array([3, 1, 0], np.int64)}
+    model = _kernel_model(True)
+    model.graph.node[0].attribute.append(helper.make_attribute("emit_output", emit_output))
+    fast = _session(model, library).run(None, feeds)
+    monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1")        # read when a session makes its kernels
+    portable = _session(model, library).run(None, feeds)
+    kept = slice(0, 3) if emit_output else slice(1, 2)    # a replay writes its final state only
+    for a, b in zip(fast[kept], portable[kept]):
+        assert np.array_equal(a, b)
+    if emit_output:
+        for got, want in zip(fast, _reference(f, feeds["slots"], feeds["n"])):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+
+
 def test_final_state_written_over_its_own_pool_rows(library):
     """The runtime binds a committing call's state output to the pool rows it reads (consecutive
     slots): updating in place gives the same state as a separate output buffer."""

@@ -128,7 +128,7 @@ struct Kernel {
     p.norm_epsilon = norm_epsilon, p.norm_scale = norm_scale, p.fast = fast;
 
     c.B = B, c.W = p.W, c.hk = p.hk, c.hv = p.hv, c.dk = p.dk, c.dv = p.dv;
-    c.scale = scale, c.emit_output = emit_output;
+    c.scale = scale, c.emit_output = emit_output, c.fast = fast;
     delta_rule_outputs(api, context, kOp, sd[0], &c);    // checks the slots before the pools are read
 
     thread_local std::vector<float> qk, values, gates;    // the calling thread's, kept across calls

@@ -53,7 +53,7 @@ void row(const float* src, float* dst, const float* __restrict q, const float* _
       for (int64_t j = 0; j < dv; ++j) {
         const float x = si[j] * decay;
         di[j] = x;
-        acc[j] += x * ki;
+        acc[j] = std::fma(x, ki, acc[j]);
       }
     }
     float u[DV > 0 ? DV : 1024];
@@ -62,7 +62,7 @@ void row(const float* src, float* dst, const float* __restrict q, const float* _
       for (int64_t i = 0; i < dk; ++i) {
         float* di = dst + i * dv;
         const float ki = k[i];
-        for (int64_t j = 0; j < dv; ++j) di[j] += ki * u[j];
+        for (int64_t j = 0; j < dv; ++j) di[j] = std::fma(ki, u[j], di[j]);
       }
       return;
     }
@@ -71,9 +71,9 @@ void row(const float* src, float* dst, const float* __restrict q, const float* _
       float* di = dst + i * dv;
       const float ki = k[i], qi = q[i];
       for (int64_t j = 0; j < dv; ++j) {
-        const float x = di[j] + ki * u[j];
+        const float x = std::fma(ki, u[j], di[j]);
         di[j] = x;
-        acc[j] += x * qi;
+        acc[j] = std::fma(x, qi, acc[j]);
       }
     }
   } else {
@@ -83,16 +83,76 @@ void row(const float* src, float* dst, const float* __restrict q, const float* _
     for (int64_t i = 0; i < dk; ++i) {
       const float* di = dst + i * dv;
       const float qi = q[i];
-      for (int64_t j = 0; j < dv; ++j) acc[j] += di[j] * qi;
+      for (int64_t j = 0; j < dv; ++j) acc[j] = std::fma(di[j], qi, acc[j]);
     }
   }
   for (int64_t j = 0; j < dv; ++j) o[j] = acc[j] * scale;
 }
 
+#ifdef TANDEM_AVX512F
+// row<DV>'s AVX-512 form for DV a multiple of 16, operation for operation (the same fmas, explicit
+// in both: the compiler may not contract the rest), so both give the same bits. The DV accumulators
+// and u stay in registers; the portable loop, auto-vectorized, kept them in memory and took 28 us
+// a 150M layer (8 heads of 128 x 128) with the states in cache.
+template <int64_t DV>
+TANDEM_AVX512F void row_avx512(const float* src, float* dst, const float* __restrict q, const float* __restrict k,
+                               const float* __restrict v, float decay, float beta, bool update, float scale,
+                               int64_t dk, int64_t, float* __restrict o) {
+  constexpr int V = DV / 16;
+  __m512 acc[V];
+  for (int j = 0; j < V; ++j) acc[j] = _mm512_setzero_ps();
+  if (update) {
+    const __m512 d = _mm512_set1_ps(decay);
+    for (int64_t i = 0; i < dk; ++i) {                              // S^T k over the decayed state
+      const __m512 ki = _mm512_set1_ps(k[i]);
+      for (int j = 0; j < V; ++j) {
+        const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(src + i * DV + 16 * j), d);
+        _mm512_storeu_ps(dst + i * DV + 16 * j, x);
+        acc[j] = _mm512_fmadd_ps(x, ki, acc[j]);
+      }
+    }
+    __m512 u[V];
+    for (int j = 0; j < V; ++j) {
+      u[j] = _mm512_mul_ps(_mm512_set1_ps(beta), _mm512_sub_ps(_mm512_loadu_ps(v + 16 * j), acc[j]));
+      acc[j] = _mm512_setzero_ps();
+    }
+    for (int64_t i = 0; i < dk; ++i) {                              // S' = S + k u^T, and S'^T q
+      const __m512 ki = _mm512_set1_ps(k[i]), qi = _mm512_set1_ps(q[i]);
+      for (int j = 0; j < V; ++j) {
+        float* di = dst + i * DV + 16 * j;
+        const __m512 x = _mm512_fmadd_ps(ki, u[j], _mm512_loadu_ps(di));
+        _mm512_storeu_ps(di, x);
+        if (o != nullptr) acc[j] = _mm512_fmadd_ps(x, qi, acc[j]);
+      }
+    }
+    if (o == nullptr) return;
+  } else {
+    if (src != dst) std::memcpy(dst, src, sizeof(float) * dk * DV);
+    if (o == nullptr) return;
+    for (int64_t i = 0; i < dk; ++i) {
+      const __m512 qi = _mm512_set1_ps(q[i]);
+      for (int j = 0; j < V; ++j) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(dst + i * DV + 16 * j), qi, acc[j]);
+    }
+  }
+  const __m512 s = _mm512_set1_ps(scale);
+  for (int j = 0; j < V; ++j) _mm512_storeu_ps(o + 16 * j, _mm512_mul_ps(acc[j], s));
+}
+#endif
+
 using RowFn = void (*)(const float*, float*, const float*, const float*, const float*, float, float, bool, float,
                        int64_t, int64_t, float*);
 
-RowFn row_for(int64_t dv) {
+RowFn row_for(int64_t dv, bool fast) {
+#ifdef TANDEM_AVX512F
+  if (fast) {
+    switch (dv) {
+      case 64: return row_avx512<64>;
+      case 128: return row_avx512<128>;
+      case 256: return row_avx512<256>;
+      default: break;
+    }
+  }
+#endif
   switch (dv) {
     case 64: return row<64>;
     case 128: return row<128>;
@@ -120,7 +180,7 @@ void delta_rule_outputs(const OrtApiTable& api, OrtKernelContext* context, const
 
 void delta_rule(const OrtApiTable& api, OrtKernelContext* context, const DeltaRuleCall& c) {
   const int64_t ratio = c.hv / c.hk, state = c.dk * c.dv;
-  const RowFn run_row = row_for(c.dv);
+  const RowFn run_row = row_for(c.dv, c.fast);
   // (sequence, head) pairs are independent: ONNX Runtime's thread pool shares them out
   auto heads = [&](int64_t first, int64_t last) {
     thread_local std::vector<float> scratch;   // per pool thread, kept across calls: no allocation per task
@@ -160,12 +220,13 @@ struct Kernel {
   static Kernel* create(const OrtApiTable& api, const OrtKernelInfo* info) {
     float scale = 1.0f;
     check(api, api.KernelInfoGetAttributeFloat(info, "scale", &scale));
-    return new Kernel{NodeApi(api, info), scale, optional_int(api, info, "emit_output", 1) != 0};
+    return new Kernel{NodeApi(api, info), scale, optional_int(api, info, "emit_output", 1) != 0, avx512f()};
   }
 
   NodeApi api;
   float scale;
   bool emit_output;   // 0: a replay that only wants the state (rows past state_rows are skipped)
+  bool fast;          // the AVX-512 rows (the same bits)
 
   void compute(OrtKernelContext* context) const {
     std::vector<int64_t> qd, kd, vd, gd, bd, sd, rd, ld;
@@ -187,6 +248,7 @@ struct Kernel {
     expect_gdn(gd == std::vector<int64_t>({c.B, c.W, c.hv}) && bd == gd, "decay and beta must be [B, W, Hv]");
     c.scale = scale;
     c.emit_output = emit_output;
+    c.fast = fast;
     delta_rule_outputs(api, context, "GatedDeltaNet", sd[0], &c);
     delta_rule(api, context, c);
   }

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernel_common.h"
+#include "row_ops.h"
 
 namespace tandem {
 
@@ -19,6 +20,7 @@ struct DeltaRuleCall {
   int64_t B = 0, W = 0, hk = 0, hv = 0, dk = 0, dv = 0;
   float scale = 1.0f;
   bool emit_output = true;
+  bool fast = false;        // the AVX-512 rows (row_ops.h avx512f(); the same bits as the portable ones)
   float *out = nullptr, *final_state = nullptr, *row_states = nullptr;
 };
 
