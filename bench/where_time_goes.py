@@ -2,7 +2,7 @@
 profiler) and in the host loop between engine calls (issue 15).
 
     .venv/bin/python bench/where_time_goes.py ENGINE_DIR [--batch 1 8] [--tokens 64] [--spec|--no-spec]
-                                              [--prompt-len 32] [--top 15] [--json OUT.json]
+                                              [--prompt-len 32] [--top 15] [--json OUT.json] [--no-kernel-times]
 
 Loads the engine dir twice. Plain sessions first: per batch size a warm-up request, then `--tokens`
 decode steps timed, then as many again under cProfile (which slows Python: host µs per step come
@@ -17,7 +17,13 @@ make the op and layer tables. Prints, per batch size:
   (d) the host loop: wall per step - engine time per step = host µs per step, the host work alone
       (engine calls replayed: each returns its binding's last outputs without running, best of 5
       windows; free of the engine's noise), the engine's phase timers, and cProfile's top
-      functions per step by cumulative and by own time.
+      functions per step by cumulative and by own time;
+  (e) (printed after (a)) tandem's CPU kernels timed by their own clocks in the unprofiled window
+      (TANDEM_CPU_KERNEL_TIMES, plugins/cpu/kernel_times.cc; `--no-kernel-times` leaves them off): per
+      op calls and µs per step,
+      µs per call, and the gap before each call (ONNX Runtime's executor and its own nodes since the
+      previous kernel). ONNX Runtime's profiler adds about 10 µs to each node it times, so (b) and (c)
+      overstate small nodes; (e) does not (two clock reads per call).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import argparse
 import cProfile
 import functools
 import json
+import os
 import pstats
 import re
 import sys
@@ -42,6 +49,7 @@ from bench.common import machine  # noqa: E402
 from tandem.engines.backends import onnxruntime_backend  # noqa: E402
 from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
+from tandem.plugins import cpu_kernels  # noqa: E402
 
 _LAYER = re.compile(r"layers\.(\d+)")
 _INLINED = re.compile(r"_inlfunc_([A-Za-z0-9]+)_")
@@ -183,10 +191,14 @@ def host_loop(llm: LLM, batch: int, steps: int, prompt_len: int, top: int, per_f
     tokens0 = sum(s.num_generated for s in seqs)
     engine_s0, phases0 = runner.engine_seconds, dict(engine.stats.phase_seconds)
     files0 = {f: list(v) for f, v in per_file.items()}
+    library = runner.runner.host_kernels
+    if library is not None:
+        cpu_kernels.kernel_times(library, reset=True)
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
     wall = time.perf_counter() - t0
+    kernels = kernel_table(cpu_kernels.kernel_times(library), steps) if library is not None else {}
     tokens = sum(s.num_generated for s in seqs) - tokens0
     engine_s = runner.engine_seconds - engine_s0
     phases = {k: (v - phases0.get(k, 0.0)) / steps * 1e6 for k, v in engine.stats.phase_seconds.items()
@@ -209,12 +221,22 @@ def host_loop(llm: LLM, batch: int, steps: int, prompt_len: int, top: int, per_f
     by_self = [fn for fn in sorted(functions, key=lambda fn: -fn["tottime_us_per_step"])
                if "run_with_iobinding" not in fn["function"]][:top]  # the host's own work, engine call left out
     functions = sorted(functions, key=lambda fn: -fn["cumtime_us_per_step"])[:top]
-    return {"graphs": graphs, "host": {
+    return {"graphs": graphs, "kernels": kernels, "host": {
         "wall_us_per_step": wall / steps * 1e6, "engine_us_per_step": engine_s / steps * 1e6,
         "host_us_per_step": (wall - engine_s) / steps * 1e6, "host_share": 1 - engine_s / wall,
         "host_alone_us_per_step": alone,
         "tokens_per_step": tokens / steps, "tok_s": tokens / wall, "phase_us_per_step": phases,
         "cprofile_top": functions, "cprofile_self": by_self}}
+
+
+def kernel_table(times: dict, steps: int) -> dict:
+    """(e) from tandem's kernel timers over `steps` steps: per op calls and µs per step, µs per
+    call, and the gap before each call (ONNX Runtime's executor and its own nodes since the previous
+    kernel), largest first."""
+    table = {op: {"calls_per_step": t["calls"] / steps, "us_per_step": t["busy_us"] / steps,
+                  "us_per_call": t["busy_us"] / t["calls"], "gap_us_per_call": t["gap_us"] / max(t["gaps"], 1)}
+             for op, t in times.items() if t["calls"]}
+    return dict(sorted(table.items(), key=lambda kv: -kv[1]["us_per_step"]))
 
 
 def profiled_window(llm: LLM, batch: int, steps: int, prompt_len: int) -> tuple[int, int]:
@@ -254,7 +276,8 @@ def run(engine_dir: Path, batches: list[int], steps: int, spec: bool, prompt_len
     for b in batches:
         per_session = {f: read_events(p, starts[f], windows[b]) for f, p in files.items()}
         t = tables(per_session)
-        report["batches"][b] = {"graphs": timings[b]["graphs"], "ops": t["ops"], "layers": t["layers"],
+        report["batches"][b] = {"graphs": timings[b]["graphs"], "kernels": timings[b]["kernels"],
+                                "ops": t["ops"], "layers": t["layers"],
                                 "node_ms": t["node_ms"], "profiled_graphs": t["graphs"], "host": timings[b]["host"]}
     return report
 
@@ -272,6 +295,12 @@ def show(report: dict, top: int) -> None:
         print("(a) graph kind (unprofiled) calls   total ms   ms/call")
         for f, g in r["graphs"].items():
             print(f"    {f:<24}{g['calls']:>6} {g['total_ms']:>10.2f} {g['ms_per_call']:>9.3f}")
+        if r["kernels"]:
+            print("(e) tandem's kernels (unprofiled, their own timers)   calls/step   µs/call   µs/step   "
+                  "gap before (µs/call)")
+            for op, k in r["kernels"].items():
+                print(f"    {op:<24}{k['calls_per_step']:>26.1f} {k['us_per_call']:>9.1f} {k['us_per_step']:>9.0f} "
+                      f"{k['gap_us_per_call']:>10.1f}")
         for title, key in (("(b) op type", "ops"), ("(c) layer", "layers")):
             print(f"{title:<28}    ms    share   (of {r['node_ms']:.1f} ms node time, profiled)")
             for k, v in list(r[key].items())[:top]:
@@ -296,7 +325,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15, help="rows of the op, layer and cProfile tables")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the tables here")
+    parser.add_argument("--kernel-times", action=argparse.BooleanOptionalAction, default=True,
+                        help="table (e): tandem's kernels timed by their own clocks (two clock reads a call)")
     args = parser.parse_args()
+    if args.kernel_times:
+        os.environ[cpu_kernels.TIMES_ENV] = "1"     # read when the process first runs a kernel
     if not (args.engine_dir / "manifest.json").exists():
         raise SystemExit(f"{args.engine_dir}: no manifest.json; build one with `tandem build-engines MODEL_DIR "
                          f"--out {args.engine_dir}`")

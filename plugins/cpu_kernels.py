@@ -19,6 +19,7 @@ and a load on another CPU opens the lowered graphs, which do not use the library
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import logging
 import os
@@ -34,7 +35,7 @@ from tandem.engines.backends.onnxruntime_optimized import cpu_signature
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCES = ("gated_deltanet.cc", "conv_gated_deltanet.cc", "paged_attention.cc", "norm_rope.cc", "rotary_tables.cc",
            "matmul_nbits.cc", "matmul_nbits_avx512.cc", "matmul_f32.cc", "row_ops.cc", "sampler.cc", "decode_burst.cc",
-           "register.cc")
+           "kernel_times.cc", "register.cc")
 HEADERS = ("ort_abi.h", "kernel_common.h", "gated_deltanet.h", "matmul_nbits.h", "row_ops.h")
 # what the int4 / int8 matmul kernel's fast path (matmul_nbits_avx512.cc) needs, as /proc/cpuinfo names them
 _VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
@@ -94,6 +95,31 @@ def host_functions(make, library: Path | None, what: str, instead: str):
     except (OSError, AttributeError) as e:
         log.info("%s has no %s (%s); %s. Rebuild the engine dir to use it.", library, what, e, instead)
         return None
+
+
+TIMES_ENV = "TANDEM_CPU_KERNEL_TIMES"    # "1" before a process first runs a kernel: per-op wall times
+
+
+def kernel_times(library: Path, reset: bool = False) -> dict[str, dict[str, float]]:
+    """Per op of tandem's kernels in this process, since the last reset (plugins/cpu/kernel_times.cc):
+    {op: {"calls", "busy_us", "gaps", "gap_us"}}, busy the kernels' own wall time, gap the time since
+    the previous kernel call ended (ONNX Runtime's executor and nodes between them). Empty unless
+    TIMES_ENV=1 was set when the process first ran a kernel. `library`: the one the sessions loaded
+    (an engine dir's); AttributeError where it predates the timers."""
+    read = ctypes.CDLL(str(library)).tandem_kernel_times
+    read.argtypes, read.restype = [ctypes.c_char_p, ctypes.c_int64, ctypes.c_int], ctypes.c_int64
+    size = read(None, 0, 0) + 256
+    buffer = ctypes.create_string_buffer(size)
+    while (needed := read(buffer, size, 0)) >= size:   # grew in between (another thread's kernels)
+        size = needed + 256
+        buffer = ctypes.create_string_buffer(size)
+    if reset:
+        read(None, 0, 1)
+    times = {}
+    for line in buffer.value.decode().splitlines():
+        name, calls, busy, gaps, gap = line.split()
+        times[name] = {"calls": int(calls), "busy_us": float(busy), "gaps": int(gaps), "gap_us": float(gap)}
+    return times
 
 
 def _fast() -> bool:

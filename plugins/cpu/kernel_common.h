@@ -244,6 +244,12 @@ inline void parallel_for(const OrtApiTable& api, OrtKernelContext* context, int6
 //   static K* create(const OrtApiTable&, const OrtKernelInfo*);  and  void compute(OrtKernelContext*)
 constexpr uint32_t from_index(int i) { return ~0u << i; }    // bits i and up: every input from i on
 
+// Per-op wall times, unprofiled, when TANDEM_CPU_KERNEL_TIMES=1 (kernel_times.cc; read with the
+// library's tandem_kernel_times)
+bool kernel_times_on();
+double kernel_clock_us();
+void kernel_time(const char* name, double start_us, double end_us);
+
 template <typename K>
 struct OpCallbacks {
   static void* create(const OrtCustomOp*, const void* api, const OrtKernelInfo* info) {
@@ -255,7 +261,12 @@ struct OpCallbacks {
   static size_t input_count(const OrtCustomOp*) { return sizeof(K::kInputs) / sizeof(K::kInputs[0]); }
   static int output_type(const OrtCustomOp*, size_t) { return kTensorFloat; }
   static size_t output_count(const OrtCustomOp*) { return K::kOutputs; }
-  static void compute(void* kernel, OrtKernelContext* context) { static_cast<K*>(kernel)->compute(context); }
+  static void compute(void* kernel, OrtKernelContext* context) {
+    if (!kernel_times_on()) return static_cast<K*>(kernel)->compute(context);
+    const double start = kernel_clock_us();
+    static_cast<K*>(kernel)->compute(context);
+    kernel_time(K::kName, start, kernel_clock_us());
+  }
   static void destroy(void* kernel) { delete static_cast<K*>(kernel); }
   static int input_characteristic(const OrtCustomOp*, size_t i) {
     return (K::kOptionalInputs >> i) & 1u ? kInputOutputOptional : kInputOutputRequired;
