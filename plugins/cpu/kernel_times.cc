@@ -8,7 +8,8 @@
 //
 // Per op name: calls, busy us (the kernel's compute, its pool tasks included) and the gap before
 // it: the time since the previous tandem kernel call ended, where that is under 1 ms (what ONNX
-// Runtime's executor and its own nodes took between them; a longer gap is a step's end, not counted).
+// Runtime's executor and its own nodes took between them; before a step's first kernel, also the
+// host's work since the last step; longer pauses are not counted).
 
 #include <chrono>
 #include <cstdio>
@@ -23,7 +24,7 @@ namespace tandem {
 namespace {
 
 constexpr int kSlots = 16;              // more than the library's ops
-constexpr double kStepGapUs = 1000.0;   // a longer pause between kernel calls is not a gap between nodes
+constexpr double kStepGapUs = 1000.0;   // a longer pause between kernel calls is not counted as a gap
 
 struct Slot {
   const char* name = nullptr;           // the op's kName (a literal: compared by address)
