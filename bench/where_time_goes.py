@@ -19,9 +19,9 @@ make the op and layer tables. Prints, per batch size:
       windows; free of the engine's noise), the engine's phase timers, and cProfile's top
       functions per step by cumulative and by own time;
   (e) (printed after (a)) tandem's CPU kernels timed by their own clocks in the unprofiled window
-      (TANDEM_CPU_KERNEL_TIMES, plugins/cpu/kernel_times.cc; `--no-kernel-times` leaves them off): per
-      op calls and µs per step,
-      µs per call, and the gap before each call (ONNX Runtime's executor and its own nodes since the
+      (TANDEM_CPU_KERNEL_TIMES, plugins/cpu/kernel_times.cc; `--no-kernel-times` leaves them off; none
+      for a dir whose library predates them): per op calls and µs per step, µs per call, and the gap
+      before each call (ONNX Runtime's executor and its own nodes since the
       previous kernel). ONNX Runtime's profiler adds about 10 µs to each node it times, so (b) and (c)
       overstate small nodes; (e) does not (two clock reads per call).
 """
@@ -192,8 +192,11 @@ def host_loop(llm: LLM, batch: int, steps: int, prompt_len: int, top: int, per_f
     engine_s0, phases0 = runner.engine_seconds, dict(engine.stats.phase_seconds)
     files0 = {f: list(v) for f, v in per_file.items()}
     library = runner.runner.host_kernels
-    if library is not None:
-        cpu_kernels.kernel_times(library, reset=True)
+    try:
+        if library is not None:
+            cpu_kernels.kernel_times(library, reset=True)
+    except AttributeError:          # an engine dir built before the timers: no table (e)
+        library = None
     t0 = time.perf_counter()
     for _ in range(steps):
         engine.step()
