@@ -14,9 +14,18 @@ greedy, batch 1, prompt 32, prefill excluded), and achieved / bound. The machine
 moves by 1.5-2x within seconds, so decoding (`--tokens` per decode, `--rounds` decodes per dir, the
 dirs in turn) is timed in segments of `--segment` tokens (an engine step may take several: a decode
 burst), host work included, each divided by the GEMV run just before and just after it (their mean,
-one call each); the figure is the median over the segments. The last column is the same against
+one call each); the figure is the median over the segments. Then the same against
 ONNX Runtime's GEMV alone, the yardstick issue 15 was written with. The bound for int8 / int4
 engines is the same bytes/s: fewer bytes per token should give proportionally more tokens/s.
+
+Where the shortfall is, from tandem's kernel timers (plugins/cpu/kernel_times.cc; on unless
+`--no-kernel-times`) over the timed segments: the share of decode time the matmul kernels take,
+the share the other kernels take (Gated DeltaNet, attention, norms; the rest is ONNX Runtime's
+executor between nodes and the host), and the matmuls' own speed (weight bytes over their busy
+time) against the bound. Achieved / bound is about matmul share x matmul speed / bound: the second
+factor is what the kernel loses on the model's shapes (calls of 3-94 MiB against the bound's one
+call of 256 MiB), the first what the rest of the step costs. "-" where the matmuls are ONNX
+Runtime's or the dir's library predates the timers.
 
 Each engine dir is decoded from a fresh copy (a temporary dir, removed at exit; `--in-place` reads it
 where it lies), so its weights sit in memory written in this run, as the GEMV's do. The memory a
@@ -29,12 +38,14 @@ pages, a fresh copy's and a file written in one go, streamed at 22.0, 24.8 and 2
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import onnx
@@ -133,13 +144,37 @@ def decode_speed(llm: LLM, tokens: int) -> float:
     return (len(result.token_ids) - 1) / (m.finished - m.first_token)
 
 
-def decode_steps(llm: LLM, tokens: int, probe: GemvProbe,
-                 segment: int) -> tuple[float, list[tuple[float, float, float]]]:
-    """One plain decode at batch 1 in segments of at least `segment` tokens: (tokens/s, [(seconds per
-    token of a segment, the bound and ONNX Runtime's GEMV, each the mean of right before and right
-    after it)]). An engine step may take several tokens (a decode burst), so segments count tokens,
-    not steps. A GEMV evicts the caches, so the first token after one starts colder than decoding
-    does; a segment of 8 dilutes that to 1/8."""
+MATMUL_OPS = ("MatMul", "MatMulNBits")      # tandem's matmul kernels (float32 / bf16, int8 / int4)
+
+
+class Segment(NamedTuple):
+    """A run of decode tokens between two GEMVs: seconds per token; the bound and ONNX Runtime's
+    GEMV (bytes/s, the mean of right before and right after); per token, the busy seconds of
+    tandem's matmul kernels and of its other kernels (0 without the timers)."""
+    seconds_per_token: float
+    bound: float
+    onnxruntime: float
+    matmul_per_token: float
+    other_per_token: float
+
+
+def _busy(kernels: Path | None) -> tuple[float, float]:
+    """Seconds tandem's matmul kernels and its other kernels have been busy, per the timers of the
+    library the engine dir's sessions loaded (0, 0 without one)."""
+    if kernels is None:
+        return 0.0, 0.0
+    times = cpu_kernels.kernel_times(kernels)
+    matmul = sum(t["busy_us"] for op, t in times.items() if op in MATMUL_OPS)
+    return matmul / 1e6, sum(t["busy_us"] for t in times.values()) / 1e6 - matmul / 1e6
+
+
+def decode_steps(llm: LLM, tokens: int, probe: GemvProbe, segment: int,
+                 kernels: Path | None = None) -> tuple[float, list[Segment]]:
+    """One plain decode at batch 1 in segments of at least `segment` tokens, a bound measured right
+    before and right after each: (tokens/s, the segments). An engine step may take several tokens (a
+    decode burst), so segments count tokens, not steps. A GEMV evicts the caches, so the first token
+    after one starts colder than decoding does; a segment of 8 dilutes that to 1/8. `kernels`: the
+    library whose timers to read around each segment (the GEMVs between segments are left out)."""
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=tokens + 1, ignore_eos=True, speculative=False)
     seq = llm.add_request([int(t) for t in rng.integers(3, llm.desc.vocab_size, 32)], params)
@@ -147,14 +182,41 @@ def decode_steps(llm: LLM, tokens: int, probe: GemvProbe,
         llm.step()
     segments, before, total, made = [], probe.bound(), 0.0, 0
     while seq.finish_reason is None:
+        busy = _busy(kernels)
         t, start = time.perf_counter(), seq.num_generated
         while seq.finish_reason is None and seq.num_generated - start < segment:
             llm.step()
         dt, n = time.perf_counter() - t, seq.num_generated - start
+        matmul, other = (b - a for a, b in zip(busy, _busy(kernels)))
         after = probe.bound()
-        segments.append((dt / n, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2))
+        segments.append(Segment(dt / n, (before[0] + after[0]) / 2, (before[1] + after[1]) / 2, matmul / n, other / n))
         before, total, made = after, total + dt, made + n
     return made / total, segments
+
+
+def timers_of(llm: LLM) -> Path | None:
+    """The library whose kernel timers cover the dir's matmuls: its sessions', where tandem's kernels
+    run and the library has timers (and the timers are on); else None."""
+    library = llm.runner.runner.host_kernels
+    if library is None or os.environ.get(cpu_kernels.TIMES_ENV) != "1":
+        return None
+    try:
+        cpu_kernels.kernel_times(library)
+    except AttributeError:                  # built before the timers
+        return None
+    return library
+
+
+def shares(segments: list[Segment], bytes_per_token: float) -> str:
+    """'matmul share | other kernels' share | matmul speed / bound', medians over the segments;
+    dashes where the timers saw no matmul (ONNX Runtime's MatMuls, or no timers)."""
+    timed = [seg for seg in segments if seg.matmul_per_token > 0]
+    if not timed:
+        return "- | - | -"
+    matmul = statistics.median(seg.matmul_per_token / seg.seconds_per_token for seg in timed)
+    other = statistics.median(seg.other_per_token / seg.seconds_per_token for seg in timed)
+    speed = statistics.median(bytes_per_token / seg.matmul_per_token / seg.bound for seg in timed)
+    return f"{matmul:.0%} | {other:.0%} | {speed:.0%}"
 
 
 def main() -> None:
@@ -166,7 +228,11 @@ def main() -> None:
     parser.add_argument("--segment", type=int, default=8, help="decode tokens (at least) between two GEMVs")
     parser.add_argument("--in-place", action="store_true",
                         help="decode each engine dir where it lies instead of from a fresh copy")
+    parser.add_argument("--no-kernel-times", dest="kernel_times", action="store_false",
+                        help="leave tandem's kernel timers off (no shares columns)")
     args = parser.parse_args()
+    if args.kernel_times:
+        os.environ[cpu_kernels.TIMES_ENV] = "1"     # read when the process first runs a kernel
     with tempfile.TemporaryDirectory(prefix="tandem-bandwidth-") as scratch:
         dirs = args.engine_dirs if args.in_place else [
             Path(shutil.copytree(d, Path(scratch) / f"{i}-{d.name}")) for i, d in enumerate(args.engine_dirs)]
@@ -177,33 +243,32 @@ def measure(dirs: dict[Path, Path], args: argparse.Namespace) -> None:
     """Decode each engine dir (named by its key, read from its value) against the GEMV bound."""
     llms = {d: LLM(at, EngineConfig(speculative=False)) for d, at in dirs.items()}
     probe = GemvProbe(args.gemv_mib, cpu_kernels.library() if cpu_kernels.f32_matmul() else None)
-    for llm in llms.values():
-        decode_steps(llm, 8, probe, args.segment)   # warm-up: sessions, bindings
+    timers = {d: timers_of(llm) for d, llm in llms.items()}
+    for d, llm in llms.items():
+        decode_steps(llm, 8, probe, args.segment, timers[d])   # warm-up: sessions, bindings
     print(f"machine: {machine()}; onnxruntime {ort.__version__}; plain decoding, batch 1, {args.tokens} tokens")
-    speeds = {d: [] for d in llms}
-    ratios = {d: [] for d in llms}
-    ort_ratios = {d: [] for d in llms}
-    bounds = []
+    segments: dict[Path, list[Segment]] = {d: [] for d in llms}
+    speeds: dict[Path, list[float]] = {d: [] for d in llms}
     for _ in range(args.rounds):
         for d, llm in llms.items():
-            speed, steps = decode_steps(llm, args.tokens, probe, args.segment)
-            per_token = weight_bytes_per_token(d)
+            speed, steps = decode_steps(llm, args.tokens, probe, args.segment, timers[d])
             speeds[d].append(speed)
-            ratios[d] += [per_token / dt / bound for dt, bound, _ in steps]
-            ort_ratios[d] += [per_token / dt / ort for dt, _, ort in steps]
-            bounds += [bound for _, bound, _ in steps]
+            segments[d] += steps
+    bounds = [seg.bound for steps in segments.values() for seg in steps]
     gemvs = probe.measure()
     print(f"GEMV bound: {statistics.median(bounds) / 1e9:.1f} GB/s (median over {len(bounds)} segments; "
           f"{min(bounds) / 1e9:.1f}-{max(bounds) / 1e9:.1f}); at the end " + ", ".join(
               f"{name}'s GEMV {g / 1e9:.1f}" for name, g in gemvs.items()))
     print("engine dir | weight MiB per token | tokens/s | bound tokens/s | achieved / bound (median segment; "
-          "quartiles) | achieved / ONNX Runtime's GEMV")
-    for d in llms:
+          "quartiles) | achieved / ONNX Runtime's GEMV | matmul kernels' share of decode time | other "
+          "kernels' share | matmuls' speed / bound")
+    for d, steps in segments.items():
         per_token = weight_bytes_per_token(d)
-        q1, q2, q3 = statistics.quantiles(ratios[d], n=4)
+        q1, q2, q3 = statistics.quantiles([per_token / seg.seconds_per_token / seg.bound for seg in steps], n=4)
         print(f"{d} | {per_token / 2**20:.1f} | {statistics.median(speeds[d]):.1f} | "
               f"{statistics.median(bounds) / per_token:.1f} | {q2:.0%} ({q1:.0%}-{q3:.0%}) | "
-              f"{statistics.median(ort_ratios[d]):.0%}")
+              f"{statistics.median(per_token / seg.seconds_per_token / seg.onnxruntime for seg in steps):.0%} | "
+              f"{shares(steps, per_token)}")
 
 
 if __name__ == "__main__":
