@@ -44,7 +44,7 @@ namespace {
 // the kernel 1.35-1.6x slower than T0 (they fill L1 only, past the L2 streamer), and no prefetch
 // 1.25x slower; T0 or T1 4-16 KB ahead are within 2% of each other there. On AMD Zen 4 the one-row
 // tile streams faster with no weight prefetch at all (its hardware prefetchers alone): the int8
-// 768 x 4096 and 768 x 32000 shapes 1.22x and 1.16x, the 150M int8 decode 1.11x (int4: 1.01x,
+// 768 x 4096 and 768 x 32000 shapes 1.22x and 1.16x, the 150M int8 decode 1.10x (int4: 1.01x,
 // compute-bound; 8 rows: 0.98x, noise), so there one row goes without. docs/performance.md.
 constexpr int64_t kPrefetchBytes = 8192;
 
