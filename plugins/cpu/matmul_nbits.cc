@@ -21,8 +21,8 @@
 // Weight w[n, k] = scale[n, b] (q[n, k] - zero[n, b]), b = k / bs. Each row of A is
 // quantized per group of 32 inputs, as llama.cpp's Q8_0 and MLAS's int8 compute do:
 //     a = max |x|;  sx = a / 127;  xq = round_half_even(x * (127 / a)) in [-127, 127]
-// and with dot_g the exact integer sum of q xq over group g, and C_b = sum_{g in b} sx_g sum(xq_g):
-//     y[n] = sum_g scale[n, b(g)] sx_g dot_g  -  sum_b scale[n, b] zero[n, b] C_b
+// and with dot_g the exact integer sum of (q - zero) xq over group g, made as dot(q, xq) - zero sum(xq):
+//     y[n] = sum_g scale[n, b(g)] sx_g dot_g      (float, in group order)
 // Why a kernel: MLAS's MatMulNBits is compute-bound on int4 / int8 engines, most of all with the
 // few rows of a verify, and cannot take the norm, residual, gate or split fused into this node.
 // On column tiles (matmul_nbits.h) the AVX-512 VNNI kernel (matmul_nbits_avx512.cc) runs the 150M
@@ -53,17 +53,6 @@ void QuantizedRows::shape(const MatMulNBitsCall& call) {
   q.resize(static_cast<size_t>(call.M * call.K));
   sx.resize(static_cast<size_t>(call.M * groups));
   sums.resize(sx.size());
-  c.assign(static_cast<size_t>(call.M * call.blocks), 0.0f);
-}
-
-// C_b: the same scalar code behind both kernels
-void QuantizedRows::finish(const MatMulNBitsCall& call) {
-  const int64_t per_block = call.block_size / kGroup;
-  for (int64_t m = 0; m < call.M; ++m) {
-    for (int64_t g = 0; g < groups; ++g) {
-      c[m * call.blocks + g / per_block] += sx[m * groups + g] * static_cast<float>(sums[m * groups + g]);
-    }
-  }
 }
 
 void quantize_portable(const MatMulNBitsCall& call, QuantizedRows* rows) {
@@ -84,7 +73,6 @@ void quantize_portable(const MatMulNBitsCall& call, QuantizedRows* rows) {
       rows->sums[m * rows->groups + g] = sum;
     }
   }
-  rows->finish(call);
 }
 
 namespace {
@@ -103,14 +91,14 @@ void tiles_portable(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t0
     };
     for (int64_t m = 0; m < c.M; ++m) {
       const int8_t* xq = a.q.data() + m * c.K;
-      float acc = 0.0f, corr = 0.0f;
+      float acc = 0.0f;
       for (int64_t g = 0; g < a.groups; ++g) {
         int32_t dot = 0;
         for (int64_t k = g * kGroup; k < (g + 1) * kGroup; ++k) dot += weight(k) * xq[activation_slot(k, c.bits)];
+        dot -= static_cast<int32_t>(c.zero(n, g / per_block)) * a.sums[m * a.groups + g];
         acc += static_cast<float>(dot) * (half_to_float(sw[g / per_block * kTile + n % kTile]) * a.sx[m * a.groups + g]);
       }
-      for (int64_t b = 0; b < c.blocks; ++b) corr += half_to_float(sw[b * kTile + n % kTile]) * c.zero(n, b) * a.c[m * c.blocks + b];
-      c.y[m * c.N + n] = acc - corr;
+      c.y[m * c.N + n] = acc;
     }
   }
 }

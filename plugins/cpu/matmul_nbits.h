@@ -69,16 +69,14 @@ inline float half_to_float(uint16_t h) {
 
 // A's rows quantized per group of 32: xq (4 bits: each 8 inputs as their 4 even then their 4 odd
 // ones, the order of a dword's low then high nibbles; 8 bits: in order), the scale sx per group,
-// and per block C_b = sum over its groups of sx_g * sum(xq_g).
+// and per group sum(xq_g) (for the zero points: dot(q - z, xq) = dot(q, xq) - z sum(xq)).
 struct QuantizedRows {
   int64_t groups = 0;
   std::vector<int8_t> q;           // [M, K]
   std::vector<float> sx;           // [M, groups]
   std::vector<int32_t> sums;       // [M, groups]: sum(xq_g)
-  std::vector<float> c;            // [M, blocks]
 
   void shape(const MatMulNBitsCall& call);      // sizes the buffers (kept across calls: no allocation)
-  void finish(const MatMulNBitsCall& call);     // c from sx and sums
 };
 
 // the position in a quantized row of input k (4 bits: evens, then odds, per 8 inputs)
