@@ -49,8 +49,7 @@ namespace {
 // hardware prefetchers alone: the 768 x 4096 and 768 x 32000 shapes 1.22x and 1.16x, the 150M int8
 // decode 1.10x; T0 1-8 KB ahead 0.82-0.86x of none), 4 bits, which spends twice the vector work a
 // byte, with T0 2 KB ahead (150M int4 decode steps 1.01-1.11x of none in five alternated runs, its
-// matmuls 1.01-1.08x; 8 KB ahead 1.02-1.05x).
-// docs/performance.md.
+// matmuls 1.01-1.08x; 8 KB ahead 1.02-1.05x). docs/performance.md.
 constexpr int64_t kPrefetchBytes = 8192;
 
 // how far ahead the one-row tile of BITS-bit weights prefetches them itself (bytes; 0: not at all)
