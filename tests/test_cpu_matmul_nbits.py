@@ -24,8 +24,7 @@ from .test_load_costs import SMALL
 
 # (K, N, bits, block_size, zero points): odd group counts (K 96: 3 groups), blocks of 2 groups,
 # N not a multiple of the kernel's 4 or 16 columns, 8 bits with and without zero points; the last
-# two over 128 KB of weights, so their tiles go to the pool in several tasks (int4: of shrinking
-# sizes, matmul_nbits.cc task_starts)
+# two over 128 KB of weights, so their tiles go to the pool in several tasks
 CASES = [(96, 40, 4, 32, True), (96, 37, 4, 32, False), (256, 70, 4, 64, True), (128, 33, 4, 128, True),
          (96, 40, 8, 32, False), (256, 19, 8, 64, True), (512, 1037, 4, 32, True), (512, 1037, 8, 32, False)]
 

@@ -32,9 +32,7 @@
 // decode step bit for bit. CPUs without AVX-512 VNNI run the portable loop (the same quantized
 // activations, float sums in another order); tandem lowers to this op only where the fast path runs.
 
-#include <algorithm>
 #include <cmath>
-#include <thread>
 #include <vector>
 
 #include "kernel_common.h"
@@ -47,32 +45,6 @@ namespace {
 void expect_mm(bool ok, const char* what) { expect(ok, "MatMulNBits", what); }
 
 constexpr int64_t kTaskBytes = 65536;   // weights per task of the pool (32-128 KB measured alike)
-
-// the machine's CPUs: the size of the process-wide pool tandem's sessions share
-// (onnxruntime_backend.py sizes it to os.cpu_count(), unless EngineConfig.threads says otherwise)
-int64_t pool_threads() {
-  static const int64_t n = std::max<int64_t>(1, std::thread::hardware_concurrency());
-  return n;
-}
-
-// The tiles of the pool's tasks, task i from starts[i] to starts[i + 1] (the calling thread's
-// vector, remade per call). A task's tiles are one stream of weights, which a thread restarts at
-// each task. 8 bits: tasks of kTaskBytes. 4 bits, whose tile spends twice the vector work a byte:
-// guided, each task a 1 / (2 threads) share of the tiles left, at least kTaskBytes (long streams
-// first, short ones last to even out the threads' ends): 150M int4 target step 1.02-1.03x at batch
-// 1 and 1.01x at 8 on Zen 4 (two cores: tasks of 1/4, 3/16, ... of the node); at 8 bits 0.98-0.99x,
-// so those keep equal tasks.
-std::vector<int64_t>& task_starts(int64_t tiles, int64_t tile_bytes, int64_t bits) {
-  thread_local std::vector<int64_t> starts;
-  starts.clear();
-  const int64_t least = std::max<int64_t>(1, kTaskBytes / tile_bytes);
-  for (int64_t t = 0; t < tiles;) {
-    starts.push_back(t);
-    t += bits == 4 ? std::max(least, (tiles - t) / (2 * pool_threads())) : least;
-  }
-  starts.push_back(tiles);
-  return starts;
-}
 
 }  // namespace
 
@@ -218,10 +190,11 @@ struct Kernel {
     } else {
       quantize_portable(call, &rows);
     }
-    // tiles are independent: ONNX Runtime's pool shares them out, a few at a time (task_starts)
-    std::vector<int64_t>& starts = task_starts(tiles, call.tile_bytes(), bits);   // (the pool threads see this one)
+    // tiles are independent: ONNX Runtime's pool shares them out, a few at a time (each task streams
+    // its weights; a tile is only 3-16 KB, too little to pay for a task of its own)
+    const int64_t per_task = std::max<int64_t>(1, kTaskBytes / call.tile_bytes());
     auto chunk = [&](int64_t first, int64_t last) {
-      const int64_t t0 = starts[first], t1 = starts[last];
+      const int64_t t0 = first * per_task, t1 = std::min(tiles, last * per_task);
       if (fast) {
         tiles_avx512(call, rows, t0, t1);
       } else {
@@ -230,7 +203,7 @@ struct Kernel {
     };
     // the tiles stream once per block of 8 rows
     const int64_t bytes = tiles * call.tile_bytes() * ((call.M + 7) / 8);
-    parallel_for(api, context, static_cast<int64_t>(starts.size()) - 1, bytes, chunk);
+    parallel_for(api, context, (tiles + per_task - 1) / per_task, bytes, chunk);
     if (residual != nullptr) {   // the residual Add after the projection, in the node
       for (int64_t i = 0; i < call.M * N; ++i) y[i] += residual[i];
     }

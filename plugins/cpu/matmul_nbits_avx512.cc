@@ -40,27 +40,24 @@ bool avx512_vnni() {
 
 namespace {
 
-// Software prefetch into L1 (T0) of the weights kPrefetchBytes ahead in the tiles' stream (tiles
+// Software prefetch into L1 (T0) of the weights this many bytes ahead in the tiles' stream (tiles
 // follow each other in memory), and of the next tile's scales and zero points (streams of their
 // own). Not non-temporal: on Intel Xeon (Sapphire Rapids class) NTA prefetches of this stream made
 // the kernel 1.35-1.6x slower than T0 (they fill L1 only, past the L2 streamer), and no prefetch
-// 1.25x slower; T0 or T1 4-16 KB ahead are within 2% of each other there. On AMD Zen 4 the
-// one-row tile's best differs by width: 8 bits streams faster with no weight prefetch at all (its
-// hardware prefetchers alone: the 768 x 4096 and 768 x 32000 shapes 1.22x and 1.16x, the 150M int8
-// decode 1.10x; T0 1-8 KB ahead 0.82-0.86x of none), 4 bits, which spends twice the vector work a
-// byte, with T0 2 KB ahead (150M int4 decode steps 1.01-1.11x of none in five alternated runs, its
-// matmuls 1.01-1.08x; 8 KB ahead 1.02-1.05x). docs/performance.md.
+// 1.25x slower; T0 or T1 4-16 KB ahead are within 2% of each other there. On AMD Zen 4 the one-row
+// tile streams faster with no weight prefetch at all (its hardware prefetchers alone): the int8
+// 768 x 4096 and 768 x 32000 shapes 1.22x and 1.16x, the 150M int8 decode 1.08-1.10x (and 1.09x
+// against T0 8 KB ahead with both dirs on the same weight pages); int4 with T0 0.5-8 KB ahead:
+// 0.94-0.99x of none on the same pages. So there one row goes without. docs/performance.md.
 constexpr int64_t kPrefetchBytes = 8192;
 
-// how far ahead the one-row tile of BITS-bit weights prefetches them itself (bytes; 0: not at all)
-template <int BITS>
-int64_t one_row_ahead() {
-  static const bool amd = [] {
+// whether the one-row tile prefetches the weights itself: not on AMD (above)
+bool one_row_prefetch() {
+  static const bool prefetch = [] {
     __builtin_cpu_init();
-    return __builtin_cpu_is("amd") > 0;
+    return !__builtin_cpu_is("amd");
   }();
-  if (!amd) return kPrefetchBytes;
-  return BITS == 4 ? 2048 : 0;
+  return prefetch;
 }
 
 using dword_t = int32_t __attribute__((may_alias, aligned(1)));
@@ -82,10 +79,9 @@ TANDEM_AVX512 inline __m512i block_zeros_int(const MatMulNBitsCall& c, int64_t t
 
 // y[m0 .. m0 + R, 16 t .. 16 t + 16): every (row, column) runs the same arithmetic in the same
 // order whatever R, so a row's result does not depend on the call's other rows.
-// PF: prefetch the weights `ahead` bytes ahead (above)
+// PF: prefetch the weights kPrefetchBytes ahead (above)
 template <int BITS, int R, bool PF = true>
-TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t, int64_t m0,
-                        int64_t ahead = kPrefetchBytes) {
+TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t, int64_t m0) {
   constexpr int kLoads = BITS == 8 ? 8 : 4;                // 64-byte loads per group of 32 inputs
   // independent sums per row: 4 for one row; 2 (even and odd loads) for more, which are R chains
   // already; at 8 rows one (int8: 16 sums and 8 accumulators measured 0.6x a 4-row tile)
@@ -117,7 +113,7 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
     }
     for (int l = 0; l < kLoads; ++l) {
       const uint8_t* at = w + (g * kLoads + l) * 64;
-      if (PF) _mm_prefetch(reinterpret_cast<const char*>(at + ahead), _MM_HINT_T0);
+      if (PF) _mm_prefetch(reinterpret_cast<const char*>(at + kPrefetchBytes), _MM_HINT_T0);
       const __m512i bytes = _mm512_loadu_si512(at);
       if constexpr (BITS == 8) {
         for (int r = 0; r < R; ++r) {
@@ -166,7 +162,7 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
 
 template <int BITS>
 TANDEM_AVX512 void tiles(const MatMulNBitsCall& c, const QuantizedRows& a, int64_t t0, int64_t t1) {
-  const int64_t ahead = one_row_ahead<BITS>();
+  const bool prefetch = one_row_prefetch();
   for (int64_t t = t0; t < t1; ++t) {
     int64_t m = 0;
     for (; m + 8 <= c.M; m += 8) tile<BITS, 8>(c, a, t, m);   // each weight load feeds 8 rows
@@ -174,7 +170,7 @@ TANDEM_AVX512 void tiles(const MatMulNBitsCall& c, const QuantizedRows& a, int64
     switch (c.M - m) {
       case 3: tile<BITS, 3>(c, a, t, m); break;
       case 2: tile<BITS, 2>(c, a, t, m); break;
-      case 1: ahead > 0 ? tile<BITS, 1>(c, a, t, m, ahead) : tile<BITS, 1, false>(c, a, t, m); break;
+      case 1: prefetch ? tile<BITS, 1>(c, a, t, m) : tile<BITS, 1, false>(c, a, t, m); break;
       default: break;
     }
   }
