@@ -1,7 +1,7 @@
 """Two engine dirs' graph, call by call, interleaved: which one is faster, robust to a noisy machine.
 
     .venv/bin/python bench/engine_ab.py DIR_A DIR_B [--graph target_step] [--batch 1 8] [--rows 1]
-                                        [--context 64] [--calls 300] [--threads N]
+                                        [--context 64] [--calls 300] [--threads N] [--no-kernel-times]
 
 Both dirs must come from the same checkpoint (same contract inputs). For each batch size, opens the
 graph of each dir as the pipeline opens it (the saved optimized graph, with the dir's kernel
@@ -9,12 +9,16 @@ library) on the process-wide thread pool, feeds both the same inputs (random
 pools, scattered pages, every sequence at `--context` committed positions, `--rows` new rows), and
 times A and B alternately, call after call, so both see the same machine state. Prints the median
 ms per call of each and the ratio of medians A / B (> 1: B faster), and checks that both give the
-same outputs (to 1e-4): an engine that is faster but different is not a speed-up.
+same outputs (to 1e-4): an engine that is faster but different is not a speed-up. Then, per op of
+tandem's CPU kernels, each dir's busy µs per call by its own library's timers (plugins/cpu/kernel_times.cc;
+`--no-kernel-times` leaves them off): which kernel a change moved, where the whole call's ratio is
+within the machine's noise. A dir without the timers (or both on one library file) shows none.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -27,7 +31,9 @@ from bench.common import machine  # noqa: E402
 from tandem import contract as c  # noqa: E402
 from tandem.checkpoint.description import description_from_dict  # noqa: E402
 from tandem.engines.backends.onnxruntime_backend import open_served, serving_files  # noqa: E402
+from tandem.engines.backends.onnxruntime_kernel_files import engine_library  # noqa: E402
 from tandem.engines.manifest import read_manifest  # noqa: E402
+from tandem.plugins import cpu_kernels  # noqa: E402
 from tests.paged_driver import PagedState, relaxed_off  # noqa: E402
 
 
@@ -93,6 +99,27 @@ def _as_declared(x: np.ndarray, shape) -> np.ndarray:
     return x
 
 
+def kernel_busy(library: Path | None, reset: bool = False) -> dict[str, float]:
+    """Op -> busy µs of `library`'s kernels since its timers' last reset ({} without the timers)."""
+    if library is None:
+        return {}
+    try:
+        return {op: t["busy_us"] for op, t in cpu_kernels.kernel_times(library, reset=reset).items()}
+    except AttributeError:      # a library built before the timers
+        return {}
+
+
+def op_rows(busy_a: dict[str, float], busy_b: dict[str, float], calls: int) -> list[str]:
+    """Per op, A's and B's busy µs per call and their ratio A / B (> 1: B's kernel faster), the
+    largest first."""
+    rows = []
+    for op in sorted(busy_a.keys() | busy_b.keys(), key=lambda o: -max(busy_a.get(o, 0.0), busy_b.get(o, 0.0))):
+        a, b = busy_a.get(op, 0.0) / calls, busy_b.get(op, 0.0) / calls
+        ratio = f"{a / b:.2f}x" if a > 0 and b > 0 else "-"
+        rows.append(f"    {op:<22} A {a:9.1f} µs, B {b:9.1f} µs per call, A/B {ratio}")
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir_a", type=Path)
@@ -104,7 +131,14 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--threads", type=int, default=None,
                         help="ONNX Runtime threads (default: every core; 1 when another job holds a core)")
+    parser.add_argument("--no-kernel-times", dest="kernel_times", action="store_false",
+                        help="leave tandem's kernel timers off (no per-op table)")
     args = parser.parse_args()
+    if args.kernel_times:   # before any session runs a kernel: the library reads it once
+        os.environ.setdefault(cpu_kernels.TIMES_ENV, "1")
+    libraries = [engine_library(d) if args.kernel_times else None for d in (args.dir_a, args.dir_b)]
+    if libraries[0] is not None and libraries[1] is not None and libraries[0].resolve() == libraries[1].resolve():
+        libraries = [None, None]        # one library's timers would count both dirs' calls
     manifest = read_manifest(args.dir_a)
     desc = description_from_dict(manifest["description"])
     page_size = manifest["options"]["page_size"]
@@ -121,6 +155,8 @@ def main() -> None:
         diff = max(float(np.abs(x.astype(np.float64) - _as_declared(y, x.shape)).max())
                    for x, y in zip(out_a, out_b) if x.size)
         times = {"a": [], "b": []}
+        for library in libraries:
+            kernel_busy(library, reset=True)
         for i in range(args.calls):
             for key, sess in (("a", a), ("b", b)) if i % 2 else (("b", b), ("a", a)):
                 t = time.perf_counter()
@@ -129,6 +165,8 @@ def main() -> None:
         ma, mb = (statistics.median(times[k][10:]) * 1e3 for k in "ab")
         print(f"  batch {batch}: A {ma:.3f} ms, B {mb:.3f} ms per call, A/B {ma / mb:.2f}x; "
               f"largest output difference {diff:.1e}" + ("" if diff < 1e-4 else "  <-- outputs differ"))
+        for row in op_rows(*(kernel_busy(library) for library in libraries), args.calls):
+            print(row)
 
 
 if __name__ == "__main__":
