@@ -30,6 +30,7 @@ import onnx
 import onnxruntime as ort
 from onnx import helper, numpy_helper
 
+from tandem.engines.backends.common import rewrite_in_large_writes
 from tandem.export.cpu_kernel_lowering import exact_matmul_nbits
 from tandem.export.exporter import WEIGHTS_FILE
 
@@ -92,6 +93,8 @@ def save_optimized(folder: Path, files: list[str], options, progress=None, sourc
                 progress.step(optimized_name(name))
     finally:
         store.close()
+    if (folder / OPTIMIZED_WEIGHTS).is_file():      # its pages in large folios (rewrite_in_large_writes)
+        rewrite_in_large_writes(folder / OPTIMIZED_WEIGHTS)
     return rewritten
 
 
