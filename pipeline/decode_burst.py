@@ -24,15 +24,17 @@ Who takes a burst: a batch of greedy or sampled rows without a grammar whose fir
 them holds (Sequence.decode_rows); the scheduler reserves those rows' pages before the step, so a
 burst never writes a position a request was not admitted for. A batch with any other row takes one
 step. A burst ends early when a token is a stop id of any of its rows (what follows would be
-dropped) and before a call that would take it past its time budget (so that a step of a large
-model, where the host's share is small anyway, stays one call: streaming and new arrivals wait at
-most about the budget). A stop string inside a burst ends the output there; the sequence has finished and its
-extra rows are never read.
+dropped), before a call that would take it past its time budget (so that a step of a large model,
+where the host's share is small anyway, stays one call, and a stream's tokens come at least about
+every budget), and after any call once `interrupt()` is true (the server sets it to "a request or
+an abort is queued": new work waits about one step, not a burst). A stop string inside a burst ends
+the output there; the sequence has finished and its extra rows are never read.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -44,8 +46,14 @@ from tandem.pipeline.pools import Pools
 from tandem.pipeline.sampler import HostSampler, uniforms
 from tandem.pipeline.sequence import Sequence
 
-DEFAULT_STEPS = 8             # target steps a burst may run
-DEFAULT_BUDGET_MS = 4.0       # and the time it may take, about
+# Target steps a burst may run, and the time it may take, about. A one-step burst pays the engine's
+# whole Python step (150M int4: about 150 of 2,700 µs a token), a longer one that once. Measured on a
+# 2-core AMD EPYC (Zen 4), the same dir with either setting, interleaved (docs/performance.md, stop
+# 45): 150M int4 (2.6 ms a step) 12 ms against 4 ms 1.04x (8 ms 1.02-1.08x), int8 1.03x, bf16 and
+# float32 the same (their steps fill the budget alone); the tiny model 16 steps against 8 1.05x.
+# Arrivals do not wait for a burst where the server interrupts it (DecodeBurst.interrupt).
+DEFAULT_STEPS = 16
+DEFAULT_BUDGET_MS = 12.0
 
 
 def _greedy(logits: np.ndarray) -> np.ndarray:
@@ -66,6 +74,7 @@ class DecodeBurst:
         self.eos_ids, self.budget_s = eos_ids, budget_ms / 1000
         self.sampler = sampler or HostSampler()     # the engine's: the same draws as one token a step
         self.native = native                        # the steps between calls in native code, where the dir has it
+        self.interrupt: Callable[[], bool] | None = None   # true: end the burst after this call (new work waits)
         self.calls = self.bursts = 0        # target steps run in bursts, and bursts
         self.native_calls = 0               # of those, the ones whose step after ran natively
         self._tokens: dict[int, np.ndarray] = {}   # batch -> [steps, batch] tokens, kept
@@ -140,7 +149,7 @@ class DecodeBurst:
                 context += 1        # (the next decode() writes both afresh: harmless after the last call)
                 made += 1
                 stopped = bool(stops) and not stops.isdisjoint(token.tolist())
-            if made == steps or stopped:
+            if made == steps or stopped or (self.interrupt is not None and self.interrupt()):
                 break
             now = time.perf_counter()
             if now + (now - start) / made > start + self.budget_s:    # the next call would end past the budget

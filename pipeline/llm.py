@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -313,6 +313,12 @@ class LLM:
 
     def step(self) -> list[StepOutput]:
         return self.engine.step()
+
+    def interrupt_bursts_when(self, check: Callable[[], bool] | None) -> None:
+        """A decode burst ends after its current call once `check()` is true (the server: a request or
+        an abort is queued), so new work waits about one target step, not a burst's budget. None: off."""
+        if isinstance(self.engine.decode, DecodeBurst):
+            self.engine.decode.interrupt = check
 
     # ---- offline API -------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None

@@ -1,6 +1,7 @@
 """One thread owns the pipeline; HTTP handlers talk to it through a command queue.
 
     handler --submit()--> [commands] --> engine thread: add/abort between steps, llm.step()
+                                         (a decode burst in a step ends once a command waits)
     handler <--asyncio.Queue-- outputs (StepOutput, or an EngineError) <-- call_soon_threadsafe
 
 Requests arrive checked (the handler ran LLM.check_request). Whatever still raises fails one
@@ -70,6 +71,12 @@ class EngineLoop:
         self._live: dict[str, _Request] = {}
         self._last_token: dict[str, float] = {}
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
+        # a decode burst (several target steps a step) ends once a command waits: it is taken after one step
+        llm.interrupt_bursts_when(self.commands_waiting)
+
+    def commands_waiting(self) -> bool:
+        """Whether a request or an abort is queued for the engine thread."""
+        return not self._commands.empty()
 
     # ---- called from the event loop ----------------------------------------------------
     def start(self) -> None:

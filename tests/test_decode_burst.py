@@ -167,6 +167,31 @@ def test_the_time_budget_ends_a_burst(built):
     assert llm.engine.decode.calls == llm.engine.decode.bursts > 0
 
 
+def test_an_interrupt_ends_each_burst_after_its_call(built, steps):
+    """The server's interrupt (a request or an abort queued): a burst stops after the call it is in,
+    whatever its budget, and the tokens stay those of one token a step; off again, bursts run on."""
+    params = SamplingParams(max_tokens=BURST * 3, ignore_eos=True)
+    plain, _ = _generate(built, 1, params)
+    llm = _open(built, BURST, steps, decode_burst_ms=1e6)
+    polls = []
+    llm.interrupt_bursts_when(lambda: polls.append(True) or True)
+    assert [(r.token_ids, r.finish_reason) for r in llm.generate(PROMPTS, params)] == plain
+    assert llm.engine.decode.calls == llm.engine.decode.bursts > 0 and len(polls) == llm.engine.decode.bursts
+    llm.interrupt_bursts_when(lambda: False)
+    calls, bursts = llm.engine.decode.calls, llm.engine.decode.bursts
+    assert [(r.token_ids, r.finish_reason) for r in llm.generate(PROMPTS, params)] == plain
+    assert llm.engine.decode.calls - calls > llm.engine.decode.bursts - bursts > 0
+
+
+def test_the_server_interrupts_bursts_while_a_command_waits(built):
+    from tandem.server.engine_loop import EngineLoop
+    llm = _open(built, BURST)
+    loop = EngineLoop(llm, max_queued=4)
+    assert llm.engine.decode.interrupt is not None and not llm.engine.decode.interrupt()
+    loop._commands.put(("abort", "req-none"))
+    assert llm.engine.decode.interrupt()
+
+
 def test_a_request_at_the_length_limit(built):
     """prompt + max_tokens = max_seq_len - 1: the burst's reserved rows stay inside the request's."""
     prompt = list(range(1, 30))

@@ -115,7 +115,8 @@ def test_batches_staggered_and_both_head_modes(step, plain, batch, mode):
 
 
 def test_under_preemption(step, plain):
-    config = EngineConfig(memory_budget_bytes=300_000, max_num_seqs=8)  # 18 full-attention pages
+    # 18 full-attention pages (the window group's take rows in flight: bursts of 8 steps at most)
+    config = EngineConfig(memory_budget_bytes=300_000, max_num_seqs=8, decode_burst=8)
     outputs, llm = run(step["step3p5"][1], PROMPTS, config=config)
     assert outputs == plain
     assert sum(s.metrics.preemptions for s in llm.test_sequences) > 0
@@ -173,8 +174,9 @@ def test_window_pages_stay_bounded_over_a_long_generation(step, target):
         if seq.finish_reason is None:
             held = seq.table.held()
             most, full = max(most, held[WINDOW]), max(full, held[None])
-    # window + rows in flight (k+1 = 4, or a prefill chunk of 8) + heads' lag (3), plus a partial page
-    bound = -(-(WINDOW + OPTIONS.prefill_chunk + 3) // page) + 1
+    # window + rows in flight (k+1 = 4, a prefill chunk of 8 or a decode burst's steps) + heads' lag (3),
+    # plus a partial page
+    bound = -(-(WINDOW + max(OPTIONS.prefill_chunk, llm.config.decode_burst) + 3) // page) + 1
     # (the full group's last count comes a step before the end: up to a burst's tokens earlier)
     assert 0 < most <= bound and full >= (len(PROMPTS[0]) + 299 - llm.config.decode_burst) // page
     assert seq.table.held().get(None, 0) == 0                     # finished: everything went back
