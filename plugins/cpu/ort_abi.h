@@ -2,9 +2,9 @@
 //
 // ONNX Runtime's Python wheel ships libonnxruntime but not its C headers, so this file declares
 // what tandem's CPU kernels call, written from the published API (onnxruntime_c_api.h). The ABI is
-// stable: the function table only ever grows at its end, so a library that asks for API version 17
-// (ONNX Runtime 1.17, for KernelContext_ParallelFor; tandem needs >= 1.31) runs on every later
-// runtime. Function-table entries are named by their slot (their order in the header); the custom
+// stable: the function table only ever grows at its end, so a library that asks for API version 24
+// (ONNX Runtime 1.24, for GetTensorElementTypeAndShapeDataReference; tandem needs >= 1.31) runs on
+// every later runtime. Function-table entries are named by their slot (their order in the header); the custom
 // op description keeps its version-13 layout, which later runtimes still read.
 #pragma once
 
@@ -17,11 +17,10 @@ struct OrtStatus;
 struct OrtKernelInfo;
 struct OrtKernelContext;
 struct OrtValue;
-struct OrtTensorTypeAndShapeInfo;
 struct OrtSessionOptions;
 struct OrtCustomOpDomain;
 
-constexpr uint32_t kOrtApiVersion = 17;        // the function table asked for
+constexpr uint32_t kOrtApiVersion = 24;        // the function table asked for
 constexpr uint32_t kOrtCustomOpVersion = 13;    // the OrtCustomOp layout below
 
 struct OrtApiBase {
@@ -79,18 +78,6 @@ class OrtApiTable {
   OrtStatus* GetTensorMutableData(OrtValue* value, void** out) const {
     return at<OrtStatus* (*)(OrtValue*, void**)>(51)(value, out);
   }
-  OrtStatus* GetTensorElementType(const OrtTensorTypeAndShapeInfo* info, int* out) const {
-    return at<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int*)>(60)(info, out);
-  }
-  OrtStatus* GetDimensionsCount(const OrtTensorTypeAndShapeInfo* info, size_t* out) const {
-    return at<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, size_t*)>(61)(info, out);
-  }
-  OrtStatus* GetDimensions(const OrtTensorTypeAndShapeInfo* info, int64_t* dims, size_t n) const {
-    return at<OrtStatus* (*)(const OrtTensorTypeAndShapeInfo*, int64_t*, size_t)>(62)(info, dims, n);
-  }
-  OrtStatus* GetTensorTypeAndShape(const OrtValue* value, OrtTensorTypeAndShapeInfo** out) const {
-    return at<OrtStatus* (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(65)(value, out);
-  }
   OrtStatus* KernelInfoGetAttributeFloat(const OrtKernelInfo* info, const char* name, float* out) const {
     return at<OrtStatus* (*)(const OrtKernelInfo*, const char*, float*)>(85)(info, name, out);
   }
@@ -129,8 +116,11 @@ class OrtApiTable {
     return at<OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*)>(274)(
         context, fn, total, batches, data);
   }
-  void ReleaseTensorTypeAndShapeInfo(OrtTensorTypeAndShapeInfo* info) const {
-    at<void (*)(OrtTensorTypeAndShapeInfo*)>(99)(info);
+  // a tensor's element type and its shape, read in place: the shape is the value's own (valid while
+  // the value is), no OrtTensorTypeAndShapeInfo made and released
+  OrtStatus* GetTensorElementTypeAndShapeDataReference(const OrtValue* value, int* type, const int64_t** shape,
+                                                       size_t* rank) const {
+    return at<OrtStatus* (*)(const OrtValue*, int*, const int64_t**, size_t*)>(414)(value, type, shape, rank);
   }
 
  private:

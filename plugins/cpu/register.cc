@@ -6,9 +6,9 @@
 extern "C" __attribute__((visibility("default")))
 OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
   const void* table = base->GetApi(kOrtApiVersion);
-  if (table == nullptr) {   // an ONNX Runtime older than 1.17: say so through the oldest table
+  if (table == nullptr) {   // an ONNX Runtime older than 1.24: say so through the oldest table
     const tandem::OrtApiTable oldest(base->GetApi(1));
-    return oldest.CreateStatus(kOrtFail, "tandem's CPU kernels need ONNX Runtime >= 1.17");
+    return oldest.CreateStatus(kOrtFail, "tandem's CPU kernels need ONNX Runtime >= 1.24");
   }
   tandem::OrtApiTable api(table);
   // made once and kept for the process (sessions point at it; they open in several threads at
