@@ -335,10 +335,9 @@ struct Kernel {
           float* o = out + at;
           if (gate == nullptr) {
             for (int64_t e = 0; e < G * dv; ++e) o[e] = acc[e];
-          } else {                                          // the output gate: o sigmoid(gate)
+          } else {      // the output gate: o sigmoid(gate), vectorized (std::exp a lane cost 2.5 us a head)
             for (int64_t g = 0; g < G; ++g) {
-              const float* z = gate + ((b * W + w) * hq + h * G + g) * gate_row;
-              for (int64_t e = 0; e < dv; ++e) o[g * dv + e] = acc[g * dv + e] * (1.0f / (1.0f + std::exp(-z[e])));
+              sigmoid_gate(acc.data() + g * dv, gate + ((b * W + w) * hq + h * G + g) * gate_row, dv, fast, o + g * dv);
             }
           }
         }

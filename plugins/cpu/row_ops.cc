@@ -56,6 +56,15 @@ TANDEM_AVX512F int64_t silu_avx512_in_place(float* x, int64_t n) {
   return j;
 }
 
+// sigmoid_gate's AVX-512 form: the elements it did (all but a last part vector)
+TANDEM_AVX512F int64_t sigmoid_gate_avx512(const float* x, const float* z, int64_t n, float* out) {
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    _mm512_storeu_ps(out + j, sigmoid_gated_avx512(_mm512_loadu_ps(x + j), _mm512_loadu_ps(z + j)));
+  }
+  return j;
+}
+
 // gated_group_norm's AVX-512 form for one group of G: the elements it did
 TANDEM_AVX512F int64_t gated_group_avx512(const float* x, const float* z, const float* scale, float r, int64_t G,
                                           float* out) {
@@ -88,6 +97,14 @@ void silu_in_place(float* x, int64_t n, bool fast) {
   if (fast) j = silu_avx512_in_place(x, n);
 #endif
   for (; j < n; ++j) x[j] = silu(x[j]);
+}
+
+void sigmoid_gate(const float* x, const float* z, int64_t n, bool fast, float* out) {
+  int64_t j = 0;
+#ifdef TANDEM_AVX512F
+  if (fast) j = sigmoid_gate_avx512(x, z, n, out);
+#endif
+  for (; j < n; ++j) out[j] = sigmoid_gated(x[j], z[j]);
 }
 
 void rms_row_scales(const float* A, int64_t M, int64_t K, float epsilon, bool fast, float* r) {

@@ -39,6 +39,9 @@ inline float exp_clamped(float x) {
 
 inline float silu(float x) { return x / (1.0f + exp_clamped(-x)); }
 
+// x sigmoid(z), sigmoid(z) = 1 / (1 + e^-z): the attention's output gate
+inline float sigmoid_gated(float x, float z) { return x * (1.0f / (1.0f + exp_clamped(-z))); }
+
 #ifdef TANDEM_AVX512F
 // exp_clamped's AVX-512 form, operation for operation
 TANDEM_AVX512F inline __m512 exp_avx512(__m512 x) {
@@ -61,6 +64,12 @@ TANDEM_AVX512F inline __mmask16 first_lanes(int64_t n) {
 TANDEM_AVX512F inline __m512 silu_avx512(__m512 x) {
   return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
+
+// sigmoid_gated's AVX-512 form
+TANDEM_AVX512F inline __m512 sigmoid_gated_avx512(__m512 x, __m512 z) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  return _mm512_mul_ps(x, _mm512_div_ps(one, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), z)))));
+}
 #endif
 
 // Whether the AVX-512 forms run here: the CPU has AVX-512F and TANDEM_CPU_KERNELS_PORTABLE is not 1.
@@ -68,6 +77,9 @@ bool avx512f();
 
 // x[i] = silu(x[i]) for n elements, in place.
 void silu_in_place(float* x, int64_t n, bool fast);
+
+// out[i] = x[i] sigmoid(z[i]) for n elements (sigmoid_gated).
+void sigmoid_gate(const float* x, const float* z, int64_t n, bool fast, float* out);
 
 // r[m] = 1 / sqrt(mean_k A[m, k]^2 + epsilon) for the rows of A [M, K], the squares summed in 16
 // lanes (lane k % 16, fma in k order), the lanes added 0..15.
