@@ -99,7 +99,7 @@ struct Kernel {
   bool emit_output, fast;
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> xd, bd, ad, cd, td, nd, dd, sd, ld, rd;
+    Dims xd, bd, ad, cd, td, nd, dd, sd, ld, rd;
     Prologue p{};
     p.qkv = input<float>(api, context, 0, &xd);
     p.beta_logits = input<float>(api, context, 1, &bd);
@@ -117,8 +117,8 @@ struct Kernel {
                 "state_pool [P, Hv, dk, dv] and state_slots, state_rows [B]");
     const int64_t B = xd[0];
     p.W = xd[1], p.C = xd[2], p.K = td[0], p.hv = sd[1], p.dk = sd[2], p.dv = sd[3];
-    expect(bd == std::vector<int64_t>({B, p.W, p.hv}) && ad == bd, kOp, "beta and decay logits must be [B, W, Hv]");
-    expect(nd == std::vector<int64_t>({p.hv}) && dd == nd, kOp, "neg_a and dt_bias must be [Hv]");
+    expect(bd == Dims{B, p.W, p.hv} && ad == bd, kOp, "beta and decay logits must be [B, W, Hv]");
+    expect(nd == Dims{p.hv} && dd == nd, kOp, "neg_a and dt_bias must be [Hv]");
     expect(td[1] == p.C && cd[1] == p.K - 1 && cd[2] == p.C && cd[0] == sd[0], kOp,
            "conv_taps [K, C] and conv_pool [P, K-1, C] disagree with qkv or the state pool");
     expect(ld[0] == B && rd == ld, kOp, "state_slots and state_rows must be [B]");
@@ -176,9 +176,9 @@ struct Kernel {
   void new_conv_state_output(OrtKernelContext* context, const Prologue& p, int64_t B) const {
     float* state = output(api, context, 4, {B, p.K - 1, p.C}, /*optional=*/true);
     if (state == nullptr) return;
-    std::vector<int64_t> nd;
+    Dims nd;
     const int64_t* conv_rows = optional_input<int64_t>(api, context, 10, &nd);
-    expect(conv_rows != nullptr && nd == std::vector<int64_t>({B}), kOp, "new_conv_state needs conv_rows [B]");
+    expect(conv_rows != nullptr && nd == Dims{B}, kOp, "new_conv_state needs conv_rows [B]");
     for (int64_t b = 0; b < B; ++b) {
       expect(conv_rows[b] >= 0 && conv_rows[b] <= p.W, kOp, "a conv row is outside the call's rows");
       for (int64_t j = 0; j < p.K - 1; ++j) {

@@ -229,7 +229,7 @@ struct Kernel {
   bool fast;          // the AVX-512 rows (the same bits)
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> qd, kd, vd, gd, bd, sd, rd, ld;
+    Dims qd, kd, vd, gd, bd, sd, rd, ld;
     DeltaRuleCall c;
     c.q = input<float>(api, context, 0, &qd);
     c.k = input<float>(api, context, 1, &kd);
@@ -245,7 +245,7 @@ struct Kernel {
     c.B = qd[0], c.W = qd[1], c.hk = qd[2], c.dk = qd[3], c.hv = vd[2], c.dv = vd[3];
     expect_gdn(vd[0] == c.B && vd[1] == c.W && sd[1] == c.hv && sd[2] == c.dk && sd[3] == c.dv && rd[0] == c.B,
            "inputs disagree on B, W, heads or head dims");
-    expect_gdn(gd == std::vector<int64_t>({c.B, c.W, c.hv}) && bd == gd, "decay and beta must be [B, W, Hv]");
+    expect_gdn(gd == Dims{c.B, c.W, c.hv} && bd == gd, "decay and beta must be [B, W, Hv]");
     c.scale = scale;
     c.emit_output = emit_output;
     c.fast = fast;

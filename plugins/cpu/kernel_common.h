@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -23,6 +24,37 @@ inline void expect(bool ok, const char* op, const char* what) {
   if (!ok) fail(op, what);
 }
 
+// A tensor's dims, held inline: reading a node's inputs and making its outputs allocates nothing
+// (a std::vector per input, output and shape check was a dozen heap allocations a call)
+class Dims {
+ public:
+  static constexpr size_t kMaxRank = 8;
+  Dims() = default;
+  Dims(std::initializer_list<int64_t> dims) : Dims(dims.begin(), dims.size()) {}
+  Dims(const int64_t* dims, size_t rank) : rank_(rank) {
+    expect(rank <= kMaxRank, "kernel", "a tensor of rank above 8");
+    std::copy(dims, dims + rank, dims_);
+  }
+  size_t size() const { return rank_; }
+  bool empty() const { return rank_ == 0; }
+  int64_t operator[](size_t i) const { return dims_[i]; }
+  int64_t back() const { return dims_[rank_ - 1]; }
+  const int64_t* data() const { return dims_; }
+  const int64_t* begin() const { return dims_; }
+  const int64_t* end() const { return dims_ + rank_; }
+  Dims first(size_t n) const { return Dims(dims_, n); }    // the leading n
+  void push_back(int64_t d) {
+    expect(rank_ < kMaxRank, "kernel", "a tensor of rank above 8");
+    dims_[rank_++] = d;
+  }
+  bool operator==(const Dims& o) const { return rank_ == o.rank_ && std::equal(begin(), end(), o.begin()); }
+  bool operator!=(const Dims& o) const { return !(*this == o); }
+
+ private:
+  int64_t dims_[kMaxRank] = {};
+  size_t rank_ = 0;
+};
+
 inline void check(const OrtApiTable& api, OrtStatus* status) {
   if (status != nullptr) {
     std::string msg = api.GetErrorMessage(status);
@@ -33,12 +65,12 @@ inline void check(const OrtApiTable& api, OrtStatus* status) {
 
 // A tensor's dims, read in place (one ABI call: a type-and-shape object made and released per input
 // took four more, and a heap allocation inside ONNX Runtime, on every node's call)
-inline std::vector<int64_t> dims_of(const OrtApiTable& api, const OrtValue* value) {
+inline Dims dims_of(const OrtApiTable& api, const OrtValue* value) {
   int type = 0;
   const int64_t* shape = nullptr;
   size_t rank = 0;
   check(api, api.GetTensorElementTypeAndShapeDataReference(value, &type, &shape, &rank));
-  return std::vector<int64_t>(shape, shape + rank);
+  return Dims(shape, rank);
 }
 
 // The ABI table, with the node's constant inputs (initializers: the build writes every weight as
@@ -64,7 +96,7 @@ class NodeApi : public OrtApiTable {
   }
 
   // input `index`'s data and dims where it is a constant initializer; else null
-  const void* constant(size_t index, std::vector<int64_t>* dims) const {
+  const void* constant(size_t index, Dims* dims) const {
     if (index >= constants_.size() || constants_[index].data == nullptr) return nullptr;
     *dims = constants_[index].dims;
     return constants_[index].data;
@@ -73,13 +105,13 @@ class NodeApi : public OrtApiTable {
  private:
   struct Constant {
     void* data = nullptr;        // the session's initializer: it outlives the kernel
-    std::vector<int64_t> dims;
+    Dims dims;
   };
   std::vector<Constant> constants_;   // by input index
 };
 
 template <typename T>
-T* input(const NodeApi& api, OrtKernelContext* context, size_t index, std::vector<int64_t>* dims) {
+T* input(const NodeApi& api, OrtKernelContext* context, size_t index, Dims* dims) {
   if (const void* data = api.constant(index, dims)) return static_cast<T*>(const_cast<void*>(data));
   const OrtValue* value = nullptr;
   check(api, api.KernelContextGetInput(context, index, &value));
@@ -91,7 +123,7 @@ T* input(const NodeApi& api, OrtKernelContext* context, size_t index, std::vecto
 
 // An optional input's data, or null where the node omits it.
 template <typename T>
-T* optional_input(const NodeApi& api, OrtKernelContext* context, size_t index, std::vector<int64_t>* dims) {
+T* optional_input(const NodeApi& api, OrtKernelContext* context, size_t index, Dims* dims) {
   if (const void* data = api.constant(index, dims)) return static_cast<T*>(const_cast<void*>(data));
   size_t n = 0;
   check(api, api.KernelContextGetInputCount(context, &n));
@@ -100,7 +132,7 @@ T* optional_input(const NodeApi& api, OrtKernelContext* context, size_t index, s
   return value == nullptr ? nullptr : input<T>(api, context, index, dims);
 }
 
-inline int64_t numel(const std::vector<int64_t>& dims) {
+inline int64_t numel(const Dims& dims) {
   int64_t n = 1;
   for (int64_t d : dims) n *= d;
   return n;
@@ -108,7 +140,7 @@ inline int64_t numel(const std::vector<int64_t>& dims) {
 
 // The output's buffer; null for an optional output the node omits ("" as its name).
 inline float* output(const OrtApiTable& api, OrtKernelContext* context, size_t index,
-                     const std::vector<int64_t>& dims, bool optional = false) {
+                     const Dims& dims, bool optional = false) {
   OrtValue* value = nullptr;
   check(api, api.KernelContextGetOutput(context, index, dims.data(), dims.size(), &value));
   if (value == nullptr && optional) return nullptr;
@@ -164,7 +196,7 @@ struct ColumnSplit {
 
 inline ColumnSplit column_split(const NodeApi& api, OrtKernelContext* context, size_t index, int64_t N,
                                 const char* op) {
-  std::vector<int64_t> sd, hd;
+  Dims sd, hd;
   const int64_t* split = optional_input<int64_t>(api, context, index, &sd);
   if (split == nullptr) return {};
   ColumnSplit c{std::vector<int64_t>(split, split + numel(sd)), std::vector<int64_t>(numel(sd), 0)};
@@ -187,14 +219,15 @@ inline ColumnSplit column_split(const NodeApi& api, OrtKernelContext* context, s
 
 // The columns of product [..., N] (dims yd) into the split's outputs.
 inline void split_columns(const OrtApiTable& api, OrtKernelContext* context, const float* product,
-                          const std::vector<int64_t>& yd, const ColumnSplit& split) {
+                          const Dims& yd, const ColumnSplit& split) {
   const int64_t N = yd.back(), M = N > 0 ? numel(yd) / N : 0;
   int64_t at = 0;
   for (size_t i = 0; i < split.widths.size(); ++i) {
     const int64_t w = split.widths[i], h = split.heads[i];
-    std::vector<int64_t> dims(yd.begin(), yd.end() - 1);
+    Dims dims = yd.first(yd.size() - 1);
     if (h > 0) {
-      dims.insert(dims.end(), {h, w / h});
+      dims.push_back(h);
+      dims.push_back(w / h);
     } else {
       dims.push_back(w);
     }

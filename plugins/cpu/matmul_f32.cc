@@ -243,7 +243,7 @@ struct Kernel {
   // A (r norm_scale) silu(gate) per group of norm_group (inputs 3 and 4), in the calling thread's
   // scratch
   const float* normed_input(OrtKernelContext* context, const float* A, int64_t n, int64_t K) const {
-    std::vector<int64_t> sd, gd;
+    Dims sd, gd;
     const float* scale = optional_input<float>(api, context, 3, &sd);
     const float* gate = optional_input<float>(api, context, 4, &gd);
     expect(scale != nullptr && numel(sd) == norm_group && K % norm_group == 0, "MatMul",
@@ -263,7 +263,7 @@ struct Kernel {
   // A diag(scale), scale input 3 ([K]: an RMS norm's, where the build could not fold it into bf16
   // panels), in the calling thread's scratch; A itself where the node has no such input
   const float* scaled_input(OrtKernelContext* context, const float* A, int64_t n, int64_t K) const {
-    std::vector<int64_t> sd;
+    Dims sd;
     const float* scale = optional_input<float>(api, context, 3, &sd);
     if (scale == nullptr) return A;
     expect(numel(sd) == K, "MatMul", "the norm scale (input 3) is not [K]");
@@ -274,14 +274,14 @@ struct Kernel {
   }
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> ad, bd, rd;
+    Dims ad, bd, rd;
     const float* A = input<float>(api, context, 0, &ad);
     const void* B = input<void>(api, context, 1, &bd);
     const float* residual = optional_input<float>(api, context, 2, &rd);
     const int64_t P = (N + kLanes - 1) / kLanes * (swiglu ? 2 : 1);
     expect(bd.size() == 3 && bd[0] == P && bd[2] == kLanes, "MatMul",
            swiglu ? "B is not gate and up panels [2 ceil(N / 16), K, 16]" : "B is not panels [ceil(N / 16), K, 16]");
-    std::vector<int64_t> yd;
+    Dims yd;
     expect(product_dims(ad, bd[1], N, norm_group, &yd), "MatMul", "A's last dimension is not B's K");
     if (norm_group > 0) A = normed_input(context, A, numel(ad), bd[1]);
     expect(residual == nullptr || rd == yd, "MatMul", "the residual's shape is not the output's [..., N]");

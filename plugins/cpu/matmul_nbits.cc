@@ -133,23 +133,23 @@ struct Kernel {
   float epsilon;
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> ad, bd, sd, zd;
+    Dims ad, bd, sd, zd;
     const float* A = input<float>(api, context, 0, &ad);
     const uint8_t* B = input<uint8_t>(api, context, 1, &bd);
     const uint16_t* scales = input<uint16_t>(api, context, 2, &sd);
     const uint8_t* zeros = optional_input<uint8_t>(api, context, 3, &zd);
-    std::vector<int64_t> rd, wd, gd;
+    Dims rd, wd, gd;
     const float* residual = optional_input<float>(api, context, 4, &rd);
     const float* norm_scale = optional_input<float>(api, context, 5, &wd);
     const float* gate = optional_input<float>(api, context, 6, &gd);
     const int64_t blocks = K / block_size;
-    std::vector<int64_t> yd;
+    Dims yd;
     expect_mm(product_dims(ad, K, swiglu ? N / 2 : N, norm_group, &yd), "A's last dimension is not the node's K");
     const int64_t tiles = MatMulNBitsCall::tiles(N), zero_rows = MatMulNBitsCall::zero_rows(bits, blocks);
-    expect_mm(bd == std::vector<int64_t>({tiles, K * bits / 32, kTile, 4}),
+    expect_mm(bd == Dims{tiles, K * bits / 32, kTile, 4},
               "B is not [ceil(N / 16), K * bits / 32, 16, 4] (column tiles: export/nbits_tiles.py)");
-    expect_mm(sd == std::vector<int64_t>({tiles, blocks, kTile}), "scales are not float16 [ceil(N / 16), K / block_size, 16]");
-    expect_mm(zeros == nullptr || zd == std::vector<int64_t>({tiles, zero_rows, kTile}),
+    expect_mm(sd == Dims{tiles, blocks, kTile}, "scales are not float16 [ceil(N / 16), K / block_size, 16]");
+    expect_mm(zeros == nullptr || zd == Dims{tiles, zero_rows, kTile},
               "zero_points are not [ceil(N / 16), blocks (8 bits) or ceil(blocks / 2) (4 bits), 16]");
     expect_mm(!rms_norm || (norm_scale != nullptr && numel(wd) == K), "rms_norm needs norm_scale [K]");
     expect_mm(!norm_group || (norm_scale != nullptr && numel(wd) == norm_group && K % norm_group == 0),

@@ -42,7 +42,7 @@ struct Kernel {
   bool fast;
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> xd;
+    Dims xd;
     const float* x = input<float>(api, context, 0, &xd);
     expect(xd.size() == 4, kOp, "x must be [B, W, H, D]");
     const int64_t B = xd[0], W = xd[1], H = xd[2], D = xd[3];
@@ -56,7 +56,7 @@ struct Kernel {
 
 NormRope norm_rope_inputs(const NodeApi& api, OrtKernelContext* context, size_t first, int64_t B, int64_t W,
                           int64_t D, const char* op) {
-  std::vector<int64_t> nd, cd, sd, pd;
+  Dims nd, cd, sd, pd;
   NormRope p;
   p.norm = optional_input<float>(api, context, first, &nd);
   p.cos = optional_input<float>(api, context, first + 1, &cd);

@@ -253,7 +253,7 @@ struct Kernel {
   bool fast, packed_gate;
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> qd, kd, vd, kcd, vcd, td, cd;
+    Dims qd, kd, vd, kcd, vcd, td, cd;
     const float* q = input<float>(api, context, 0, &qd);
     const float* k = input<float>(api, context, 1, &kd);
     const float* v = input<float>(api, context, 2, &vd);
@@ -290,7 +290,7 @@ struct Kernel {
       for (int64_t m = 0; m < B * W * hq; ++m) std::memcpy(q_rows.data() + m * D, q + m * 2 * D, sizeof(float) * D);
       gate = q + D, gate_row = 2 * D, q = q_rows.data();
     } else {
-      std::vector<int64_t> gd;
+      Dims gd;
       gate = optional_input<float>(api, context, 11, &gd);
       expect_pa(gate == nullptr || numel(gd) == B * W * hq * dv, "the gate must be [B, W, Hq Dv]");
     }

@@ -43,7 +43,7 @@ struct Kernel {
   int64_t D;
 
   void compute(OrtKernelContext* context) const {
-    std::vector<int64_t> pd, fd, cd, rd_;
+    Dims pd, fd, cd, rd_;
     const int64_t* positions = optional_input<int64_t>(api, context, 0, &pd);
     const float* inv_freq = input<float>(api, context, 1, &fd);
     const int64_t* context_lens = nullptr;
@@ -53,14 +53,14 @@ struct Kernel {
       check(api, api.KernelContextGetInput(context, 3, &rows));
       expect(context_lens != nullptr && rows != nullptr, kOp, "without positions, context_lens and rows are needed");
       pd = dims_of(api, rows);
-      expect(pd.size() >= 2 && cd == std::vector<int64_t>({pd[0]}), kOp,
+      expect(pd.size() >= 2 && cd == Dims{pd[0]}, kOp,
              "expected context_lens [B] and rows [B, W, ...]");
-      pd.resize(2);
+      pd = pd.first(2);
     }
     expect(pd.size() == 2 && fd.size() == 1, kOp, "expected positions [B, W] and inv_freq [rd / 2]");
     const int64_t half = fd[0], rd = 2 * half;
     expect(rd <= D, kOp, "the rotary dims are more than head_dim");
-    const std::vector<int64_t> dims = {pd[0], pd[1], 1, D};
+    const Dims dims = {pd[0], pd[1], 1, D};
     float* cos_out = output(api, context, 0, dims);
     float* sin_out = output(api, context, 1, dims);
     for (int64_t r = 0; r < pd[0] * pd[1]; ++r) {

@@ -125,12 +125,12 @@ void swiglu_rows(const float* product, int64_t M, int64_t I, bool fast, float* y
   }
 }
 
-bool product_dims(const std::vector<int64_t>& ad, int64_t K, int64_t N, int64_t G, std::vector<int64_t>* yd) {
+bool product_dims(const Dims& ad, int64_t K, int64_t N, int64_t G, Dims* yd) {
   const size_t rank = ad.size();
   if (rank >= 1 && ad.back() == K) {
-    yd->assign(ad.begin(), ad.end() - 1);
+    *yd = ad.first(rank - 1);
   } else if (G > 0 && rank >= 2 && ad.back() == G && ad[rank - 2] * G == K) {
-    yd->assign(ad.begin(), ad.end() - 2);
+    *yd = ad.first(rank - 2);
   } else {
     return false;
   }

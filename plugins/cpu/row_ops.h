@@ -115,6 +115,6 @@ NormRope norm_rope_inputs(const NodeApi& api, OrtKernelContext* context, size_t 
 
 // The output dims of a matmul over K into N columns for A's dims `ad`: [..., K] -> [..., N]; with a
 // group norm of G (G > 0) also [..., K / G, G] -> [..., N]. False where A is neither.
-bool product_dims(const std::vector<int64_t>& ad, int64_t K, int64_t N, int64_t G, std::vector<int64_t>* yd);
+bool product_dims(const Dims& ad, int64_t K, int64_t N, int64_t G, Dims* yd);
 
 }  // namespace tandem
