@@ -23,10 +23,10 @@ from .test_cpu_matmul_nbits import _packed
 WIDTHS = [40, 24, 8, 8]            # as in_proj's qkv | z | b | a: not all multiples of 16
 
 
-def _graph(product: onnx.NodeProto, inits: list, K: int, domain: str = "") -> onnx.ModelProto:
-    outs = [f"y{i}" for i in range(len(WIDTHS))]
+def _graph(product: onnx.NodeProto, inits: list, K: int, domain: str = "", widths=WIDTHS) -> onnx.ModelProto:
+    outs = [f"y{i}" for i in range(len(widths))]
     nodes = [product, helper.make_node("Split", ["p", "widths"], outs, axis=-1)]
-    inits = [*inits, numpy_helper.from_array(np.array(WIDTHS, np.int64), "widths")]
+    inits = [*inits, numpy_helper.from_array(np.array(widths, np.int64), "widths")]
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("X", TensorProto.FLOAT, ["B", "W", K])],
                           [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], inits)
     opsets = [helper.make_opsetid("", 23)] + ([helper.make_opsetid(domain, 1)] if domain else [])
@@ -41,20 +41,24 @@ def _kinds(model: onnx.ModelProto, untiling: bool = True) -> list[tuple[str, str
     return [(n.op_type, n.domain) for n in model.graph.node if untiling or "/untiled_" not in n.name]
 
 
+# (K, widths): one pool task; 1.6 MB of weight panels in many tasks, each copying its own columns out
+@pytest.mark.parametrize("K, widths", [(48, WIDTHS), (128, [2000, 1040, 8, 40])], ids=["small", "tasks"])
 @pytest.mark.parametrize("rows", [1, 5, 9], ids=["decode", "batch-5", "two-blocks"])
-def test_float_split_node_equals_matmul_then_split(library, rows):
+def test_float_split_node_equals_matmul_then_split(library, rows, K, widths):
     rng = np.random.default_rng(rows)
-    K, N = 48, sum(WIDTHS)
+    N = sum(widths)
     W = (rng.standard_normal((K, N)) * 0.2).astype(np.float32)
-    model = _graph(helper.make_node("MatMul", ["X", "W"], ["p"]), [numpy_helper.from_array(W, "W")], K)
+    model = _graph(helper.make_node("MatMul", ["X", "W"], ["p"]), [numpy_helper.from_array(W, "W")], K, widths=widths)
     feeds = {"X": rng.standard_normal((1, rows, K)).astype(np.float32)}
     expected = onnxruntime_backend.session(model).run(None, feeds)
     assert lower_matmul_to_kernel(model, _Tensors())
     assert _kinds(model) == [("MatMul", CPU_DOMAIN)]
-    got = onnxruntime_backend.session(model, kernels=library).run(None, feeds)
-    for e, o, width in zip(expected, got, WIDTHS):
-        assert o.shape == (1, rows, width)
-        np.testing.assert_allclose(o, e, rtol=1e-5, atol=1e-5)
+    session = onnxruntime_backend.session(model, kernels=library)
+    for _ in range(20 if K > 64 else 1):   # back to back: the pool's threads (spinning) share the tasks
+        got = session.run(None, feeds)
+        for e, o, width in zip(expected, got, widths):
+            assert o.shape == (1, rows, width)
+            np.testing.assert_allclose(o, e, rtol=1e-5, atol=1e-5)
 
 
 def test_a_residual_node_keeps_its_split(library):
@@ -84,13 +88,16 @@ def test_split_widths_that_do_not_sum_to_n_fail_the_call(library):
         onnxruntime_backend.session(model, kernels=library).run(None, {"X": np.ones((1, K), np.float32)})
 
 
-def test_int4_split_node_and_its_exact_copy(library, tmp_path):
+# (K, widths): one pool task; 1.6 MB of weights in many tasks, each copying its own columns out,
+# the tile of columns 3040-3055 across two outputs
+@pytest.mark.parametrize("K, widths", [(64, WIDTHS), (1024, [2000, 1040, 8, 40])], ids=["small", "tasks"])
+def test_int4_split_node_and_its_exact_copy(library, tmp_path, K, widths):
     """The int4 node makes the Split's outputs (equal to its own product split); the exact copy
     restores MatMulNBits -> Split, equal to the original at level 0 bit for bit."""
     if not cpu_kernels.nbits_matmul():
         pytest.skip("no AVX-512 VNNI here: the build never makes these nodes")
     rng = np.random.default_rng(31)
-    K, N = 64, sum(WIDTHS)
+    N = sum(widths)
     _, scales, _, B, packed = _packed(rng, K, N, 4, 32, True)
     inits = [numpy_helper.from_array(B, "B"), numpy_helper.from_array(scales.reshape(-1), "scales"),
              numpy_helper.from_array(packed, "zeros")]
@@ -98,7 +105,7 @@ def test_int4_split_node_and_its_exact_copy(library, tmp_path):
     def graph(level):
         node = helper.make_node("MatMulNBits", ["X", "B", "scales", "zeros"], ["p"], domain=MS_DOMAIN, K=K, N=N,
                                 bits=4, block_size=32, accuracy_level=level)
-        return _graph(node, inits, K, MS_DOMAIN)
+        return _graph(node, inits, K, MS_DOMAIN, widths)
 
     model, whole = graph(4), graph(4)
     for m in (model, whole):
@@ -110,9 +117,11 @@ def test_int4_split_node_and_its_exact_copy(library, tmp_path):
     del whole.graph.node[1:], whole.graph.output[:]
     whole.graph.output.append(helper.make_tensor_value_info(unsplit.output[0], TensorProto.FLOAT, None))
     product = onnxruntime_backend.session(whole, kernels=library).run(None, feeds)[0]
-    got = onnxruntime_backend.session(model, kernels=library).run(None, feeds)
-    for o, e in zip(got, np.split(product, np.cumsum(WIDTHS)[:-1], axis=-1)):
-        np.testing.assert_array_equal(o, e)
+    session = onnxruntime_backend.session(model, kernels=library)
+    for _ in range(20 if K > 64 else 1):   # back to back: the pool's threads (spinning) share the tasks
+        got = session.run(None, feeds)
+        for o, e in zip(got, np.split(product, np.cumsum(widths)[:-1], axis=-1)):
+            np.testing.assert_array_equal(o, e)
     path = tmp_path / "g.opt.onnx"
     onnx.save(model, str(path))
     copy = onnx.load(str(exact_copy(path)))

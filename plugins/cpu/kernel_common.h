@@ -217,12 +217,34 @@ inline ColumnSplit column_split(const NodeApi& api, OrtKernelContext* context, s
   return c;
 }
 
-// The columns of product [..., N] (dims yd) into the split's outputs.
-inline void split_columns(const OrtApiTable& api, OrtKernelContext* context, const float* product,
-                          const Dims& yd, const ColumnSplit& split) {
-  const int64_t N = yd.back(), M = N > 0 ? numel(yd) / N : 0;
-  int64_t at = 0;
-  for (size_t i = 0; i < split.widths.size(); ++i) {
+// A split's outputs, made before the product is: each pool task copies its own columns of the
+// product into them (copy), from its own cache; a copy of the whole product after the tasks read
+// half of it from the other core's (150M int4 in_proj, 4 outputs: 2.6 us a call).
+struct SplitOutputs {
+  float* out[kMaxSplits] = {};
+  int64_t start[kMaxSplits + 1] = {};    // output i holds product columns [start[i], start[i + 1])
+  size_t n = 0;
+  int64_t M = 0, N = 0;
+
+  // product [M, N]'s columns [c0, c1) into the outputs they belong to
+  void copy(const float* product, int64_t c0, int64_t c1) const {
+    for (size_t i = 0; i < n; ++i) {
+      const int64_t a = std::max(c0, start[i]), b = std::min(c1, start[i + 1]), w = start[i + 1] - start[i];
+      for (int64_t m = 0; a < b && m < M; ++m) {
+        std::memcpy(out[i] + m * w + (a - start[i]), product + m * N + a, sizeof(float) * (b - a));
+      }
+    }
+  }
+};
+
+// The split's outputs for a product of dims yd [..., N] (none where the node has no split).
+inline SplitOutputs split_outputs(const OrtApiTable& api, OrtKernelContext* context, const Dims& yd,
+                                  const ColumnSplit& split) {
+  SplitOutputs s;
+  s.n = split.widths.size();
+  s.N = yd.back();
+  s.M = s.N > 0 ? numel(yd) / s.N : 0;
+  for (size_t i = 0; i < s.n; ++i) {
     const int64_t w = split.widths[i], h = split.heads[i];
     Dims dims = yd.first(yd.size() - 1);
     if (h > 0) {
@@ -231,10 +253,10 @@ inline void split_columns(const OrtApiTable& api, OrtKernelContext* context, con
     } else {
       dims.push_back(w);
     }
-    float* out = output(api, context, i, dims);
-    for (int64_t m = 0; m < M; ++m) std::memcpy(out + m * w, product + m * N + at, sizeof(float) * w);
-    at += w;
+    s.out[i] = output(api, context, i, dims);
+    s.start[i + 1] = s.start[i] + w;
   }
+  return s;
 }
 
 // A node whose tasks together touch fewer bytes than this (weights, cache rows, states; counted

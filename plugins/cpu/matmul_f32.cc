@@ -291,6 +291,8 @@ struct Kernel {
     thread_local std::vector<float> whole;     // the product before a split (the calling thread's)
     if (!split.empty()) whole.resize(static_cast<size_t>(numel(yd)));
     float* y = split.empty() ? output(api, context, 0, yd) : whole.data();
+    const SplitOutputs outputs = split_outputs(api, context, yd, split);
+    const float* product = whole.data();        // (a pool thread's `whole` is its own)
     const int64_t M = numel(yd) / N;
     thread_local std::vector<float> scales;    // the calling thread's, kept across calls
     if (rms_norm) {
@@ -301,10 +303,7 @@ struct Kernel {
     const float* r = rms_norm ? scales.data() : nullptr;
     const Call<float> f32{A, static_cast<const float*>(B), residual, r, y, M, bd[1], N, swiglu};
     const Call<uint16_t> half{A, static_cast<const uint16_t*>(B), residual, r, y, M, bd[1], N, swiglu};
-    if (numel(yd) == 0) {
-      if (!split.empty()) split_columns(api, context, y, yd, split);
-      return;
-    }
+    if (numel(yd) == 0) return;
     auto chunk = [&](int64_t first, int64_t last) {
       const int64_t p0 = first * kChunkPanels, p1 = std::min(P, last * kChunkPanels);
       if (bf16) {
@@ -312,11 +311,11 @@ struct Kernel {
       } else {
         fast ? panels_avx512(f32, p0, p1) : panels_portable(f32, p0, p1);
       }
+      outputs.copy(product, p0 * kLanes, std::min(N, p1 * kLanes));   // a split's columns, while in cache
     };
     // the panels stream once per block of 8 rows
     const int64_t bytes = (bf16 ? 2 : 4) * P * bd[1] * kLanes * ((M + 7) / 8);
     parallel_for(api, context, (P + kChunkPanels - 1) / kChunkPanels, bytes, chunk);
-    if (!split.empty()) split_columns(api, context, y, yd, split);
   }
 };
 

@@ -159,15 +159,14 @@ struct Kernel {
     expect_mm(residual == nullptr || !swiglu, "a swiglu node takes no residual");
     const ColumnSplit split = column_split(api, context, 7, N, "MatMulNBits");
     expect_mm(split.empty() || (!swiglu && residual == nullptr), "a split node takes no residual or swiglu");
-    thread_local std::vector<float> product;    // swiglu: the whole product, gated after; a split's, split after
+    thread_local std::vector<float> product;    // swiglu: the whole product, gated after; a split's, copied out
     if (swiglu || !split.empty()) product.resize(static_cast<size_t>(numel(ad) / K * N));
     float* y = split.empty() ? output(api, context, 0, yd) : product.data();
+    const SplitOutputs outputs = split_outputs(api, context, yd, split);
+    const float* whole = product.data();        // (a pool thread's `product` is its own)
     MatMulNBitsCall call{A, B, scales, zeros, swiglu ? product.data() : y, numel(ad) / K, K, N, bits, block_size,
                          blocks};
-    if (call.M == 0) {
-      if (!split.empty()) split_columns(api, context, y, yd, split);
-      return;
-    }
+    if (call.M == 0) return;
     thread_local std::vector<float> normed, r;    // the calling thread's, kept across calls
     if (norm_group) {
       normed.resize(static_cast<size_t>(call.M * K));
@@ -200,6 +199,7 @@ struct Kernel {
       } else {
         tiles_portable(call, rows, t0, t1);
       }
+      outputs.copy(whole, t0 * kTile, std::min(N, t1 * kTile));   // a split's columns, while in cache
     };
     // the tiles stream once per block of 8 rows
     const int64_t bytes = tiles * call.tile_bytes() * ((call.M + 7) / 8);
@@ -208,7 +208,6 @@ struct Kernel {
       for (int64_t i = 0; i < call.M * N; ++i) y[i] += residual[i];
     }
     if (swiglu) swiglu_rows(product.data(), call.M, N / 2, fast, y);
-    if (!split.empty()) split_columns(api, context, y, yd, split);
   }
 };
 
