@@ -292,7 +292,6 @@ struct Kernel {
     if (!split.empty()) whole.resize(static_cast<size_t>(numel(yd)));
     float* y = split.empty() ? output(api, context, 0, yd) : whole.data();
     const SplitOutputs outputs = split_outputs(api, context, yd, split);
-    const float* product = whole.data();        // (a pool thread's `whole` is its own)
     const int64_t M = numel(yd) / N;
     thread_local std::vector<float> scales;    // the calling thread's, kept across calls
     if (rms_norm) {
@@ -311,7 +310,7 @@ struct Kernel {
       } else {
         fast ? panels_avx512(f32, p0, p1) : panels_portable(f32, p0, p1);
       }
-      outputs.copy(product, p0 * kLanes, std::min(N, p1 * kLanes));   // a split's columns, while in cache
+      outputs.copy(y, p0 * kLanes, std::min(N, p1 * kLanes));   // a split's columns (y: the product), while in cache
     };
     // the panels stream once per block of 8 rows
     const int64_t bytes = (bf16 ? 2 : 4) * P * bd[1] * kLanes * ((M + 7) / 8);

@@ -163,7 +163,6 @@ struct Kernel {
     if (swiglu || !split.empty()) product.resize(static_cast<size_t>(numel(ad) / K * N));
     float* y = split.empty() ? output(api, context, 0, yd) : product.data();
     const SplitOutputs outputs = split_outputs(api, context, yd, split);
-    const float* whole = product.data();        // (a pool thread's `product` is its own)
     MatMulNBitsCall call{A, B, scales, zeros, swiglu ? product.data() : y, numel(ad) / K, K, N, bits, block_size,
                          blocks};
     if (call.M == 0) return;
@@ -199,7 +198,7 @@ struct Kernel {
       } else {
         tiles_portable(call, rows, t0, t1);
       }
-      outputs.copy(whole, t0 * kTile, std::min(N, t1 * kTile));   // a split's columns, while in cache
+      outputs.copy(y, t0 * kTile, std::min(N, t1 * kTile));   // a split's columns (y: the product), while in cache
     };
     // the tiles stream once per block of 8 rows
     const int64_t bytes = tiles * call.tile_bytes() * ((call.M + 7) / 8);
