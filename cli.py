@@ -139,7 +139,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         settings = ServerSettings(model_name=args.model_name or Path(args.engine_dir).resolve().name,
                                   api_key=args.api_key, max_queued=args.max_queued,
                                   max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
-                                  openapi=args.openapi, stream_interval=args.stream_interval)
+                                  openapi=args.openapi, stream_interval=args.stream_interval,
+                                  allow_extra_fields=args.allow_extra_fields)
         config = EngineConfig(memory_budget_bytes=int(args.memory_budget_mb * 2**20), mtp_mode=args.mtp_mode,
                               threads=args.threads)
         if args.ray:
@@ -317,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--openapi", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed event after the first (default 1); more cost less host work per token")
+    p.add_argument("--allow-extra-fields", action="store_true",
+                   help="accept request fields tandem does not know and ignore them (default: 400 naming the field)")
     ray = p.add_argument_group("Ray Serve (pip install 'tandem[ray]'; docs/ray.md)")
     ray.add_argument("--ray", action="store_true", help="serve from replicas on Ray Serve, each with its own pipeline")
     ray.add_argument("--replicas", type=int, default=None, help="a fixed number of replicas (default 1)")

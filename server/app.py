@@ -30,7 +30,7 @@ from tandem.server import metrics as m
 from tandem.server.chat_template import ChatTemplate, ChatTemplateError
 from tandem.server.engine_loop import EngineError, EngineLoop
 from tandem.server.limits import RequestGuard
-from tandem.server.protocol import ChatRequest, CompletionRequest, error_body, json_bytes
+from tandem.server.protocol import ChatRequest, CompletionRequest, error_body, json_bytes, unknown_field
 from tandem.server.tool_calls import AnswerParser, check_tools, message, template_messages, tool_choice_grammar
 
 log = logging.getLogger("tandem.server")
@@ -47,6 +47,7 @@ class ServerSettings:
     default_max_tokens: int = 256
     openapi: bool = False          # serve /docs, /redoc and /openapi.json
     stream_interval: int = 1       # tokens a streamed event holds (after the first); more: less host work per token
+    allow_extra_fields: bool = False   # accept (and ignore) request fields tandem does not know; off: 400
 
     def __post_init__(self):
         check_text(self.model_name, "the model name")  # e.g. undecodable bytes on the command line
@@ -114,8 +115,8 @@ def create_app(llm: LLM, settings: ServerSettings,
     async def _validation(request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = _field_path(first.get("loc", ()))
-        status = 400 if first.get("type", "") in ("json_invalid", "model_attributes_type") else 422
-        return _error(status, f"{where or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error",
+        # 400 for every malformed body, as OpenAI and vLLM answer it
+        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error",
                       where or None)
 
     @app.exception_handler(StarletteHTTPException)
@@ -158,9 +159,11 @@ def create_app(llm: LLM, settings: ServerSettings,
         if req.model != settings.model_name:
             raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{settings.model_name}'",
                            "not_found_error", "model")
-        if req.n != 1:
-            raise ApiError(400, f"n={req.n} is not supported: tandem returns one choice per request (n=1)",
-                           param="n")
+        if not settings.allow_extra_fields and (field := unknown_field(req)) is not None:
+            raise ApiError(400, f"{field}: not a field of this endpoint; drop it (or start the server with "
+                                "--allow-extra-fields to accept and ignore unknown fields)", param=field)
+        if (refused := req.not_honoured()) is not None:
+            raise ApiError(400, refused[1], param=refused[0])
         if state["draining"]:
             raise ApiError(503, "the server is shutting down", "server_error")
         if not loop.alive():

@@ -48,6 +48,8 @@ class RequestGuard:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
+        if (refused := _not_json_text(b"".join(chunks))) is not None:
+            return await _reply(send, 400, refused, "invalid_request_error")
         replayed = False
 
         async def replay():
@@ -74,6 +76,25 @@ class RequestGuard:
                 break
             drained += len(message.get("body", b""))
             more_body = message.get("more_body", False)
+
+
+def _not_json_text(body: bytes) -> str | None:
+    """Why a request body is not JSON text as RFC 8259 has it, for what the JSON parser would let
+    through: bytes that are not UTF-8 (it also reads UTF-16 and UTF-32) and NaN / Infinity (not JSON
+    numbers). None for a body that is (or that the parser refuses by itself)."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"the request body is not UTF-8 (byte {e.start}): send the JSON encoded as UTF-8"
+    if "NaN" in text or "Infinity" in text:     # cheap test first: most bodies have neither
+        def refuse(name):
+            raise ValueError(name)
+        try:
+            json.loads(text, parse_constant=refuse)
+        except ValueError as e:
+            if str(e) in ("NaN", "Infinity", "-Infinity"):
+                return f"the request body holds {e}, which is not a JSON number: send finite numbers"
+    return None
 
 
 def _header(scope, name: bytes) -> str | None:

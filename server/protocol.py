@@ -22,59 +22,150 @@ from tandem.server.structured import StructuredFields
 Int64 = Annotated[StrictInt, Field(ge=INT64_MIN, le=INT64_MAX)]
 
 
+def Int(low: int = INT64_MIN, high: int = INT64_MAX):  # noqa: N802 - a type, as Int64
+    """An int64 in [low, high] (a bound given beside an Annotated type's own is not applied)."""
+    return Annotated[StrictInt, Field(ge=low, le=high)]
+
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     include_usage: StrictBool = False
 
 
 class RelaxedAcceptanceBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    top_k: Int64 = Field(ge=0)
+    top_k: Int(0)
     delta: StrictFloat = Field(ge=0.0, le=1.0)
     thinking_only: StrictBool = False
 
 
+FiniteFloat = Annotated[StrictFloat, Field(allow_inf_nan=False)]
+MAX_LOGPROBS = 20           # top_logprobs / logprobs at most (OpenAI's and vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 100.0      # |bias| at most, as OpenAI
+
+
 class _Common(StructuredFields):   # response_format and guided_* (server/structured.py)
+    # Fields the models do not declare are kept (model_extra) and refused by the server (unknown_field),
+    # unless it runs with --allow-extra-fields.
     model_config = ConfigDict(extra="allow")
 
     model: StrictStr
-    max_tokens: Int64 | None = Field(default=None, ge=1)
-    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: Int64 = Field(default=0, ge=0)
+    max_tokens: Int(1) | None = None
+    temperature: FiniteFloat = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: FiniteFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: Int(-1) = 0           # vLLM's -1 and 0 both: off
+    min_p: FiniteFloat = Field(default=0.0, ge=0.0, le=1.0)
+    presence_penalty: FiniteFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: FiniteFloat = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: FiniteFloat = Field(default=1.0, gt=0.0, le=2.0)
+    logit_bias: dict[StrictStr, FiniteFloat] | None = None
     seed: Int64 | None = None
     stop: StrictStr | list[StrictStr] | None = None
+    stop_token_ids: list[Int64] | None = None
+    include_stop_str_in_output: StrictBool = False
+    min_tokens: Int(0) = 0
+    bad_words: list[StrictStr] | None = None
+    allowed_token_ids: list[Int64] | None = Field(default=None, min_length=1)
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
+    prompt_logprobs: Int(0, MAX_LOGPROBS) | None = None
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: Int64 = 1
+    n: Int(1) = 1
+    best_of: Int(1) | None = None
     ignore_eos: StrictBool = False
     speculative: StrictBool = True
-    spec_k: Int64 | None = Field(default=None, ge=1, le=8)
+    spec_k: Int(1, 8) | None = None
     relaxed_acceptance: RelaxedAcceptanceBody | None = None
     user: StrictStr | None = None
 
+    def length_asked(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_asked(self) -> int | None:
+        """Top logprobs per emitted token (0: the chosen token's only), None: no logprobs."""
+        return None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        return SamplingParams(max_tokens=self.max_tokens or default_max_tokens, temperature=self.temperature,
-                              top_k=self.top_k, top_p=self.top_p, seed=self.seed, stop=stop,
+        return SamplingParams(max_tokens=self.length_asked() or default_max_tokens, temperature=self.temperature,
+                              top_k=max(self.top_k, 0), top_p=self.top_p, seed=self.seed, stop=stop,
+                              stop_token_ids=tuple(self.stop_token_ids or ()),
                               ignore_eos=self.ignore_eos, speculative=self.speculative, k=self.spec_k,
                               relaxed=RelaxedAcceptance(**self.relaxed_acceptance.model_dump())
                               if self.relaxed_acceptance else None, grammar=self.grammar())
+
+    def not_honoured(self) -> tuple[str, str] | None:
+        """(field, why) for a field whose value this server cannot honour yet (-> 400), else None."""
+        n_best = max(self.n, self.best_of or 1)
+        if n_best != 1 or (self.best_of or 1) < self.n:
+            field = "n" if self.n != 1 else "best_of"
+            return field, f"{field}={getattr(self, field)} is not supported: tandem returns one choice per " \
+                          "request; send n=1 (and best_of 1 or none) and repeat the request for more samples"
+        defaults = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
+                    "logit_bias": None, "min_tokens": 0, "bad_words": None, "allowed_token_ids": None,
+                    "prompt_logprobs": None, "include_stop_str_in_output": False}
+        for field, default in defaults.items():
+            value = getattr(self, field)
+            if value != default and value not in ({}, []):
+                return field, f"{field} is not supported by this server yet: drop it from the request"
+        if self.logprobs_asked() is not None:
+            return "logprobs", "logprobs are not supported by this server yet: drop logprobs (and top_logprobs)"
+        if not self.skip_special_tokens:
+            return "skip_special_tokens", "skip_special_tokens=false is not supported by this server yet: " \
+                                          "drop it (special tokens are left out of the text)"
+        return None
 
     def check_text_fields(self) -> None:
         """ValueError (-> 400) naming a text field that is not valid Unicode (a lone surrogate)."""
         check_text(self.model, "model")
         for i, s in enumerate([self.stop] if isinstance(self.stop, str) else self.stop or []):
             check_text(s, "stop" if isinstance(self.stop, str) else f"stop[{i}]")
+        for i, s in enumerate(self.bad_words or []):
+            check_text(s, f"bad_words[{i}]")
+        for key in self.logit_bias or {}:
+            check_text(key, "logit_bias")
+        if self.user is not None:
+            check_text(self.user, "user")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
+def unknown_field(body: BaseModel, path: str = "") -> str | None:
+    """The first field of a request (nested models included) that its model does not declare, as a
+    path ('frobnicate', 'messages[0].colour'), or None."""
+    for key in body.model_extra or {}:
+        return f"{path}.{key}" if path else key
+    for name in type(body).model_fields:
+        value = getattr(body, name)
+        items = value if isinstance(value, list) else [value]
+        for i, item in enumerate(items):
+            if isinstance(item, BaseModel):
+                where = f"{path}.{name}" if path else name
+                if (found := unknown_field(item, f"{where}[{i}]" if isinstance(value, list) else where)) is not None:
+                    return found
+    return None
+
+
 class CompletionRequest(_Common):
     prompt: StrictStr | list[StrictInt]    # ids are range-checked against the vocabulary (400)
     echo: StrictBool = False
+    logprobs: Int(0, MAX_LOGPROBS) | None = None
+    suffix: StrictStr | None = None
+
+    def logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+    def not_honoured(self) -> tuple[str, str] | None:
+        if self.suffix:
+            return "suffix", "suffix is not supported: these models have no fill-in-the-middle format; send the " \
+                             "text before the gap as the prompt"
+        return super().not_honoured()
 
     def check_text_fields(self) -> None:
         super().check_text_fields()
@@ -89,11 +180,31 @@ class ContentPart(BaseModel):
     text: StrictStr | None = None
 
 
+class HistoryFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    name: StrictStr
+    arguments: StrictStr | dict = "{}"
+
+
+class HistoryToolCall(BaseModel):
+    """A tool call an earlier assistant message made, as the server returned it."""
+    model_config = ConfigDict(extra="allow")
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: HistoryFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: StrictStr | list[ContentPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[HistoryToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+    reasoning_content: StrictStr | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # [{"type": "text", "text": ...}, ...]
@@ -107,29 +218,50 @@ class FunctionBody(BaseModel):
     name: StrictStr = Field(min_length=1, max_length=128, pattern=r"^[^<>\n]+$")   # no markup in a call's name
     description: StrictStr | None = None
     parameters: dict | None = None
+    strict: StrictBool | None = None
 
 
 class ToolBody(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     type: Literal["function"]
     function: FunctionBody
 
 
 class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     name: StrictStr
 
 
 class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     type: Literal["function"]
     function: NamedFunction
 
 
 class ChatRequest(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Int(1) | None = None   # OpenAI's current name; wins over max_tokens
+    logprobs: StrictBool = False
+    top_logprobs: Int(0, MAX_LOGPROBS) | None = None
     add_generation_prompt: StrictBool = True
     tools: list[ToolBody] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
     chat_template_kwargs: dict | None = None     # e.g. {"enable_thinking": false}, passed to the template
+
+    def length_asked(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def not_honoured(self) -> tuple[str, str] | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            return "top_logprobs", "top_logprobs needs logprobs: true"
+        return super().not_honoured()
 
     def tool_dicts(self) -> list[dict] | None:
         return [t.model_dump(exclude_none=True) for t in self.tools] if self.tools else None
@@ -151,6 +283,22 @@ class ChatRequest(_Common):
                     raise RequestError(where, f"{where}: parts of type {part.type!r} are not supported: this model "
                                               "reads text only (send {\"type\": \"text\", \"text\": ...})")
                 check_text(part.text or "", f"{where}.text")
+            for name in ("name", "tool_call_id", "reasoning_content"):
+                if getattr(msg, name) is not None:
+                    check_text(getattr(msg, name), f"messages[{i}].{name}")
+            for j, call in enumerate(msg.tool_calls or []):
+                where = f"messages[{i}].tool_calls[{j}]"
+                check_text(call.id or "", f"{where}.id")
+                check_text(call.function.name, f"{where}.function.name")
+                check_text(call.function.arguments if isinstance(call.function.arguments, str)
+                           else json.dumps(call.function.arguments), f"{where}.function.arguments")
+        for i, tool in enumerate(self.tools or []):
+            check_text(tool.function.name, f"tools[{i}].function.name")
+            check_text(tool.function.description or "", f"tools[{i}].function.description")
+            check_text(json.dumps(tool.function.parameters or {}, ensure_ascii=False),
+                       f"tools[{i}].function.parameters")
+        if self.chat_template_kwargs is not None:
+            check_text(json.dumps(self.chat_template_kwargs, ensure_ascii=False), "chat_template_kwargs")
 
 
 def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict:

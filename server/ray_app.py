@@ -299,21 +299,24 @@ def application(engine_dir: str | Path, settings: ServerSettings | None = None, 
 
 def build(args: dict):
     """`serve run tandem.server.ray_app:build engine_dir=DIR [replicas=N | min_replicas=A max_replicas=B]
-    [model_name= api_key= max_queued= max_body_bytes= default_max_tokens= stream_interval= memory_budget_mb= threads=
-    cpus_per_replica= target_ongoing_requests=]`: the same options as `tandem serve --ray`."""
+    [model_name= api_key= allow_extra_fields=true max_queued= max_body_bytes= default_max_tokens= stream_interval=
+    memory_budget_mb= threads= cpus_per_replica= target_ongoing_requests=]`: the same options as
+    `tandem serve --ray`."""
     args = dict(args)
     if "engine_dir" not in args:
         raise ValueError("give engine_dir=ENGINE_DIR (a folder written by `tandem build-engines`)")
     engine_dir = args.pop("engine_dir")
-    known = {"model_name", "api_key", "max_queued", "max_body_bytes", "default_max_tokens", "stream_interval",
-             "memory_budget_mb", "threads", "replicas", "min_replicas", "max_replicas", "cpus_per_replica",
+    known = {"model_name", "api_key", "allow_extra_fields", "max_queued", "max_body_bytes", "default_max_tokens",
+             "stream_interval", "memory_budget_mb", "threads", "replicas", "min_replicas", "max_replicas",
+             "cpus_per_replica",
              "target_ongoing_requests"}
     if unknown := sorted(set(args) - known):
         raise ValueError(f"unknown argument(s) {', '.join(unknown)}; known: engine_dir, {', '.join(sorted(known))}")
     num = {k: float(args[k]) if k in ("memory_budget_mb", "cpus_per_replica", "target_ongoing_requests")
-           else int(args[k]) for k in known - {"model_name", "api_key"} if k in args}
+           else int(args[k]) for k in known - {"model_name", "api_key", "allow_extra_fields"} if k in args}
     settings = ServerSettings(model_name=args.get("model_name") or Path(engine_dir).resolve().name,
                               api_key=args.get("api_key"),
+                              allow_extra_fields=str(args.get("allow_extra_fields", "")).lower() in ("1", "true"),
                               **{k: num[k] for k in ("max_queued", "max_body_bytes", "default_max_tokens",
                                                      "stream_interval") if k in num})
     config = EngineConfig(threads=num.get("threads"),

@@ -200,22 +200,22 @@ def template_messages(messages) -> list[dict]:
     """Chat messages as the model's template reads them: an assistant's tool calls with their
     arguments as objects (templates iterate them), a tool answer with its call id."""
     out = []
-    for msg in messages:
+    for i, msg in enumerate(messages):
         m = {"role": msg.role, "content": msg.text()}
-        extra = msg.model_extra or {}
         for key in ("name", "tool_call_id", "reasoning_content"):
-            if isinstance(extra.get(key), str):
-                m[key] = extra[key]
+            if getattr(msg, key) is not None:
+                m[key] = getattr(msg, key)
         calls = []
-        for call in extra.get("tool_calls") or []:
-            fn = dict(call.get("function") or {}) if isinstance(call, dict) else {}
-            if isinstance(fn.get("arguments"), str):
+        for j, call in enumerate(msg.tool_calls or []):
+            fn = {"name": call.function.name, "arguments": call.function.arguments}
+            if isinstance(fn["arguments"], str):
                 try:
                     fn["arguments"] = json.loads(fn["arguments"])
                 except ValueError as e:
-                    raise RequestError("messages", f"a tool call's arguments are not JSON ({e}); send them as "
-                                                   "the JSON text the server returned") from None
-            calls.append({**call, "function": fn})
+                    where = f"messages[{i}].tool_calls[{j}].function.arguments"
+                    raise RequestError(where, f"{where} is not JSON ({e}); send the arguments as the JSON text "
+                                              "the server returned") from None
+            calls.append({**({"id": call.id} if call.id is not None else {}), "type": "function", "function": fn})
         if calls:
             m["tool_calls"] = calls
         out.append(m)

@@ -204,7 +204,7 @@ def test_errors_and_limits_are_those_of_the_single_process_server(ray_url):
     r = httpx.post(url, json={**body("x", 2), "model": "other"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     r = httpx.post(url, json={**body("x", 2), "stream": "yes"})
-    assert r.status_code == 422 and r.json()["error"]["param"] == "stream"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream"
 
     def chunks():   # 2 MiB without content-length: the gateway forwards 1 MiB + 1 byte, the replica answers
         yield b'{"model": "tiny", "max_tokens": 2, "prompt": "'

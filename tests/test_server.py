@@ -185,13 +185,13 @@ def test_disconnect_mid_stream_frees_the_pages(live):
 
 
 BAD = [
-    ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 422, "max_tokens"),
-    ({"model": "tiny", "prompt": "x", "max_tokens": -3}, 422, "max_tokens"),
-    ({"model": "tiny", "prompt": 7}, 422, "prompt"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
+    ({"model": "tiny", "prompt": 7}, 400, "prompt"),
     ({"model": "nope", "prompt": "x"}, 404, "model 'nope' does not exist"),
     ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n=2 is not supported"),
     ({"model": "tiny", "prompt": "x " * 2000, "max_tokens": 8}, 400, "exceeds the engines' limit of"),
-    ({"model": "tiny", "prompt": "x", "temperature": 9}, 422, "temperature"),
+    ({"model": "tiny", "prompt": "x", "temperature": 9}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "spec_k": 7}, 400, "needs verify width"),
 ]
 
@@ -208,9 +208,9 @@ def test_malformed_json_and_chat_errors(live):
     r = httpx.post(f"{live.url}/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400 and "error" in r.json()
     r = httpx.post(f"{live.url}/v1/chat/completions", json={"model": "tiny", "messages": []})
-    assert r.status_code == 422
+    assert r.status_code == 400
     r = httpx.post(f"{live.url}/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "wizard"}]})
-    assert r.status_code == 422 and "role" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
 
 
 def test_health_ready_models_and_metrics_move(live):

@@ -195,16 +195,15 @@ def test_reasoning_content_streamed_deltas_join_to_the_non_streamed_fields(live)
 
 
 def test_tools_and_template_kwargs_reach_the_chat_template():
-    from types import SimpleNamespace
-
     from tandem.server.chat_template import ChatTemplate
+    from tandem.server.protocol import ChatMessage
     from tandem.server.tool_calls import template_messages
 
     t = ChatTemplate("{% for tool in tools %}[{{ tool.function.name }}]{% endfor %}{{ enable_thinking }}|"
                      "{% for m in messages %}{{ m.role }}:{{ m.content }}{% for c in m.tool_calls or [] %}"
                      "{{ c.function.arguments.city }}{% endfor %}{{ m.tool_call_id }};{% endfor %}", {})
     call = {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
-    msgs = [SimpleNamespace(role="assistant", text=lambda: "", model_extra={"tool_calls": [call]}),
-            SimpleNamespace(role="tool", text=lambda: "21", model_extra={"tool_call_id": "c1"})]
+    msgs = [ChatMessage(role="assistant", content="", tool_calls=[call]),
+            ChatMessage(role="tool", content="21", tool_call_id="c1")]
     out = t.render(template_messages(msgs), tools=TOOLS, kwargs={"enable_thinking": False})
     assert out == "[get_weather][run_code]False|assistant:Oslo;tool:21c1;"
