@@ -45,6 +45,7 @@ STATE_ROWS = "state_rows"
 HIDDEN_IN = "hidden_in"
 LAST_ROW = "last_row"
 TEMPERATURE, TOP_K, TOP_P, UNIFORMS = "temperature", "top_k", "top_p", "uniforms"
+MAX_LOGPROBS = 20       # top logprobs a row reports at most (OpenAI's and vLLM's limit)
 MIN_TEMPERATURE = 1e-5  # below it a row is greedy (as vLLM): logits / T would overflow float32
 # relaxed acceptance (export/acceptance.py): verify inputs that engines built before them lack; the
 # runtime binds them only where an engine has them (without: exact acceptance), so no version bump
@@ -53,6 +54,10 @@ RELAXED_TOPK, RELAXED_DELTA, RELAXED_ROWS = "relaxed_topk", "relaxed_delta", "re
 # the runtime binds it only where an engine has it and runs grammar requests without speculation where the verify
 # engines lack it (heads without it draft unmasked)
 TOKEN_BITMASK = "token_bitmask"
+# logits processors (pipeline/logits_processors.py): sparse edits of each verify row's logits, and min-p for sampled
+# rows; optional verify inputs as the two above (engines without them run processed requests without speculation)
+LOGIT_EDIT_IDS, LOGIT_EDITS, MIN_P_LOG = "logit_edit_ids", "logit_edits", "min_p_log"
+MAX_LOGIT_BIAS_ENTRIES = 1024   # logit_bias entries a request may send (the edit lists' bound with max_seq_len)
 
 HIDDEN = "hidden"
 LOGITS = "logits"
@@ -216,6 +221,11 @@ def verify_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list
            TensorSpec(RELAXED_ROWS, "int64", ("batch", "rows"), "1 where row i may relax (judging d_{i+1}), else 0"),
            TensorSpec(TOKEN_BITMASK, "int32", ("batch", "rows", mask_words(desc.vocab_size)),
                       "grammar mask of row i: bit t % 32 of word t // 32 set where token t is allowed (all ones: off)"),
+           TensorSpec(LOGIT_EDIT_IDS, "int64", ("batch", "rows", "edits"), "tokens whose logit row i edits"),
+           TensorSpec(LOGIT_EDITS, "float32", ("batch", "rows", "edits", 3),
+                      "(bias, scale, post): x = x + bias; x = x / scale if x > 0 else x * scale; x = x + post"),
+           TensorSpec(MIN_P_LOG, "float32", ("batch",), "log(min_p), -inf = off: sampled rows drop scaled logits "
+                      "below their top one plus this"),
            *layer_in]
     outs = [TensorSpec(ACCEPTED, "int64", ("batch",), "drafts accepted (0..k); rows 0..accepted are committed"),
             TensorSpec(NEXT_TOKEN, "int64", ("batch",), "the token after the accepted ones (correction or bonus)"),
@@ -300,6 +310,6 @@ def graph_io(desc: ModelDescription, kind: GraphKind, dtype: str = "float32"
     if kind.is_verify:
         ins, outs = verify_step_io(desc, dtype)
         if not kind.sampling:
-            ins = [s for s in ins if s.name not in (TEMPERATURE, TOP_K, TOP_P, UNIFORMS)]
+            ins = [s for s in ins if s.name not in (TEMPERATURE, TOP_K, TOP_P, UNIFORMS, MIN_P_LOG)]
         return ins, outs
     return mtp_head_io(desc, kind.head, dtype)

@@ -130,6 +130,8 @@ def _dim(d, bucket: Bucket, options: BuildOptions, desc: ModelDescription, which
         return options.page_size
     if d == "num_slots":
         return {"min": 1, "opt": bucket.batch, "max": bucket.batch * 2 + 1}[which]
+    if d == "edits":    # a verify row's logit edits: prompt and output tokens, and logit_bias entries
+        return {"min": 1, "opt": 1, "max": options.max_seq_len + c.MAX_LOGIT_BIAS_ENTRIES}[which]
     raise ValueError(f"unknown symbolic dim {d!r}")
 
 

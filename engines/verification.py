@@ -47,6 +47,9 @@ class Verification:
         return asdict(self)
 
 
+_CHECK_EDITS = 4      # logit edits per verify row in the build's check
+
+
 def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) -> dict[str, np.ndarray]:
     """A valid input for the bucket: random tokens, scattered pages (a table per page group), partly
     filled contexts."""
@@ -55,12 +58,12 @@ def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) 
     n_pages = b * _CHECK_PAGES + 1
     n_slots = b + 1
     dims = {"batch": b, "rows": w, "max_pages": _CHECK_PAGES, "num_pages": n_pages, "page_size": page,
-            "num_slots": n_slots}
+            "num_slots": n_slots, "edits": _CHECK_EDITS}
     out = {}
     specs = io_specs(desc, bucket.graph, options.dtype)
     for spec in specs:
         shape = tuple(dims[d] if isinstance(d, str) else d for d in spec.shape)
-        if spec.dtype != "int64":
+        if spec.dtype != "int64" and spec.name not in (c.LOGIT_EDITS, c.MIN_P_LOG):   # (set below)
             out[spec.name] = (0.5 * rng.standard_normal(shape)).astype(spec.dtype)
     out[c.INPUT_IDS] = rng.integers(0, desc.vocab_size, (b, w)).astype(np.int64)
     out[c.CONTEXT_LENS] = rng.integers(0, _CHECK_PAGES * page + 1, b).astype(np.int64)
@@ -87,6 +90,13 @@ def fixed_inputs(desc: ModelDescription, bucket: Bucket, options: BuildOptions) 
     words = c.mask_words(desc.vocab_size)   # verify: grammar masks, half the rows all ones (no grammar)
     out[c.TOKEN_BITMASK] = np.where(rng.random((b, w, 1)) < 0.5, -1,
                                     rng.integers(-(2**31), 2**31, (b, w, words))).astype(np.int32)
+    # verify: logit edits on distinct tokens of each row (bias, scale, post), half the rows none; min-p
+    out[c.LOGIT_EDIT_IDS] = np.stack([rng.permutation(desc.vocab_size)[:_CHECK_EDITS] for _ in range(b * w)]
+                                     ).reshape(b, w, _CHECK_EDITS).astype(np.int64)
+    edits = np.stack([rng.normal(0, 2, (b, w, _CHECK_EDITS)), rng.uniform(0.5, 1.5, (b, w, _CHECK_EDITS)),
+                      rng.normal(0, 2, (b, w, _CHECK_EDITS))], -1)
+    out[c.LOGIT_EDITS] = np.where(rng.random((b, w, 1, 1)) < 0.5, [0.0, 1.0, 0.0], edits).astype(np.float32)
+    out[c.MIN_P_LOG] = rng.choice([-np.inf, np.log(0.05)], b).astype(np.float32)
     names = {s.name for s in specs}
     return {k: v for k, v in out.items() if k in names}
 

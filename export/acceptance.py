@@ -40,8 +40,12 @@ a forbidden draft never equals t_i (rejected), and the correction or bonus token
 All-ones rows (requests without a grammar) leave the logits as they are, and a batch of them only
 reads the masks (an If picks the plain branch: docs/structured_outputs.md has the costs).
 
-Sampling order (pipeline/sampler.py does the same on the host): temperature, top-k, top-p on what
-top-k kept (the top token always stays); inverse-CDF over the vocabulary in id order, never past
+Logit edits (penalties, logit_bias: contract.LOGIT_EDIT_IDS / LOGIT_EDITS, pipeline/logits_processors.py)
+apply to row i's logits before its mask, in the host's float32 operations, inside the same If as the
+masks (a batch without edits skips them).
+
+Sampling order (pipeline/sampler.py does the same on the host): temperature, min-p (contract.MIN_P_LOG),
+top-k, top-p on what top-k kept (the top token always stays); inverse-CDF over the vocabulary in id order, never past
 the last token with non-zero probability.
 """
 
@@ -67,6 +71,27 @@ class Relaxed:
     topk: str
     delta: str
     rows: str
+
+
+@dataclass(frozen=True)
+class Edits:
+    """Names of the logit-edit inputs (pipeline/logits_processors.py): ids [B, W, N] int64 and values
+    [B, W, N, 3] float32, (bias, scale, post) per edited token of row i."""
+
+    ids: str
+    values: str
+
+
+def edited(b: GraphBuilder, logits: str, e: Edits) -> str:
+    """logits [B, W, V] with each row's edit list applied, in the host's order of float32 operations:
+        x = logits[ids] + bias;  x = x / scale where x > 0, else x * scale;  logits[ids] = x + post
+    A row's list may name a token twice only with the same values (the same write twice)."""
+    with b.scope("logit_edits"):
+        part = lambda j: b.squeeze(b.slice(e.values, [j], [j + 1], [3]), [3])  # noqa: E731   [B, W, N]
+        x = b.op("Add", b.op("GatherElements", logits, e.ids, axis=2), part(0))
+        scale = part(1)
+        x = b.op("Where", b.op("Greater", x, b.const(0.0, np.float32)), b.op("Div", x, scale), b.op("Mul", x, scale))
+        return b.op("ScatterElements", logits, e.ids, b.op("Add", x, part(2)), axis=2)
 
 
 def _leading_true(b: GraphBuilder, ok: str) -> str:
@@ -125,7 +150,7 @@ def masked(b: GraphBuilder, logits: str, bitmask: str) -> str:
 
 
 def under_grammar(b: GraphBuilder, logits: str, bitmask: str | None, rows, types: tuple[int, ...],
-                  relaxed: Relaxed | None = None) -> list[str]:
+                  relaxed: Relaxed | None = None, edits: Edits | None = None) -> list[str]:
     """rows(builder, logits, relax) -> the per-row results acceptance reads ([B, W] tokens, and with
     `relax` the relaxed flags [B, W-1]), from the logits masked by `bitmask`. One If picks the plain
     branch for a batch that needs neither the masks (all ones: no request has a grammar) nor the
@@ -133,10 +158,11 @@ def under_grammar(b: GraphBuilder, logits: str, bitmask: str | None, rows, types
     all false, come from relaxed_rows alone, so no [B, W, V] pass runs for either. Only small
     results leave either branch.
 
-        If(every word of bitmask == -1 and every relaxed_rows == 0) -> rows(logits), flags false
-                                                                  else -> rows(masked(logits, bitmask), relaxed)
+        If(every word of bitmask == -1, every relaxed_rows == 0 and every edit the identity)
+            -> rows(logits), flags false
+          else -> rows(masked(edited(logits, edits), bitmask), relaxed)
     """
-    if bitmask is None and relaxed is None:
+    if bitmask is None and relaxed is None and edits is None:
         return rows(b, logits, False)
     plain_cases = []
     if bitmask is not None:
@@ -146,6 +172,9 @@ def under_grammar(b: GraphBuilder, logits: str, bitmask: str | None, rows, types
     if relaxed is not None:
         plain_cases.append(b.op("Equal", b.op("ReduceMax", b.reshape(relaxed.rows, [-1]), keepdims=1),
                                 b.const([0], np.int64)))
+    if edits is not None:   # identity edits are (0, 1, 0): |bias| + |scale - 1| + |post| sums to 0
+        off = b.op("Abs", b.reshape(b.op("Sub", edits.values, b.const([0.0, 1.0, 0.0], np.float32)), [-1]))
+        plain_cases.append(b.op("Equal", b.op("ReduceMax", off, keepdims=1), b.const([0.0], np.float32)))
     plain = plain_cases[0]
     for case in plain_cases[1:]:
         plain = b.op("And", plain, case)
@@ -155,7 +184,8 @@ def under_grammar(b: GraphBuilder, logits: str, bitmask: str | None, rows, types
         if name == "plain":
             outs = rows(sub, logits, False) + ([_relaxed_off(sub, relaxed)] if relaxed is not None else [])
         else:
-            outs = rows(sub, masked(sub, logits, bitmask) if bitmask is not None else logits, relaxed is not None)
+            lg = edited(sub, logits, edits) if edits is not None else logits
+            outs = rows(sub, masked(sub, lg, bitmask) if bitmask is not None else lg, relaxed is not None)
         branches.append(helper.make_graph(sub.nodes, f"grammar_{name}", [], [
             helper.make_tensor_value_info(o, t, None) for o, t in zip(outs, types)]))
     out = b.op("If", plain, outputs=len(types), then_branch=branches[0], else_branch=branches[1])
@@ -168,12 +198,12 @@ def _relaxed_off(b: GraphBuilder, r: Relaxed) -> str:
 
 
 def greedy(b: GraphBuilder, logits: str, ids: str, relaxed: Relaxed | None = None,
-           bitmask: str | None = None) -> tuple[str, str]:
+           bitmask: str | None = None, edits: Edits | None = None) -> tuple[str, str]:
     def rows(g: GraphBuilder, lg: str, relax: bool) -> list[str]:
         return [g.op("ArgMax", lg, axis=-1, keepdims=0), *([_relaxed_ok(g, lg, ids, relaxed)] if relax else [])]
 
     with b.scope("accept_greedy"):
-        tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)], relaxed)
+        tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)], relaxed, edits)
         return _compare(b, tokens, ids, also[0] if also else None)   # t_i: [B, W]
 
 
@@ -208,12 +238,18 @@ def _inverse_cdf(b: GraphBuilder, probs: str, uniforms: str) -> str:
 
 
 def sampled(b: GraphBuilder, logits: str, ids: str, temperature: str, top_k: str, top_p: str,
-            uniforms: str, relaxed: Relaxed | None = None, bitmask: str | None = None) -> tuple[str, str]:
+            uniforms: str, relaxed: Relaxed | None = None, bitmask: str | None = None, edits: Edits | None = None,
+            min_p_log: str | None = None) -> tuple[str, str]:
     def rows(g: GraphBuilder, lg: str, relax: bool) -> list[str]:
         f32 = lambda v: g.const(v, np.float32)  # noqa: E731
         is_sampled = g.op("GreaterOrEqual", temperature, f32(MIN_TEMPERATURE))    # [B]
         t = g.unsqueeze(g.op("Where", is_sampled, temperature, f32(1.0)), [1, 2])
-        probs = _filtered_probs(g, g.op("Div", lg, t), top_k, top_p)              # [B, W, V]
+        scaled = g.op("Div", lg, t)
+        if min_p_log is not None:   # min-p: scaled logits below the row's top + log(min_p) out (-inf: none)
+            floor = g.op("Add", g.op("ReduceMax", scaled, g.const([-1], np.int64), keepdims=1),
+                         g.unsqueeze(min_p_log, [1, 2]))
+            scaled = g.op("Where", g.op("Less", scaled, floor), f32(_NEG), scaled)
+        probs = _filtered_probs(g, scaled, top_k, top_p)                          # [B, W, V]
         drawn = _inverse_cdf(g, probs, uniforms)                                  # [B, W]
         best = g.op("ArgMax", lg, axis=-1, keepdims=0)
         tokens = g.op("Where", g.unsqueeze(is_sampled, [1]), drawn, best)          # t_i: [B, W]
@@ -222,5 +258,5 @@ def sampled(b: GraphBuilder, logits: str, ids: str, temperature: str, top_k: str
         return [tokens, g.op("And", _relaxed_ok(g, lg, ids, relaxed), g.unsqueeze(g.op("Not", is_sampled), [1]))]
 
     with b.scope("accept_sampled"):   # relaxed: greedy rows only
-        tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)], relaxed)
+        tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)], relaxed, edits)
         return _compare(b, tokens, ids, also[0] if also else None)

@@ -248,11 +248,14 @@ def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: b
     hidden, kv, gdn = _trunk(b, desc, w, verify=True)
     logits = _lm_head(b, w, hidden)
     relaxed = acceptance.Relaxed(c.RELAXED_TOPK, c.RELAXED_DELTA, c.RELAXED_ROWS)
+    edits = acceptance.Edits(c.LOGIT_EDIT_IDS, c.LOGIT_EDITS)
     if sampling:
         accepted, nxt = acceptance.sampled(b, logits, c.INPUT_IDS, c.TEMPERATURE, c.TOP_K, c.TOP_P, c.UNIFORMS,
-                                           relaxed=relaxed, bitmask=c.TOKEN_BITMASK)
+                                           relaxed=relaxed, bitmask=c.TOKEN_BITMASK, edits=edits,
+                                           min_p_log=c.MIN_P_LOG)
     else:
-        accepted, nxt = acceptance.greedy(b, logits, c.INPUT_IDS, relaxed=relaxed, bitmask=c.TOKEN_BITMASK)
+        accepted, nxt = acceptance.greedy(b, logits, c.INPUT_IDS, relaxed=relaxed, bitmask=c.TOKEN_BITMASK,
+                                          edits=edits)
     produced = {c.ACCEPTED: accepted, c.NEXT_TOKEN: nxt, c.HIDDEN: hidden}
     for i, rows in kv.items():
         produced.update(new_rows_outputs(desc.layers[i].mixer, i, rows))

@@ -32,13 +32,12 @@ import numpy as np
 from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP, GraphKind
 from tandem.pipeline.decode_burst import DecodeBurst
-from tandem.pipeline.grammar import allowed_tokens
 from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
 from tandem.pipeline.multi_step_decode import MultiStepDecode
 from tandem.pipeline.outputs import EngineStats, StepOutput
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.relaxed import RelaxedRows
-from tandem.pipeline.sampler import HostSampler, clamped_temperature, uniforms
+from tandem.pipeline.sampler import HostSampler, clamped_temperature, min_p_log, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import Sequence, Status
@@ -58,8 +57,8 @@ def _next_token(sampler: HostSampler, seq: Sequence, logits: np.ndarray) -> int:
     """The token appended next, from one row of logits (masked by the request's grammar, if any); a
     sampled one takes the uniform of the position it fills (greedy rows skip computing it: it is on
     every plain decode step)."""
-    if seq.grammar is not None:
-        logits = seq.grammar.mask_logits(logits, seq.output_ids())
+    if seq.rules is not None:
+        logits = seq.rules.process(logits, seq.output_ids())
     if seq.params.greedy:
         return int(np.argmax(logits))
     return sampler.one(logits, seq.params, float(uniforms([seq.seed], np.array([len(seq.tokens)]))[0]))
@@ -68,12 +67,12 @@ def _next_token(sampler: HostSampler, seq: Sequence, logits: np.ndarray) -> int:
 def _next_tokens(sampler: HostSampler, seqs: list[Sequence], logits: np.ndarray) -> list[int]:
     """_next_token for each sequence's row of logits [n, V]: greedy rows by one argmax over the batch,
     sampled rows without a grammar drawn together (sampler.rows), grammar rows one at a time."""
-    free = [b for b, s in enumerate(seqs) if s.grammar is None and not s.params.greedy]
+    free = [b for b, s in enumerate(seqs) if s.rules is None and not s.params.greedy]
     tokens = np.argmax(logits, axis=-1)
     if free:
         u = uniforms([seqs[b].seed for b in free], np.array([len(seqs[b].tokens) for b in free]))
         tokens[free] = sampler.rows(logits[free], [seqs[b].params for b in free], u)
-    return [t if s.grammar is None else _next_token(sampler, s, row)
+    return [t if s.rules is None else _next_token(sampler, s, row)
             for s, t, row in zip(seqs, tokens.tolist(), logits)]
 
 
@@ -87,19 +86,13 @@ def _last_row_mask(mask: np.ndarray | None, rows: int) -> np.ndarray | None:
     return masks
 
 
-def _masked(logits: np.ndarray, bitmask: np.ndarray | None) -> np.ndarray:
-    """One row of logits under the first row of a grammar's verify masks (None: as it is)."""
-    if bitmask is None:
-        return logits
-    return np.where(allowed_tokens(bitmask[0], len(logits)), logits, -np.inf).astype(logits.dtype)
-
-
 def _sampling_inputs(p: SamplingParams) -> dict:
     """The verify graph's sampling inputs: greedy rows as temperature 0, a temperature past
     float32's range as its largest (still near-uniform, and no overflow filling the buffer)."""
     if p.greedy:
         return {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
-    return {"temperature": clamped_temperature(p.temperature), "top_k": p.top_k, "top_p": p.top_p}
+    return {"temperature": clamped_temperature(p.temperature), "top_k": p.top_k, "top_p": p.top_p,
+            "min_p_log": min_p_log(p.min_p)}
 
 
 class Engine:
@@ -229,7 +222,7 @@ class Engine:
             sampling = any(not s.params.greedy for s in group)
             # a grammar request's drafts come from the heads under its masks: the multi-call round
             # (a unified round drafts the next round's tokens inside the graph, before the host knows them)
-            grammar = any(s.grammar is not None for s in group)
+            grammar = any(s.rules is not None for s in group)
             if self.unified and self.synthetic_acceptance is None and self.unified.serves(width, sampling) \
                     and not grammar:
                 with self._phase("round"):
@@ -243,8 +236,8 @@ class Engine:
         token only (pipeline/grammar.py); other requests bind all-ones rows and cost nothing here."""
         masks = {}
         for s in seqs:
-            if s.grammar is not None:
-                drafts[s.request_id], masks[s.request_id] = s.grammar.draft_masks(s.output_ids(), drafts[s.request_id])
+            if s.rules is not None:
+                drafts[s.request_id], masks[s.request_id] = s.rules.draft_masks(s.output_ids(), drafts[s.request_id])
         return masks
 
     def round_k(self, seq: Sequence, batch: int) -> int:
@@ -395,8 +388,8 @@ class Engine:
             active = [s for s in seqs if len(drafts[s.request_id]) == step < limit[s.request_id]
                       and s.request_id not in stopped]
             head = step % self.mtp_layers if self.chained else 0
-            grammar = {s.request_id: s.grammar.next_mask(s.output_ids(), drafts[s.request_id])
-                       for s in active if s.grammar is not None}
+            grammar = {s.request_id: s.rules.next_mask(s.output_ids(), drafts[s.request_id])
+                       for s in active if s.rules is not None}
             stopped.update(rid for rid, mask in grammar.items() if mask is None)   # a draft the grammar refuses
             active = [s for s in active if s.request_id not in stopped]
             if not active:      # (stored drafts: a sequence may start past this step)
@@ -428,10 +421,8 @@ class Engine:
                 outs = (self.runner.verify(rows, sampling, commits=True) if width > 1
                         else self.runner.target_step(rows, commits=True))
                 accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs.rows()]
-                nxt = [int(o[c.NEXT_TOKEN]) if width > 1
-                       else self.sampler.one(_masked(o[c.LOGITS][0], r.bitmask), s.params,
-                                             0.0 if r.uniforms is None else r.uniforms[0])
-                       for o, s, r in zip(outs.rows(), seqs, rows)]
+                nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else _next_token(self.sampler, s, o[c.LOGITS][0])
+                       for o, s in zip(outs.rows(), seqs)]
             else:
                 accepted, nxt, outs = self._synthetic_verify(seqs, rows, width)
         n = len(seqs)
@@ -459,6 +450,7 @@ class Engine:
             u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
         rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
                      slot=s.slot, uniforms=None if u is None else u[i], bitmask=masks.get(s.request_id),
+                     edits=s.rules.draft_edits(s.output_ids(), drafts[s.request_id]) if s.rules else None,
                      **_sampling_inputs(s.params))
                 for i, s in enumerate(seqs)]
         self.relaxed.fill(seqs, drafts, rows)
@@ -501,8 +493,8 @@ class Engine:
             if not batch:
                 continue
             rows = [Rows(ids=ids, context=first, pages=s.table.pages, hidden=h,
-                         bitmask=_last_row_mask(s.grammar.next_mask(s.output_ids(), []), len(ids))
-                         if j == 0 and s.grammar is not None else None) for s, ids, h, first in batch]
+                         bitmask=_last_row_mask(s.rules.next_mask(s.output_ids(), []), len(ids))
+                         if j == 0 and s.rules is not None else None) for s, ids, h, first in batch]
             outs = self.runner.head(j, rows)
             layer = c.mtp_layer_name(j)
             self.pools.write_rows([layer], outs.arrays, np.arange(len(batch)), np.array([len(r.ids) for r in rows]),

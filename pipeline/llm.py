@@ -34,6 +34,7 @@ from tandem.pipeline.decode_burst import DEFAULT_BUDGET_MS, DEFAULT_STEPS, Decod
 from tandem.pipeline.detokenizer import IncrementalDetokenizer, byte_pieces
 from tandem.pipeline.engine import Engine
 from tandem.pipeline.grammar import Grammars
+from tandem.pipeline.logits_processors import Processors, TokenRules
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.multi_step_decode import MultiStepDecode
 from tandem.pipeline.outputs import StepOutput
@@ -168,7 +169,7 @@ class LLM:
         self.engine.relaxed = RelaxedRows(config.relaxed_acceptance, think_markers(self.tokenizer),
                                           str(self.engine_dir / "tokenizer.json"))
         self.grammars = Grammars(self.engine_dir / "tokenizer.json", self.desc.vocab_size, self.desc.eos_token_ids)
-        self._grammar_widths: dict[int, bool] = {}   # verify width -> its engines take grammar masks
+        self._verify_inputs: dict[tuple, bool] = {}   # (input, verify width, kinds) -> its engines take it
         self._ids = itertools.count()
         first = self._first_graphs()
         self.engine.waits_for = set(first)     # a round waits for these (already opening) rather than fall back
@@ -260,6 +261,13 @@ class LLM:
         if speculative and k + 1 not in self.verify_widths:
             raise RequestError("spec_k", f"k={k} needs verify width {k + 1}; the engines have widths "
                                f"{sorted(self.verify_widths)}")
+        for name in ("logit_bias", "allowed_token_ids"):   # ids index the logits: outside is a 400
+            named = [t for t, _ in params.logit_bias] if name == "logit_bias" else params.allowed_token_ids or ()
+            for t in named:
+                if not 0 <= t < self.desc.vocab_size:
+                    raise RequestError(name, f"{name}: token id {t} is outside the vocabulary [0, "
+                                             f"{self.desc.vocab_size}); send ids the model's tokenizer produces")
+        self.bad_word_ids(params)
         if params.grammar is not None:
             self.grammars.compile(params.grammar)
             if self.config.synthetic_acceptance is not None:
@@ -277,13 +285,37 @@ class LLM:
                                f"memory holds {capacity}; raise memory_budget_bytes")
         return CheckedRequest(ids, speculative, k if speculative else 0, k_fixed)
 
-    def _masks_up_to(self, width: int) -> bool:
-        """Whether the verify engines up to `width` take grammar masks (engines built before them do not).
-        Asks the engines' bindings: call from the engine's thread (add_request), not a request handler's."""
+    def bad_word_ids(self, params: SamplingParams) -> list[list[int]]:
+        """Each bad word's token ids as the tokenizer writes it alone and after a space (as vLLM bans them)."""
+        out = []
+        for i, word in enumerate(params.bad_words):
+            check_text(word, f"bad_words[{i}]")
+            if not word.strip():
+                raise RequestError(f"bad_words[{i}]", f"bad_words[{i}] is empty: send a word to ban, or leave it out")
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+                if ids and ids not in out:
+                    out.append(ids)
+        return out
+
+    def _verify_takes(self, name: str, width: int, sampling: tuple[bool, ...] = (False, True)) -> bool:
+        """Whether the verify engines up to `width` take input `name` (grammar masks, logit edits: engines
+        built before them do not). Asks the engines' bindings: call from the engine's thread
+        (add_request), not a request handler's."""
         for w in sorted(x for x in self.verify_widths if x <= width):
-            if w not in self._grammar_widths:
-                self._grammar_widths[w] = self.runner.verify_has(contract.TOKEN_BITMASK, w)
-        return all(self._grammar_widths[w] for w in self.verify_widths if w <= width)
+            if (name, w, sampling) not in self._verify_inputs:
+                self._verify_inputs[(name, w, sampling)] = self.runner.verify_has(name, w, sampling)
+        return all(self._verify_inputs[(name, w, sampling)] for w in self.verify_widths if w <= width)
+
+    def _rules(self, seq: Sequence) -> TokenRules | None:
+        """The sequence's grammar and logits processors, or None when it has neither."""
+        p = seq.params
+        if p.grammar is None and not p.processed:
+            return None
+        processors = Processors(p, seq.prompt, self.desc.vocab_size, seq.ending_ids(self.desc.eos_token_ids),
+                                self.bad_word_ids(p)) if p.processed else None
+        matcher = self.grammars.matcher(p.grammar) if p.grammar is not None else None
+        return TokenRules(self.desc.vocab_size, matcher, processors)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Sequence:
@@ -291,13 +323,16 @@ class LLM:
         params = params or SamplingParams()
         req = self.check_request(prompt, params)
         speculative, k = req.speculative, req.k
-        if params.grammar is not None and speculative and not self._masks_up_to(k + 1):
-            speculative, k = False, 0   # verify engines without grammar masks: decode without drafting
+        if speculative and ((params.grammar is not None or params.processed)
+                            and not self._verify_takes(contract.TOKEN_BITMASK, k + 1)
+                            or params.processed and not self._verify_takes(contract.LOGIT_EDIT_IDS, k + 1)
+                            or params.min_p and not params.greedy
+                            and not self._verify_takes(contract.MIN_P_LOG, k + 1, (True,))):
+            speculative, k = False, 0   # verify engines built before masks or edits: decode without drafting
         seq = Sequence(request_id or f"req-{next(self._ids)}", req.ids, params,
                        IncrementalDetokenizer(self.tokenizer, params.stop, self.token_bytes), self.page_size,
                        speculative, k, req.k_fixed)
-        if params.grammar is not None:
-            seq.grammar = self.grammars.matcher(params.grammar)
+        seq.rules = self._rules(seq)
         self.scheduler.add(seq)
         return seq
 

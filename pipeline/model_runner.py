@@ -43,6 +43,8 @@ class Rows:
     relaxed_delta: float = 0.0
     relaxed_rows: list[int] | None = None  # 1 where row i may relax
     bitmask: np.ndarray | None = None      # verify, heads: grammar masks [n, words] (pipeline/grammar.py); None: all
+    edits: tuple[np.ndarray, np.ndarray] | None = None  # verify: logit edits, ids [n, N] and values [n, N, 3]
+    min_p_log: float = -np.inf             # verify, sampled rows: log(min_p) (-inf: off)
 
 
 @dataclass
@@ -118,11 +120,12 @@ class ModelRunner:
         rows = [Rows(ids=[s.tokens[-1]], context=s.committed, pages=s.table.pages, slot=s.slot) for s in seqs]
         return self._call(kind, rows, self.fixed, commits=True)
 
-    def verify_has(self, name: str, width: int) -> bool:
-        """Whether the width-`width` verify engines take input `name` (an optional one such as
-        contract.TOKEN_BITMASK, which engines built before it lack); asks the smallest bucket's binding."""
+    def verify_has(self, name: str, width: int, sampling: tuple[bool, ...] = (False, True)) -> bool:
+        """Whether the width-`width` verify engines (greedy, sampled or both) take input `name` (an optional
+        one such as contract.TOKEN_BITMASK, which engines built before it lack); asks the smallest bucket's
+        binding."""
         return all(name in self._binding(GraphKind.verify(s), self.batch_sizes[0], width, 1, self.fixed).inputs
-                   for s in (False, True) if GraphKind.verify(s).engine_key(width) in self.files)
+                   for s in sampling if GraphKind.verify(s).engine_key(width) in self.files)
 
     def prefetch(self, kinds: list[tuple[GraphKind, int]]) -> None:
         """Have the backend open the engines of these (graph kind, rows) ahead of their first call."""
@@ -211,7 +214,12 @@ class ModelRunner:
             batch = next(b for b in self.batch_sizes if b >= len(part))
             width = max(len(r.ids) for r in part)
             pages = min(self.max_pages, _pow2(max(1, max(len(r.pages) for r in part))))
-            binding = self._binding(graph, batch, width, pages, fixed)
+            # the edit lists' length, rounded up to a power of two (one binding per bucket of it)
+            edits = _pow2(max((r.edits[0].shape[1] for r in part if r.edits is not None), default=1))
+            binding = self._binding(graph, batch, width, pages, fixed, edits)
+            if any(r.edits is not None for r in part) and c.LOGIT_EDIT_IDS not in binding.inputs:
+                raise ValueError(f"{graph.name}: logit edits for an engine built before them; rebuild the engine dir "
+                                 "(`tandem build-engines`), or run these requests without speculation")
             if (graph != TARGET_STEP and not graph.is_head and c.TOKEN_BITMASK not in binding.inputs
                     and any(r.bitmask is not None for r in part)):   # (a head without it drafts unmasked)
                 raise ValueError(f"{graph.name}: a grammar mask for an engine built before grammar masks; rebuild the "
@@ -220,7 +228,7 @@ class ModelRunner:
             self._fill(binding.inputs, part, batch, width, pages, self._table_names(graph))
             outputs = self._run(graph, binding, commits)
             if not split:
-                return self._first_rows((graph, batch, width, pages), outputs, len(part))
+                return self._first_rows((graph, batch, width, pages, edits), outputs, len(part))
             if not all(isinstance(a, np.ndarray) for a in outputs.values()):
                 raise ValueError(f"{len(rows)} sequences in one call, more than the largest built batch ({largest}): "
                                  "outputs kept in device memory are not joined; set max_num_seqs <= the largest batch")
@@ -275,21 +283,23 @@ class ModelRunner:
             names = self._tables[graph] = tuple(c.block_tables(w) for w in c.page_groups(caches) or [None])
         return names
 
-    def _binding(self, graph: GraphKind, batch, width, pages, fixed):
+    def _binding(self, graph: GraphKind, batch, width, pages, fixed, edits: int = 1):
         """The bucket's binding; its shapes are worked out from the contract once, on its first call."""
-        key = (graph, batch, width, pages)
+        key = (graph, batch, width, pages) if edits == 1 else (graph, batch, width, pages, edits)
         binding = self._bindings.get(key)
         if binding is None:
-            binding = self._bindings[key] = self._new_binding(graph, batch, width, pages, fixed)
+            binding = self._bindings[key] = self._new_binding(graph, batch, width, pages, fixed, edits)
         return binding
 
-    def _new_binding(self, graph: GraphKind, batch, width, pages, fixed):
-        dims = {"batch": batch, "rows": width, "drafts": width - 1, "steps": graph.steps, "max_pages": pages}
+    def _new_binding(self, graph: GraphKind, batch, width, pages, fixed, edits: int = 1):
+        dims = {"batch": batch, "rows": width, "drafts": width - 1, "steps": graph.steps, "max_pages": pages,
+                "edits": edits}
         shape = lambda spec: tuple(dims.get(d, d) if isinstance(d, str) else d for d in spec.shape)  # noqa: E731
         ins, outs = c.graph_io(self.desc, graph, self.dtype)
         ins = {s.name: shape(s) for s in ins if s.name not in fixed}
         outs = {s.name: shape(s) for s in outs}
-        return self.runner.binding(self.files[graph.engine_key(width)], (batch, width, pages), ins, outs, fixed,
+        bucket = (batch, width, pages) if edits == 1 else (batch, width, pages, edits)
+        return self.runner.binding(self.files[graph.engine_key(width)], bucket, ins, outs, fixed,
                                    backend_outputs=self.backend_outputs)
 
     def _fill(self, buf: dict[str, np.ndarray], part: list[Rows], batch: int, width: int, pages: int,
@@ -301,9 +311,12 @@ class ModelRunner:
             buf[name].fill(SCRATCH)
         for name, value in ((c.STATE_SLOTS, SCRATCH), (c.STATE_ROWS, 1), (c.LAST_ROW, 0), (c.TEMPERATURE, 0.0),
                             (c.TOP_K, 0), (c.TOP_P, 1.0), (c.UNIFORMS, 0.5), (c.HIDDEN_IN, 0.0),
-                            (c.RELAXED_TOPK, 0), (c.RELAXED_DELTA, 0.0), (c.RELAXED_ROWS, 0), (c.TOKEN_BITMASK, -1)):
+                            (c.RELAXED_TOPK, 0), (c.RELAXED_DELTA, 0.0), (c.RELAXED_ROWS, 0), (c.TOKEN_BITMASK, -1),
+                            (c.LOGIT_EDIT_IDS, 0), (c.LOGIT_EDITS, 0.0), (c.MIN_P_LOG, -np.inf)):
             if name in buf:
                 buf[name].fill(value)
+        if c.LOGIT_EDITS in buf:
+            buf[c.LOGIT_EDITS][..., 1] = 1.0      # every row edits token 0 by nothing
         for b, r in enumerate(part):
             n = len(r.ids)
             ids[b, :n] = r.ids
@@ -324,6 +337,14 @@ class ModelRunner:
                 buf[c.RELAXED_ROWS][b, :n] = r.relaxed_rows
             if r.bitmask is not None and c.TOKEN_BITMASK in buf:   # the target step's logits are masked on the host
                 buf[c.TOKEN_BITMASK][b, : len(r.bitmask)] = r.bitmask
+            if r.edits is not None and c.LOGIT_EDIT_IDS in buf:
+                edit_ids, values = r.edits      # the bucket's longer lists repeat each row's first entry
+                rows, m = edit_ids.shape
+                buf[c.LOGIT_EDIT_IDS][b, :rows] = edit_ids[:, :1]
+                buf[c.LOGIT_EDITS][b, :rows] = values[:, :1]
+                buf[c.LOGIT_EDIT_IDS][b, :rows, :m], buf[c.LOGIT_EDITS][b, :rows, :m] = edit_ids, values
+            if c.MIN_P_LOG in buf:
+                buf[c.MIN_P_LOG][b] = r.min_p_log
 
     @staticmethod
     def _fill_table_row(buf: dict[str, np.ndarray], b: int, pages, width: int, tables: tuple[str, ...]) -> None:

@@ -7,9 +7,9 @@ other requests share a batch, the verify width and whether speculation is on can
 mix is splitmix64's finaliser; 24 bits make every uniform exact in float32, so the verify graph
 and this sampler read the same number.
 
-Sampling is the verify graph's (export/acceptance.py), step for step: temperature, then top-k,
-then top-p on what top-k kept; then inverse-CDF over the vocabulary in id order, never past the
-last token with non-zero probability. The host never sorts a vocabulary: a threshold is a
+Sampling is the verify graph's (export/acceptance.py), step for step: temperature, then min-p
+(vLLM's order), then top-k, then top-p on what top-k kept; then inverse-CDF over the vocabulary
+in id order, never past the last token with non-zero probability. The host never sorts a vocabulary: a threshold is a
 partition, a nucleus is searched among the largest logits, and a filtered row exponentiates and
 accumulates only the tokens it keeps (tests/test_sampling_reproducible.py holds every setting to
 the sorted computation bit for bit).
@@ -23,6 +23,12 @@ import threading
 import numpy as np
 
 from tandem.pipeline.sampling_params import SamplingParams
+
+
+def min_p_log(min_p: float) -> np.float32:
+    """log(min_p) in float32 (-inf: off): a sampled row keeps the tokens whose scaled logit is at least
+    its top one's plus this (p >= min_p * p_top). The host and the verify graph add this same number."""
+    return np.float32(math.log(min_p)) if min_p > 0 else np.float32(-np.inf)
 
 _MASK = (1 << 64) - 1
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -58,7 +64,7 @@ def sample_rows(logits: np.ndarray, params: list[SamplingParams], u: np.ndarray)
     full, filtered = [], []
     for i, p in enumerate(params):
         if not p.greedy:
-            (full if _unfiltered(p.top_k, p.top_p, vocab) else filtered).append(i)
+            (full if _unfiltered(p.top_k, p.top_p, vocab) and not p.min_p else filtered).append(i)
     if full:
         probs = _softmax_rows(logits if len(full) == len(params) else logits[full],
                               [params[i].temperature for i in full])
@@ -82,7 +88,7 @@ class HostSampler:
     def rows(self, logits: np.ndarray, params: list[SamplingParams], u) -> np.ndarray:
         """sample_rows' tokens for rows of logits [n, V] (greedy rows by one argmax; the pipeline
         passes sampled rows only, which skip it)."""
-        if self.native is None:
+        if self.native is None or any(p.min_p for p in params):   # (the native sampler has no min-p)
             return sample_rows(logits, params, u)
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if len(sampled) == len(params):
@@ -190,6 +196,9 @@ def _filtered_rows(logits: np.ndarray, params: list[SamplingParams]) -> list[tup
     passes over the vocabulary."""
     scaled = _scaled_rows(logits, [p.temperature for p in params], "scaled")
     top = scaled.max(1)
+    for row, best, p in zip(scaled, top, params):   # min-p first, as the verify graph: below top + log(min_p) out
+        if p.min_p:
+            row[row < best + min_p_log(p.min_p)] = -np.inf
     thresholds = _thresholds(scaled, top, [p.top_k for p in params], [p.top_p for p in params])
     out = []
     for row, best, threshold in zip(scaled, top, thresholds):

@@ -7,7 +7,7 @@ import numbers
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from tandem.contract import MIN_TEMPERATURE
+from tandem.contract import MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MIN_TEMPERATURE
 
 if TYPE_CHECKING:
     from tandem.pipeline.grammar import GrammarSpec
@@ -56,6 +56,19 @@ class SamplingParams:
     p_min: float = 0.0                # stop drafting when the head's probability falls below this
     relaxed: RelaxedAcceptance | None = None  # relaxed acceptance (greedy only); None: the engine's default
     grammar: GrammarSpec | None = None  # structured output (pipeline/grammar.py): every token obeys it
+    # logits processors (pipeline/logits_processors.py), in the order they apply, as vLLM's:
+    allowed_token_ids: tuple[int, ...] | None = None   # only these may be generated
+    bad_words: tuple[str, ...] = ()   # never generated (as the tokenizer writes them, with and without a space)
+    min_tokens: int = 0               # stop ids and EOS are banned until this many tokens are out
+    logit_bias: tuple[tuple[int, float], ...] = ()     # (token id, bias added to its logit)
+    repetition_penalty: float = 1.0   # prompt and output tokens: logit / r where positive, logit * r else
+    frequency_penalty: float = 0.0    # output tokens: logit - f * count
+    presence_penalty: float = 0.0     # output tokens: logit - p (once present)
+    min_p: float = 0.0                # sampled rows: drop tokens below min_p * the top token's probability
+    logprobs: int | None = None       # the target's log-probability of each emitted token, with the top N
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -95,6 +108,50 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
+        self._check_processors()
+
+    def _check_processors(self) -> None:
+        reals = {"repetition_penalty": self.repetition_penalty, "frequency_penalty": self.frequency_penalty,
+                 "presence_penalty": self.presence_penalty, "min_p": self.min_p}
+        for name, value in reals.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite number, got {value!r}")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1 = off), got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {getattr(self, name)}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p}")
+        if (isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, numbers.Integral)
+                or self.min_tokens < 0):
+            raise ValueError(f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple(sorted((int(t), float(b)) for t, b in bias))
+        if len(bias) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"logit_bias has {len(bias)} entries; at most {MAX_LOGIT_BIAS_ENTRIES} are taken")
+        for t, b in bias:
+            if not (math.isfinite(b) and -100.0 <= b <= 100.0):
+                raise ValueError(f"logit_bias[{t}] must be a number in [-100, 100], got {b}")
+        object.__setattr__(self, "logit_bias", bias)
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if self.allowed_token_ids is not None:
+            if len(self.allowed_token_ids) == 0:
+                raise ValueError("allowed_token_ids is empty: send at least one token id, or leave it out")
+            object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in self.allowed_token_ids))
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] (or None), got {value!r}")
+
+    @property
+    def processed(self) -> bool:
+        """Whether a logits processor shapes this request's logits (masks, bias or penalties)."""
+        return bool(self.allowed_token_ids is not None or self.bad_words or self.min_tokens or self.logit_bias
+                    or self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty)
 
     @property
     def greedy(self) -> bool:

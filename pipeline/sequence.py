@@ -89,7 +89,8 @@ class Sequence:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     seed: int | None = None     # the request's, else drawn from OS entropy at creation
     table: PageTables = field(default=None)   # one block table per page group (the scheduler's groups on admission)
-    grammar: object | None = None   # structured output: its pipeline.grammar.Matcher, which follows output_ids()
+    rules: object | None = None     # its grammar and logits processors (pipeline/logits_processors.TokenRules),
+                                    # which follow output_ids(); None: the logits as the target gives them
     stop_ids: frozenset[int] | None = None   # the ids that end it (ending_ids, on its first output)
 
     def __post_init__(self):
@@ -130,7 +131,7 @@ class Sequence:
         many as its token budget holds, so no position past the request's admitted length is written
         (pages, max_seq_len); else 1. Also 1 while its first token is not out yet: the time to first
         token does not wait for several steps."""
-        if (steps > 1 and (samples or self.params.greedy) and self.grammar is None
+        if (steps > 1 and (samples or self.params.greedy) and self.rules is None
                 and self.emitted > len(self.prompt)):
             return max(1, min(steps, self.params.max_tokens - self.num_generated))
         return 1

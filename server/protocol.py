@@ -96,7 +96,25 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
                               stop_token_ids=tuple(self.stop_token_ids or ()),
                               ignore_eos=self.ignore_eos, speculative=self.speculative, k=self.spec_k,
                               relaxed=RelaxedAcceptance(**self.relaxed_acceptance.model_dump())
-                              if self.relaxed_acceptance else None, grammar=self.grammar())
+                              if self.relaxed_acceptance else None, grammar=self.grammar(),
+                              min_p=self.min_p, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                              logit_bias=self._logit_bias(), min_tokens=self.min_tokens,
+                              bad_words=tuple(self.bad_words or ()),
+                              allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None)
+
+    def _logit_bias(self) -> tuple[tuple[int, float], ...]:
+        """logit_bias's keys as token ids; RequestError (-> 400) for a key that is not one or a bias out of range."""
+        out = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.lstrip("-").isdigit()):
+                raise RequestError("logit_bias", f"logit_bias: key {key!r} is not a token id; send token ids as "
+                                                 'strings of digits, {"1234": -100}')
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise RequestError("logit_bias", f"logit_bias[{key}] = {bias} is out of range: a bias must be in "
+                                                 f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+            out.append((int(key), bias))
+        return tuple(out)
 
     def not_honoured(self) -> tuple[str, str] | None:
         """(field, why) for a field whose value this server cannot honour yet (-> 400), else None."""
@@ -105,9 +123,7 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
             field = "n" if self.n != 1 else "best_of"
             return field, f"{field}={getattr(self, field)} is not supported: tandem returns one choice per " \
                           "request; send n=1 (and best_of 1 or none) and repeat the request for more samples"
-        defaults = {"min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
-                    "logit_bias": None, "min_tokens": 0, "bad_words": None, "allowed_token_ids": None,
-                    "prompt_logprobs": None, "include_stop_str_in_output": False}
+        defaults = {"prompt_logprobs": None, "include_stop_str_in_output": False}
         for field, default in defaults.items():
             value = getattr(self, field)
             if value != default and value not in ({}, []):

@@ -70,8 +70,9 @@ class PagedState:
 
     def run(self, sess: ort.InferenceSession, extra: dict) -> dict:
         names = [i.name for i in sess.get_inputs()]
-        off = {**relaxed_off(extra[c.INPUT_IDS].shape), **grammar_off(extra[c.INPUT_IDS].shape, self.desc.vocab_size)
-               } if c.INPUT_IDS in extra else {}
+        shape = extra[c.INPUT_IDS].shape if c.INPUT_IDS in extra else None
+        off = {**relaxed_off(shape), **grammar_off(shape, self.desc.vocab_size), **processors_off(shape)
+               } if shape is not None else {}
         feeds = {**self.feeds(names), **off, **extra}
         feeds = {k: v for k, v in feeds.items() if k in names}
         return dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds), strict=True))
@@ -124,6 +125,13 @@ def function_body_graphs(folder) -> tuple[ModelDescription, ort.InferenceSession
 def grammar_off(shape: tuple[int, int], vocab_size: int) -> dict[str, np.ndarray]:
     """The verify graphs' grammar mask for ids of `shape`, every token allowed."""
     return {c.TOKEN_BITMASK: np.full((*shape, c.mask_words(vocab_size)), -1, np.int32)}
+
+
+def processors_off(shape: tuple[int, int]) -> dict[str, np.ndarray]:
+    """Verify inputs for rows without logits processors: identity edits of token 0, min-p off."""
+    return {c.LOGIT_EDIT_IDS: np.zeros((*shape, 1), np.int64),
+            c.LOGIT_EDITS: np.tile(np.array([0.0, 1.0, 0.0], np.float32), (*shape, 1, 1)),
+            c.MIN_P_LOG: np.full(shape[0], -np.inf, np.float32)}
 
 
 def relaxed_off(shape: tuple[int, int]) -> dict[str, np.ndarray]:

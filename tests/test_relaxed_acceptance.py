@@ -256,10 +256,11 @@ def test_engines_built_before_relaxed_acceptance_load_and_run_exact(tiny_root, t
         verify_io = c.verify_step_io
         old.setattr(c, "verify_step_io", lambda *a, **k: (
             [s for s in verify_io(*a, **k)[0]
-             if s.name not in (c.RELAXED_TOPK, c.RELAXED_DELTA, c.RELAXED_ROWS, c.TOKEN_BITMASK)],
+             if s.name not in (c.RELAXED_TOPK, c.RELAXED_DELTA, c.RELAXED_ROWS, c.TOKEN_BITMASK, c.LOGIT_EDIT_IDS,
+                               c.LOGIT_EDITS, c.MIN_P_LOG)],
             verify_io(*a, **k)[1]))
-        old.setattr(acceptance, "greedy", lambda *a, relaxed=None, bitmask=None: greedy(*a))
-        old.setattr(acceptance, "sampled", lambda *a, relaxed=None, bitmask=None: sampled(*a))
+        old.setattr(acceptance, "greedy", lambda *a, relaxed=None, bitmask=None, **_: greedy(*a))
+        old.setattr(acceptance, "sampled", lambda *a, relaxed=None, bitmask=None, **_: sampled(*a))
         build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "old", BuildOptions(
             batch_sizes=(1, 2), spec_k=2, prefill_chunk=8, max_seq_len=128, page_size=4), show_progress=False)
     prompts = [[5, 17, 33, 200, 7, 64, 91], [9, 120, 77, 301, 15]]

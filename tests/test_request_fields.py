@@ -51,6 +51,12 @@ REFUSED = [
     (COMPLETIONS, _body(top_k=-2), "top_k", "greater than or equal to -1"),
     (COMPLETIONS, _body(suffix="tail"), "suffix", "not supported"),
     (COMPLETIONS, _body(logit_bias={"5": "high"}), "logit_bias.5", "number"),
+    (COMPLETIONS, _body(logit_bias={"5": 101}), "logit_bias", "[-100, 100]"),
+    (COMPLETIONS, _body(logit_bias={"abc": 1}), "logit_bias", "not a token id"),
+    (COMPLETIONS, _body(logit_bias={"384": 1}), "logit_bias", "outside the vocabulary [0, 384)"),
+    (CHAT, _chat(allowed_token_ids=[3, 9999]), "allowed_token_ids", "outside the vocabulary"),
+    (COMPLETIONS, _body(allowed_token_ids=[]), "allowed_token_ids", "at least 1"),
+    (COMPLETIONS, _body(bad_words=[" "]), "bad_words[0]", "empty"),
     (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', None, "NaN"),
     (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "top_p": Infinity}', None, "Infinity"),
     (COMPLETIONS, '{"model": "tiny", "prompt": "x"}'.encode("utf-16"), None, "not UTF-8"),
@@ -94,3 +100,43 @@ def test_max_completion_tokens_wins_over_max_tokens(live):
     del body["max_tokens"]
     r = httpx.post(f"{live.url}{CHAT}", json=body, timeout=30)
     assert r.json()["usage"]["completion_tokens"] == 4
+
+
+HONOURED = [dict(presence_penalty=1.5), dict(frequency_penalty=1.2), dict(repetition_penalty=1.8),
+            dict(logit_bias={"5": 30}), dict(allowed_token_ids=list(range(100, 140))), dict(min_tokens=6),
+            dict(bad_words=None), dict(temperature=1.0, min_p=0.3, seed=3)]
+
+
+@pytest.mark.parametrize("fields", HONOURED, ids=lambda f: next(iter(f)))
+def test_sampling_fields_change_the_answer_as_offline(live, fields):
+    """The server's answer equals the offline pipeline's with the same settings, and differs from the
+    answer without the field on at least one of the prompts."""
+    from tandem.pipeline.sampling_params import SamplingParams
+
+    if "bad_words" in fields:    # ban a word the model writes without the ban (one that is its own token)
+        tok = LLM_plain(live).tokenizer
+        first = LLM_plain(live).generate([[9, 120, 77, 301, 15, 2, 88]], SamplingParams(max_tokens=20))[0]
+        fields = {"bad_words": [next(tok.decode([t]) for t in first.token_ids
+                                     if tok.decode([t]).strip() and tok.encode(tok.decode([t])).ids == [t])]}
+    kw = {k: (tuple(v) if isinstance(v, list) else v) for k, v in fields.items()}
+    if "logit_bias" in kw:
+        kw["logit_bias"] = tuple((int(k), v) for k, v in kw["logit_bias"].items())
+    base = {"temperature": 0.0, "ignore_eos": "min_tokens" not in fields, "max_tokens": 20}
+    changed = False
+    for prompt in ([9, 120, 77, 301, 15, 2, 88], [5, 17, 33, 200, 7], [44, 44, 44]):
+        r = httpx.post(f"{live.url}{COMPLETIONS}", json={"model": "tiny", "prompt": prompt, **base, **fields},
+                       timeout=60).json()
+        offline = LLM_plain(live).generate([prompt], SamplingParams(**{**base, **kw}))[0].text
+        sampling = {k: v for k, v in kw.items() if k in ("temperature", "seed")}
+        without = LLM_plain(live).generate([prompt], SamplingParams(**{**base, **sampling}))[0].text
+        assert r["choices"][0]["text"] == offline
+        changed |= offline != without
+    assert changed
+
+
+def LLM_plain(live):  # noqa: N802 - a plain-decoding twin of the server's pipeline, made once
+    from tandem.pipeline.llm import LLM, EngineConfig
+
+    if not hasattr(live, "plain_twin"):
+        live.plain_twin = LLM(live.app.state.engine_loop.llm.engine_dir, EngineConfig(speculative=False))
+    return live.plain_twin

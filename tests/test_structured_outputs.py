@@ -228,9 +228,10 @@ def test_engines_without_the_mask_input_run_grammar_requests_without_drafting(ti
     with monkeypatch.context() as old:
         verify_io = c.verify_step_io
         old.setattr(c, "verify_step_io", lambda *a, **k: (
-            [s for s in verify_io(*a, **k)[0] if s.name != c.TOKEN_BITMASK], verify_io(*a, **k)[1]))
-        old.setattr(acceptance, "greedy", lambda *a, relaxed=None, bitmask=None: greedy(*a, relaxed=relaxed))
-        old.setattr(acceptance, "sampled", lambda *a, relaxed=None, bitmask=None: sampled(*a, relaxed=relaxed))
+            [s for s in verify_io(*a, **k)[0]
+             if s.name not in (c.TOKEN_BITMASK, c.LOGIT_EDIT_IDS, c.LOGIT_EDITS, c.MIN_P_LOG)], verify_io(*a, **k)[1]))
+        old.setattr(acceptance, "greedy", lambda *a, relaxed=None, bitmask=None, **_: greedy(*a, relaxed=relaxed))
+        old.setattr(acceptance, "sampled", lambda *a, relaxed=None, bitmask=None, **_: sampled(*a, relaxed=relaxed))
         build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "old", options, show_progress=False)
     llm = LLM(tmp_path / "old")
     verify_files = [e["file"] for e in llm.manifest["engines"] if e["graph"].startswith("verify")]

@@ -1,0 +1,187 @@
+"""A request's logits processors (vLLM's sampling parameters) and its token rules: the grammar and
+the processors together, as one object the engine asks for each row's masks and edits.
+
+Processors, in vLLM's order, on the target's logits x of a row that follows `output` (the tokens
+generated so far, the pending one and, in a verify row, the drafts before the row):
+    masks     allowed_token_ids; bad_words (a word's last token where the output ends in the rest of
+              it); min_tokens (EOS and stop ids while fewer than min_tokens tokens are out); a grammar
+    edits     per token t of an edit list: x_t += logit_bias[t]
+                                         x_t  = x_t / r if x_t > 0 else x_t * r      (t in prompt or output)
+                                         x_t -= f * count(t) + p * (count(t) > 0)   (as one float32 number)
+Masks are bits in the grammar's bitmask rows (contract.TOKEN_BITMASK); edits are sparse: ids [N]
+and (bias, scale, post) [N, 3] float32, tokens outside the list unchanged. The verify graph takes
+both per row (export/acceptance.py) and applies the same float32 operations in the same order, so
+a row's processed logits are the same bits in the graph and here: speculative greedy == plain greedy.
+Counts follow the sequence's committed output (sync), so only accepted tokens ever count; a verify
+row adds the drafts before it on top. Work per row is O(edit list), never a loop over the vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+import numpy as np
+
+from tandem.contract import mask_words
+from tandem.pipeline.grammar import allowed_tokens
+from tandem.pipeline.sampling_params import SamplingParams
+
+EDIT_VALUES = 3      # (bias, scale, post) per edited token
+
+
+def clear_bits(row: np.ndarray, ids: np.ndarray) -> None:
+    """Clear the bits of token `ids` in one bitmask row [words] (int32), in place."""
+    if len(ids):
+        bits = row.view(np.uint32)
+        np.bitwise_and.at(bits, ids >> 5, ~(np.uint32(1) << (ids & 31).astype(np.uint32)))
+
+
+def mask_of(ids: Seq[int], vocab_size: int) -> np.ndarray:
+    """A bitmask row [words] with only `ids` allowed."""
+    row = np.zeros(mask_words(vocab_size), np.uint32)
+    ids = np.asarray(ids, np.int64)
+    np.bitwise_or.at(row, ids >> 5, np.uint32(1) << (ids & 31).astype(np.uint32))
+    return row.view(np.int32)
+
+
+class Processors:
+    """One sequence's processors (SamplingParams' processor fields), following its output."""
+
+    def __init__(self, params: SamplingParams, prompt: list[int], vocab_size: int, stop_ids: frozenset[int],
+                 bad_words: list[list[int]]):
+        self.vocab_size = vocab_size
+        self.allowed = mask_of(params.allowed_token_ids, vocab_size) if params.allowed_token_ids else None
+        self.bad_single = np.array(sorted({w[0] for w in bad_words if len(w) == 1}), np.int64)
+        self.bad_multi = [tuple(w) for w in bad_words if len(w) > 1]
+        self.longest = max((len(w) for w in self.bad_multi), default=0)
+        self.min_tokens, self.stop_ids = params.min_tokens, np.array(sorted(stop_ids), np.int64)
+        self.rep, self.freq, self.pres = params.repetition_penalty, params.frequency_penalty, params.presence_penalty
+        self.counts = np.zeros(vocab_size, np.int32)      # output tokens
+        self.seen = np.zeros(vocab_size, bool)            # prompt and output tokens (repetition)
+        self.bias = np.zeros(vocab_size, np.float32)
+        for t, b in params.logit_bias:
+            self.bias[t] = b
+        self.penalised = self.rep != 1.0 or self.freq != 0.0 or self.pres != 0.0
+        self.edits = self.penalised or bool(params.logit_bias)
+        ids = {t for t, _ in params.logit_bias}
+        if self.rep != 1.0:
+            self.seen[prompt] = True
+            ids.update(prompt)
+        self.ids = np.array(sorted(ids), np.int64)        # the edit list (sorted, unique)
+        self.consumed = 0
+
+    def sync(self, output: list[int]) -> None:
+        """Count output[consumed:] (committed tokens only: the engine syncs before each use)."""
+        new = output[self.consumed :]
+        if not new:
+            return
+        self.consumed = len(output)
+        if self.penalised:
+            np.add.at(self.counts, new, 1)
+            self.seen[new] = True
+            self.ids = np.union1d(self.ids, new)
+
+    def mask_row(self, row: np.ndarray, output: list[int], extra: Seq[int] = ()) -> None:
+        """AND this row's masks into row [words] (int32), for the token after output + extra."""
+        if self.allowed is not None:
+            np.bitwise_and(row, self.allowed, out=row)
+        clear_bits(row, self.bad_single)
+        if self.bad_multi:
+            tail = [*output[-self.longest :], *extra]
+            banned = [w[-1] for w in self.bad_multi
+                      if len(w) - 1 <= len(tail) and tuple(tail[len(tail) - len(w) + 1 :]) == w[:-1]]
+            clear_bits(row, np.array(banned, np.int64))
+        if len(output) + len(extra) < self.min_tokens:
+            clear_bits(row, self.stop_ids)
+
+    def row_edits(self, extra: Seq[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The edit list of the row after the synced output + extra: ids [N] int64, values [N, 3] float32."""
+        ids = self.ids if not (extra and self.penalised) else np.union1d(self.ids, extra)
+        counts = self.counts[ids].astype(np.float32)
+        seen = self.seen[ids]
+        if extra and self.penalised:
+            at = np.searchsorted(ids, np.asarray(extra, np.int64))
+            np.add.at(counts, at, 1)
+            seen[at] = True
+        values = np.empty((len(ids), EDIT_VALUES), np.float32)
+        values[:, 0] = self.bias[ids]
+        values[:, 1] = np.where(seen, np.float32(self.rep), np.float32(1.0)) if self.rep != 1.0 else 1.0
+        values[:, 2] = -(np.float32(self.freq) * counts + np.float32(self.pres) * (counts > 0))
+        return ids, values
+
+
+def apply_edits(logits: np.ndarray, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """The edited copy of one row of logits [V] (float32), in the verify graph's order of operations."""
+    out = logits.astype(np.float32, copy=True)
+    x = out[ids] + values[:, 0]
+    x = np.where(x > 0, x / values[:, 1], x * values[:, 1])
+    out[ids] = x + values[:, 2]
+    return out
+
+
+def pad_edits(rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-row edit lists -> ids [R, N] and values [R, N, 3], N the longest; a shorter row repeats its
+    first entry (a duplicate write of the same value), an empty one edits token 0 by nothing."""
+    n = max(1, max(len(ids) for ids, _ in rows))
+    ids = np.zeros((len(rows), n), np.int64)
+    values = np.tile(np.array([0.0, 1.0, 0.0], np.float32), (len(rows), n, 1))
+    for r, (i, v) in enumerate(rows):
+        if len(i):
+            ids[r], values[r] = i[0], v[0]
+            ids[r, : len(i)], values[r, : len(i)] = i, v
+    return ids, values
+
+
+class TokenRules:
+    """What shapes one sequence's logits: its grammar matcher (pipeline/grammar.py) and processors,
+    either or both. The engine asks it for the masks and edits of verify rows, head rows and host rows."""
+
+    def __init__(self, vocab_size: int, matcher=None, processors: Processors | None = None):
+        self.vocab_size, self.words = vocab_size, mask_words(vocab_size)
+        self.matcher, self.processors = matcher, processors
+
+    @property
+    def edits(self) -> bool:
+        return self.processors is not None and self.processors.edits
+
+    def draft_masks(self, output: list[int], drafts: list[int]) -> tuple[list[int], np.ndarray]:
+        """Masks of the verify rows [pending, d_1..d_k] -> (drafts, masks [k + 1, words]); the grammar
+        may replace a draft it forces (Matcher.draft_masks)."""
+        if self.matcher is not None:
+            drafts, masks = self.matcher.draft_masks(output, drafts)
+        else:
+            masks = np.full((len(drafts) + 1, self.words), -1, np.int32)
+        if self.processors is not None:
+            self.processors.sync(output)
+            for i in range(len(drafts) + 1):
+                self.processors.mask_row(masks[i], output, drafts[:i])
+        return drafts, masks
+
+    def draft_edits(self, output: list[int], drafts: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """Edits of the verify rows [pending, d_1..d_k]: ids [k + 1, N], values [k + 1, N, 3]; None: none."""
+        if not self.edits:
+            return None
+        self.processors.sync(output)
+        return pad_edits([self.processors.row_edits(drafts[:i]) for i in range(len(drafts) + 1)])
+
+    def next_mask(self, output: list[int], drafts: list[int]) -> np.ndarray | None:
+        """The mask [words] of the token after output + drafts (a head's draft), None where the
+        grammar refuses a draft (nothing drafted after it can be kept)."""
+        if self.matcher is not None:
+            row = self.matcher.next_mask(output, drafts)
+            if row is None:
+                return None
+        else:
+            row = np.full(self.words, -1, np.int32)
+        if self.processors is not None:
+            self.processors.mask_row(row, output, drafts)
+        return row
+
+    def process(self, logits: np.ndarray, output: list[int]) -> np.ndarray:
+        """One row of logits [V] after every rule, for the token after `output`: edited, then masked
+        (-inf where forbidden). A copy."""
+        if self.edits:
+            self.processors.sync(output)
+            logits = apply_edits(logits, *self.processors.row_edits())
+        keep = allowed_tokens(self.next_mask(output, []), self.vocab_size)
+        return np.where(keep[: len(logits)], logits, -np.inf).astype(np.float32)
