@@ -57,6 +57,8 @@ TOKEN_BITMASK = "token_bitmask"
 # logits processors (pipeline/logits_processors.py): sparse edits of each verify row's logits, and min-p for sampled
 # rows; optional verify inputs as the two above (engines without them run processed requests without speculation)
 LOGIT_EDIT_IDS, LOGIT_EDITS, MIN_P_LOG = "logit_edit_ids", "logit_edits", "min_p_log"
+WANT_LOGPROBS = "want_logprobs"    # verify: 1 where a row reports logprobs (optional, as the ones above)
+TOKEN_LOGPROBS, TOP_LOGPROBS, TOP_LOGPROB_IDS = "token_logprobs", "top_logprobs", "top_logprob_ids"
 MAX_LOGIT_BIAS_ENTRIES = 1024   # logit_bias entries a request may send (the edit lists' bound with max_seq_len)
 
 HIDDEN = "hidden"
@@ -226,12 +228,23 @@ def verify_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list
                       "(bias, scale, post): x = x + bias; x = x / scale if x > 0 else x * scale; x = x + post"),
            TensorSpec(MIN_P_LOG, "float32", ("batch",), "log(min_p), -inf = off: sampled rows drop scaled logits "
                       "below their top one plus this"),
+           TensorSpec(WANT_LOGPROBS, "int64", ("batch",), "1 where the row's logprobs are wanted (any: all computed)"),
            *layer_in]
     outs = [TensorSpec(ACCEPTED, "int64", ("batch",), "drafts accepted (0..k); rows 0..accepted are committed"),
             TensorSpec(NEXT_TOKEN, "int64", ("batch",), "the token after the accepted ones (correction or bonus)"),
             TensorSpec(HIDDEN, dtype, ("batch", "rows", desc.hidden_size), "post-final-norm hidden of each row"),
+            TensorSpec(TOKEN_LOGPROBS, "float32", ("batch", "rows"),
+                       "raw log-probability of the token row i emits (zeros unless wanted)"),
+            TensorSpec(TOP_LOGPROBS, "float32", ("batch", "rows", top_logprobs(desc.vocab_size)),
+                       "row i's largest raw log-probabilities, descending"),
+            TensorSpec(TOP_LOGPROB_IDS, "int64", ("batch", "rows", top_logprobs(desc.vocab_size)), "their token ids"),
             *layer_out]
     return ins, outs
+
+
+def top_logprobs(vocab_size: int) -> int:
+    """Top log-probabilities a verify row reports: MAX_LOGPROBS, or the vocabulary when smaller."""
+    return min(MAX_LOGPROBS, vocab_size)
 
 
 def mtp_head_io(desc: ModelDescription, head: int, dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
@@ -271,7 +284,7 @@ def round_io(desc: ModelDescription, kind: GraphKind, dtype: str = "float32"
     pool_in, pool_out = _pool_specs(caches, dtype)
     paging = _paging_inputs(caches)
     trunk_only = {s.name for s in (*_paging_inputs(trunk), *_pool_specs(trunk, dtype)[0])}
-    acceptance = [s for s in verify_in if s.name not in trunk_only]      # input_ids, sampling, ...
+    acceptance = [s for s in verify_in if s.name not in trunk_only | {WANT_LOGPROBS}]   # input_ids, sampling, ...
     ins = [acceptance[0], *paging, *acceptance[1:], *pool_in]
     outs = [*verify_out[:2],
             TensorSpec(NEXT_DRAFTS, "int64", ("batch", "drafts"), "the next round's drafts d'_1..d'_k (greedy)"),

@@ -260,3 +260,39 @@ def sampled(b: GraphBuilder, logits: str, ids: str, temperature: str, top_k: str
     with b.scope("accept_sampled"):   # relaxed: greedy rows only
         tokens, *also = under_grammar(b, logits, bitmask, rows, _ROW_TYPES[: 1 + bool(relaxed)], relaxed, edits)
         return _compare(b, tokens, ids, also[0] if also else None)
+
+
+def logprobs(b: GraphBuilder, logits: str, ids: str, accepted: str, nxt: str, want: str, k: int
+             ) -> tuple[str, str, str]:
+    """The target's raw log-probabilities (log-softmax of the logits before any processor, as vLLM
+    reports them by default) of each row: of the token the row emits (row i < accepted: the draft
+    d_{i+1}; row accepted: the next token; later rows: the next token, unused) [B, W], and the top k
+    [B, W, k] with their ids. One If: a batch where no row `want`s them [B] computes none (zeros).
+
+        If(max(want) > 0) -> LogSoftmax(logits) -> (gathered at the emitted tokens, TopK k)
+                    else -> zeros
+    """
+    with b.scope("logprobs"):
+        want_any = b.op("Greater", b.op("ReduceMax", want, keepdims=1), b.const([0], np.int64))
+        sub = GraphBuilder(function=True, root="logprobs_on")
+        lsm = sub.op("LogSoftmax", logits, axis=-1)                                          # [B, W, V]
+        top, top_ids = sub.op("TopK", lsm, sub.const([k], np.int64), outputs=2, axis=-1, largest=1, sorted=1)
+        rows = sub.op("Range", sub.const(0, np.int64), sub.squeeze(sub.shape_of(ids, 1, 2), [0]),
+                      sub.const(1, np.int64))                                                # [W]
+        last = sub.unsqueeze(nxt, [1])                                                       # [B, 1]
+        shifted = sub.concat([_drafts(sub, ids), last], 1)                                   # [B, W]
+        emitted = sub.op("Where", sub.op("Less", sub.unsqueeze(rows, [0]), sub.unsqueeze(accepted, [1])),
+                         shifted, last)
+        token = sub.squeeze(sub.op("GatherElements", lsm, sub.unsqueeze(emitted, [2]), axis=2), [2])
+        off = GraphBuilder(function=True, root="logprobs_off")
+        shape = off.concat([off.shape_of(logits, 0, 2), off.const([k], np.int64)], 0)       # [B, W, k]
+        zeros = lambda dims, kind: off.op("ConstantOfShape", dims, value=helper.make_tensor(  # noqa: E731
+            "value", kind, [1], [0]))
+        off_outs = [zeros(off.shape_of(ids), TensorProto.FLOAT), zeros(shape, TensorProto.FLOAT),
+                    zeros(shape, TensorProto.INT64)]
+        types = (TensorProto.FLOAT, TensorProto.FLOAT, TensorProto.INT64)
+        branches = [helper.make_graph(g.nodes, name, [], [helper.make_tensor_value_info(o, t, None)
+                                                          for o, t in zip(outs, types)])
+                    for g, name, outs in ((sub, "logprobs_on", [token, top, top_ids]),
+                                          (off, "logprobs_off", off_outs))]
+        return tuple(b.op("If", want_any, outputs=3, then_branch=branches[0], else_branch=branches[1]))

@@ -242,7 +242,8 @@ def verify_step(desc: ModelDescription, w: Weights, sampling: bool) -> onnx.Mode
     return _finish(b, kind.name, ins, outs, produced, _functions(desc, row_states=True))
 
 
-def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: bool) -> dict[str, str]:
+def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: bool,
+                logprobs: bool = True) -> dict[str, str]:
     """The verify graph's outputs (contract name -> tensor) on the contract's input names: the
     trunk over input_ids, acceptance, new K/V rows, states after the accepted row."""
     hidden, kv, gdn = _trunk(b, desc, w, verify=True)
@@ -257,6 +258,9 @@ def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: b
         accepted, nxt = acceptance.greedy(b, logits, c.INPUT_IDS, relaxed=relaxed, bitmask=c.TOKEN_BITMASK,
                                           edits=edits)
     produced = {c.ACCEPTED: accepted, c.NEXT_TOKEN: nxt, c.HIDDEN: hidden}
+    if logprobs:    # (a unified round graph reports none: requests with logprobs take the verify graph)
+        produced[c.TOKEN_LOGPROBS], produced[c.TOP_LOGPROBS], produced[c.TOP_LOGPROB_IDS] = acceptance.logprobs(
+            b, logits, c.INPUT_IDS, accepted, nxt, c.WANT_LOGPROBS, c.top_logprobs(desc.vocab_size))
     for i, rows in kv.items():
         produced.update(new_rows_outputs(desc.layers[i].mixer, i, rows))
     kept = b.op("Add", accepted, b.const(1, np.int64), name="kept_rows")       # rows 0..accepted

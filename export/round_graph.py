@@ -61,7 +61,7 @@ def round_step(desc: ModelDescription, w: Weights, kind: GraphKind, index_share:
     ins, outs = c.graph_io(desc, kind, w.dtype)
     heads = c.round_heads(desc, kind)
     b = GraphBuilder()
-    produced = verify_body(b, desc, w, kind.sampling)
+    produced = verify_body(b, desc, w, kind.sampling, logprobs=False)
     hidden, accepted, nxt = produced.pop(c.HIDDEN), produced[c.ACCEPTED], produced[c.NEXT_TOKEN]
     width = kind.drafts + 1
     with b.scope("reanchor"):

@@ -85,6 +85,7 @@ class IncrementalDetokenizer:
         self.stop = stop
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._searched = 0             # chars of self.text searched for stop strings (none found)
+        self.matched = 0               # length of the stop string find_stop found
         self._stream = DecodeStream(skip_special_tokens=True)
         self.pending: list[int] = []   # tokens the stream holds back (a character split across them)
 
@@ -130,8 +131,12 @@ class IncrementalDetokenizer:
             return -1
         start = max(0, self._searched - self._hold)
         self._searched = len(self.text)
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else -1
+        hits = [(i, -len(s)) for i, s in ((self.text.find(s, start), s) for s in self.stop) if i >= 0]
+        if not hits:
+            return -1
+        at, minus_len = min(hits)      # the first; at one index, the longest stop string
+        self.matched = -minus_len
+        return at
 
     def truncate(self, at: int) -> None:
         self.text = self.text[:at]

@@ -31,6 +31,7 @@ import numpy as np
 
 from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP, GraphKind
+from tandem.pipeline import logprobs
 from tandem.pipeline.decode_burst import DecodeBurst
 from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
 from tandem.pipeline.multi_step_decode import MultiStepDecode
@@ -62,6 +63,14 @@ def _next_token(sampler: HostSampler, seq: Sequence, logits: np.ndarray) -> int:
     if seq.params.greedy:
         return int(np.argmax(logits))
     return sampler.one(logits, seq.params, float(uniforms([seq.seed], np.array([len(seq.tokens)]))[0]))
+
+
+def _append_host_token(sampler: HostSampler, seq: Sequence, logits: np.ndarray) -> None:
+    """Append the token one row of logits decides (with its logprobs, where the request asks)."""
+    token = _next_token(sampler, seq, logits)
+    seq.tokens.append(token)
+    if seq.logprobs is not None:
+        seq.logprobs.append(logprobs.from_logits(logits, token, seq.params.logprobs))
 
 
 def _next_tokens(sampler: HostSampler, seqs: list[Sequence], logits: np.ndarray) -> list[int]:
@@ -181,9 +190,12 @@ class Engine:
         done = []
         for (seq, a, b), out in zip(work, outs.rows()):
             seq.prefilled = seq.committed = b
+            if seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == a:  # row i scores prompt[a + i + 1]
+                following = seq.prompt[a + 1 : b + 1]
+                seq.prompt_logprobs += logprobs.prompt_logprobs(out[c.LOGITS], following, seq.params.prompt_logprobs)
             if b == seq.prefill_target:
                 if seq.num_generated == 0:  # fresh prompt: its first token comes from the last row
-                    seq.tokens.append(_next_token(self.sampler, seq, out[c.LOGITS][b - a - 1]))
+                    _append_host_token(self.sampler, seq, out[c.LOGITS][b - a - 1])
                     seq.metrics.first_token = time.perf_counter()
                 seq.status = Status.DECODE
                 done.append(seq)
@@ -207,9 +219,12 @@ class Engine:
             self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(n), np.ones(n, int),
                                   np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
             self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
-        for seq, token in zip(seqs, _next_tokens(self.sampler, seqs, outs.arrays[c.LOGITS][:, 0])):
+        logits = outs.arrays[c.LOGITS][:, 0]
+        for seq, token, row in zip(seqs, _next_tokens(self.sampler, seqs, logits), logits):
             seq.committed += 1
             seq.tokens.append(token)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs.from_logits(row, token, seq.params.logprobs))
         return outs
 
     def _speculative_round(self, seqs: list[Sequence]) -> None:
@@ -222,7 +237,7 @@ class Engine:
             sampling = any(not s.params.greedy for s in group)
             # a grammar request's drafts come from the heads under its masks: the multi-call round
             # (a unified round drafts the next round's tokens inside the graph, before the host knows them)
-            grammar = any(s.rules is not None for s in group)
+            grammar = any(s.shaped for s in group)
             if self.unified and self.synthetic_acceptance is None and self.unified.serves(width, sampling) \
                     and not grammar:
                 with self._phase("round"):
@@ -423,6 +438,9 @@ class Engine:
                 accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs.rows()]
                 nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else _next_token(self.sampler, s, o[c.LOGITS][0])
                        for o, s in zip(outs.rows(), seqs)]
+                for s, o, t in zip(seqs, outs.rows(), nxt):
+                    if s.logprobs is not None and width == 1:
+                        s.logprobs.append(logprobs.from_logits(o[c.LOGITS][0], t, s.params.logprobs))
             else:
                 accepted, nxt, outs = self._synthetic_verify(seqs, rows, width)
         n = len(seqs)
@@ -433,6 +451,8 @@ class Engine:
         anchor = []
         for seq, out, a, t in zip(seqs, outs.rows(), accepted, nxt):
             new = drafts[seq.request_id][:a] + [t]
+            if seq.logprobs is not None and width > 1:   # the target's, from the verify rows that emitted them
+                seq.logprobs += logprobs.from_verify(out, new, seq.params.logprobs)
             seq.metrics.record_round(width - 1, a)
             seq.committed += a + 1
             seq.tokens += new
@@ -451,6 +471,7 @@ class Engine:
         rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
                      slot=s.slot, uniforms=None if u is None else u[i], bitmask=masks.get(s.request_id),
                      edits=s.rules.draft_edits(s.output_ids(), drafts[s.request_id]) if s.rules else None,
+                     logprobs=s.logprobs is not None,
                      **_sampling_inputs(s.params))
                 for i, s in enumerate(seqs)]
         self.relaxed.fill(seqs, drafts, rows)
@@ -536,14 +557,17 @@ class Engine:
         added, at = seq.detok.add_until_stop(kept)
         if at >= 0:     # the token that completed a stop string ends the output
             kept = kept[:added]
-            seq.detok.truncate(at)
+            seq.detok.truncate(at + (seq.detok.matched if seq.params.include_stop_str_in_output else 0))
             reason = "stop"
         seq.emitted = start + len(kept)
         if reason is not None:
             del seq.tokens[start + len(kept) :]
+            if seq.logprobs is not None:
+                del seq.logprobs[seq.num_generated :]
             seq.metrics.finished = time.perf_counter()
             self.scheduler.finish(seq, reason)
             self.stats.add_finished(seq)
             self.forget(seq)
+        first = start - len(seq.prompt)
         return StepOutput(seq.request_id, seq.detok.take(final=reason is not None), kept, reason is not None,
-                          reason, seq)
+                          reason, seq, None if seq.logprobs is None else seq.logprobs[first : first + len(kept)])

@@ -102,6 +102,8 @@ class GenerationResult:
     text: str
     finish_reason: str
     metrics: RequestMetrics
+    logprobs: list | None = None          # SamplingParams.logprobs: a pipeline.logprobs.TokenLogprob per token
+    prompt_logprobs: list | None = None   # SamplingParams.prompt_logprobs: one per prompt token after the first
 
 
 class LLM:
@@ -273,6 +275,9 @@ class LLM:
             if self.config.synthetic_acceptance is not None:
                 raise RequestError(params.grammar.field, "structured outputs cannot run with synthetic_acceptance "
                                    "(it accepts drafts whatever the grammar says): serve without it")
+        if self.config.synthetic_acceptance is not None and (params.processed or params.logprobs is not None):
+            raise RequestError("logprobs" if params.logprobs is not None else "sampling", "logits processors and "
+                               "logprobs cannot run with synthetic_acceptance (its tokens are not the model's)")
         limit = self.max_seq_len - (k + 1 if speculative else 1)
         if len(ids) + params.max_tokens > limit:
             raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -327,7 +332,8 @@ class LLM:
                             and not self._verify_takes(contract.TOKEN_BITMASK, k + 1)
                             or params.processed and not self._verify_takes(contract.LOGIT_EDIT_IDS, k + 1)
                             or params.min_p and not params.greedy
-                            and not self._verify_takes(contract.MIN_P_LOG, k + 1, (True,))):
+                            and not self._verify_takes(contract.MIN_P_LOG, k + 1, (True,))
+                            or params.logprobs is not None and not self._verify_takes(contract.WANT_LOGPROBS, k + 1)):
             speculative, k = False, 0   # verify engines built before masks or edits: decode without drafting
         seq = Sequence(request_id or f"req-{next(self._ids)}", req.ids, params,
                        IncrementalDetokenizer(self.tokenizer, params.stop, self.token_bytes), self.page_size,
@@ -378,7 +384,7 @@ class LLM:
                     if out.request_id in texts:
                         texts[out.request_id].append(out.text)
         return [GenerationResult(s.request_id, s.prompt, s.output_ids(), "".join(texts[s.request_id]),
-                                 s.finish_reason, s.metrics) for s in seqs]
+                                 s.finish_reason, s.metrics, s.logprobs, s.prompt_logprobs) for s in seqs]
 
     def stream(self, prompt, params: SamplingParams | None = None) -> Iterator[StepOutput]:
         """Yields this request's outputs as they come (other requests keep running alongside).

@@ -45,6 +45,7 @@ class Rows:
     bitmask: np.ndarray | None = None      # verify, heads: grammar masks [n, words] (pipeline/grammar.py); None: all
     edits: tuple[np.ndarray, np.ndarray] | None = None  # verify: logit edits, ids [n, N] and values [n, N, 3]
     min_p_log: float = -np.inf             # verify, sampled rows: log(min_p) (-inf: off)
+    logprobs: bool = False                 # verify: report the rows' log-probabilities
 
 
 @dataclass
@@ -312,7 +313,7 @@ class ModelRunner:
         for name, value in ((c.STATE_SLOTS, SCRATCH), (c.STATE_ROWS, 1), (c.LAST_ROW, 0), (c.TEMPERATURE, 0.0),
                             (c.TOP_K, 0), (c.TOP_P, 1.0), (c.UNIFORMS, 0.5), (c.HIDDEN_IN, 0.0),
                             (c.RELAXED_TOPK, 0), (c.RELAXED_DELTA, 0.0), (c.RELAXED_ROWS, 0), (c.TOKEN_BITMASK, -1),
-                            (c.LOGIT_EDIT_IDS, 0), (c.LOGIT_EDITS, 0.0), (c.MIN_P_LOG, -np.inf)):
+                            (c.LOGIT_EDIT_IDS, 0), (c.LOGIT_EDITS, 0.0), (c.MIN_P_LOG, -np.inf), (c.WANT_LOGPROBS, 0)):
             if name in buf:
                 buf[name].fill(value)
         if c.LOGIT_EDITS in buf:
@@ -345,6 +346,8 @@ class ModelRunner:
                 buf[c.LOGIT_EDIT_IDS][b, :rows, :m], buf[c.LOGIT_EDITS][b, :rows, :m] = edit_ids, values
             if c.MIN_P_LOG in buf:
                 buf[c.MIN_P_LOG][b] = r.min_p_log
+            if r.logprobs and c.WANT_LOGPROBS in buf:
+                buf[c.WANT_LOGPROBS][b] = 1
 
     @staticmethod
     def _fill_table_row(buf: dict[str, np.ndarray], b: int, pages, width: int, tables: tuple[str, ...]) -> None:

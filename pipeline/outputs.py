@@ -15,6 +15,7 @@ class StepOutput:
     finished: bool
     finish_reason: str | None
     sequence: Sequence
+    logprobs: list | None = None      # a TokenLogprob per token in token_ids, where the request asked
 
 
 @dataclass

@@ -92,6 +92,8 @@ class Sequence:
     rules: object | None = None     # its grammar and logits processors (pipeline/logits_processors.TokenRules),
                                     # which follow output_ids(); None: the logits as the target gives them
     stop_ids: frozenset[int] | None = None   # the ids that end it (ending_ids, on its first output)
+    logprobs: list | None = None    # params.logprobs: a pipeline.logprobs.TokenLogprob per generated token
+    prompt_logprobs: list | None = None   # params.prompt_logprobs: one per prompt token after the first
 
     def __post_init__(self):
         if not self.tokens:
@@ -101,6 +103,16 @@ class Sequence:
         self.table = self.table or PageTables(self.page_size)
         if self.seed is None:
             self.seed = self.params.seed if self.params.seed is not None else secrets.randbits(64)
+        if self.params.logprobs is not None and self.logprobs is None:
+            self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = []
+
+    @property
+    def shaped(self) -> bool:
+        """Whether the host needs each row it decides (rules shape its logits, or it reports logprobs):
+        such a sequence takes one token a step when plain, and the multi-call round."""
+        return self.rules is not None or self.logprobs is not None
 
     @property
     def num_generated(self) -> int:
@@ -131,7 +143,7 @@ class Sequence:
         many as its token budget holds, so no position past the request's admitted length is written
         (pages, max_seq_len); else 1. Also 1 while its first token is not out yet: the time to first
         token does not wait for several steps."""
-        if (steps > 1 and (samples or self.params.greedy) and self.rules is None
+        if (steps > 1 and (samples or self.params.greedy) and not self.shaped
                 and self.emitted > len(self.prompt)):
             return max(1, min(steps, self.params.max_tokens - self.num_generated))
         return 1

@@ -30,6 +30,7 @@ from tandem.server import metrics as m
 from tandem.server.chat_template import ChatTemplate, ChatTemplateError
 from tandem.server.engine_loop import EngineError, EngineLoop
 from tandem.server.limits import RequestGuard
+from tandem.server.logprobs_format import LogprobText
 from tandem.server.protocol import ChatRequest, CompletionRequest, error_body, json_bytes, unknown_field
 from tandem.server.tool_calls import AnswerParser, check_tools, message, template_messages, tool_choice_grammar
 
@@ -77,6 +78,7 @@ def create_app(llm: LLM, settings: ServerSettings,
     chat_template = ChatTemplate.from_engine_dir(llm.engine_dir)
     formats = chat_formats(llm.manifest)   # the family's tool-call and reasoning syntax (server/tool_calls.py)
     state = {"ready": False, "draining": False}
+    shown = LogprobText(llm.tokenizer, llm.token_bytes)
 
     async def watchdog():
         while loop.alive():
@@ -218,7 +220,7 @@ def create_app(llm: LLM, settings: ServerSettings,
         created = int(time.time())
         if req.stream:
             return StreamingResponse(stream(rid, out, req, chat, created, answer), media_type="text/event-stream")
-        text, finish, seq = [], None, None
+        text, finish, seq, scored = [], None, None, []
         gone = asyncio.create_task(_client_gone(request))
         try:
             while finish is None:
@@ -232,6 +234,7 @@ def create_app(llm: LLM, settings: ServerSettings,
                 if isinstance(item, EngineError):
                     raise ApiError(500, str(item), "server_error")
                 text.append(item.text)
+                scored += item.logprobs or ()
                 seq, finish = item.sequence, item.finish_reason if item.finished else None
         except asyncio.CancelledError:
             loop.abort(rid)
@@ -243,28 +246,50 @@ def create_app(llm: LLM, settings: ServerSettings,
         if chat:
             msg = message(answer.feed(body) + answer.finish())
             finish = "tool_calls" if msg.get("tool_calls") and finish == "stop" else finish
-            choice = {"index": 0, "message": msg, "finish_reason": finish}
-            return {"id": rid, "object": "chat.completion", "created": created, "model": settings.model_name,
-                    "choices": [choice], "usage": usage}
-        if req.echo and isinstance(req.prompt, str):
-            body = req.prompt + body
-        choice = {"index": 0, "text": body, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "message": msg, "logprobs": shown.chat(scored) if req.logprobs else None,
+                      "finish_reason": finish}
+            out = {"id": rid, "object": "chat.completion", "created": created, "model": settings.model_name,
+                   "choices": [choice], "usage": usage}
+            if req.prompt_logprobs is not None:     # vLLM: beside the choices in chat
+                out["prompt_logprobs"] = shown.prompt_logprobs(seq.prompt, seq.prompt_logprobs)
+            return out
+        if req.echo:
+            body = _echoed(llm, req, seq) + body
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = shown.completion(scored, prompt=(seq.prompt, seq.prompt_logprobs) if req.echo else None)
+            del logprobs["end"]
+        choice = {"index": 0, "text": body, "logprobs": logprobs, "finish_reason": finish}
+        if req.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = shown.prompt_logprobs(seq.prompt, seq.prompt_logprobs)
         return {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
                 "choices": [choice], "usage": usage}
 
     async def stream(rid: str, out: asyncio.Queue, req, chat: bool, created: int, answer: AnswerParser | None):
         kind = "chat.completion.chunk" if chat else "text_completion"
+        offset = 0      # completions: where the next token's text_offset starts
+        extra = {}      # prompt_logprobs, on the first chunk after the prompt is scored
 
-        def chunk(text: str | None, finish: str | None, first: bool = False, delta: dict | None = None) -> str:
+        def chunk(text: str | None, finish: str | None, first: bool = False, delta: dict | None = None,
+                  scored: list | None = None, prompt: tuple | None = None) -> str:
+            """`scored`: the logprobs of this chunk's tokens; `prompt`: the echoed prompt's ids and logprobs."""
+            nonlocal offset
             if chat:
                 delta = {"role": "assistant", "content": ""} if first else (delta or {})
-                choice = {"index": 0, "delta": delta, "finish_reason": finish}
+                logprobs = shown.chat(scored) if req.logprobs and scored else None
+                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                logprobs = None
+                if req.logprobs is not None and scored is not None:
+                    logprobs = shown.completion(scored, offset, prompt)
+                    offset = logprobs.pop("end")
+                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
             body = {"id": rid, "object": kind, "created": created, "model": settings.model_name, "choices": [choice]}
+            if "prompt_logprobs" in extra and not first:   # vLLM: in the choice (completions), beside them (chat)
+                (body if chat else choice)["prompt_logprobs"] = extra.pop("prompt_logprobs")
             return f"data: {json.dumps(body)}\n\n"
 
-        finished = False
+        finished, echo = False, not chat and req.echo
         try:
             if chat:
                 yield chunk(None, None, first=True)
@@ -273,19 +298,28 @@ def create_app(llm: LLM, settings: ServerSettings,
                 if isinstance(item, EngineError):
                     yield f"data: {json.dumps(error_body(str(item), 'server_error', 500))}\n\n"
                     break
-                if chat:   # reasoning, content and tool-call deltas; the finish reason on a chunk of its own
-                    for delta in answer.feed(item.text) + (answer.finish() if item.finished else []):
-                        yield chunk(None, None, delta=delta)
+                seq = item.sequence
+                if req.prompt_logprobs is not None and "sent" not in extra:
+                    extra.update(prompt_logprobs=shown.prompt_logprobs(seq.prompt, seq.prompt_logprobs), sent=True)
+                if echo:   # the prompt first, with its logprobs
+                    echo = False
+                    yield chunk(_echoed(llm, req, seq), None, scored=[], prompt=(seq.prompt, seq.prompt_logprobs))
+                if chat:   # reasoning, content and tool-call deltas (this output's logprobs on the first)
+                    deltas = answer.feed(item.text) + (answer.finish() if item.finished else [])
+                    if item.logprobs and req.logprobs and not deltas:
+                        deltas = [{}]    # text the parser holds back: its tokens' logprobs still go now
+                    for i, delta in enumerate(deltas):
+                        yield chunk(None, None, delta=delta, scored=item.logprobs if i == 0 else None)
                     if item.finished:
                         stop = item.finish_reason
                         yield chunk(None, "tool_calls" if answer.calls and stop == "stop" else stop)
-                elif item.text or item.finished:
-                    yield chunk(item.text, item.finish_reason if item.finished else None)
+                elif item.text or item.finished or item.logprobs:
+                    yield chunk(item.text, item.finish_reason if item.finished else None, scored=item.logprobs)
                 if item.finished:
                     finished = True
                     if req.include_usage:
                         body = {"id": rid, "object": kind, "created": created, "model": settings.model_name,
-                                "choices": [], "usage": _usage(item.sequence)}
+                                "choices": [], "usage": _usage(seq)}
                         yield f"data: {json.dumps(body)}\n\n"
                     break
             yield "data: [DONE]\n\n"
@@ -315,6 +349,11 @@ def _field_path(loc) -> str:
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
+
+
+def _echoed(llm: LLM, req, seq) -> str:
+    """A completion's prompt as `echo` returns it: the text sent, or the token ids' text."""
+    return req.prompt if isinstance(req.prompt, str) else llm.tokenizer.decode(seq.prompt)
 
 
 def _usage(seq) -> dict:

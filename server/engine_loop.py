@@ -294,7 +294,8 @@ class EngineLoop:
 
 def _merged(first: StepOutput, then: StepOutput) -> StepOutput:
     """Two outputs of one request as one: their text and tokens joined, the later one's finish."""
-    return dataclasses.replace(then, text=first.text + then.text, token_ids=[*first.token_ids, *then.token_ids])
+    return dataclasses.replace(then, text=first.text + then.text, token_ids=[*first.token_ids, *then.token_ids],
+                               logprobs=None if then.logprobs is None else [*first.logprobs, *then.logprobs])
 
 
 def _send(req: _Request, item) -> bool:

@@ -101,7 +101,12 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
                               frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
                               logit_bias=self._logit_bias(), min_tokens=self.min_tokens,
                               bad_words=tuple(self.bad_words or ()),
-                              allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None)
+                              allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None,
+                              logprobs=self.logprobs_asked(), prompt_logprobs=self.prompt_logprobs_asked(),
+                              include_stop_str_in_output=self.include_stop_str_in_output)
+
+    def prompt_logprobs_asked(self) -> int | None:
+        return self.prompt_logprobs
 
     def _logit_bias(self) -> tuple[tuple[int, float], ...]:
         """logit_bias's keys as token ids; RequestError (-> 400) for a key that is not one or a bias out of range."""
@@ -123,13 +128,6 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
             field = "n" if self.n != 1 else "best_of"
             return field, f"{field}={getattr(self, field)} is not supported: tandem returns one choice per " \
                           "request; send n=1 (and best_of 1 or none) and repeat the request for more samples"
-        defaults = {"prompt_logprobs": None, "include_stop_str_in_output": False}
-        for field, default in defaults.items():
-            value = getattr(self, field)
-            if value != default and value not in ({}, []):
-                return field, f"{field} is not supported by this server yet: drop it from the request"
-        if self.logprobs_asked() is not None:
-            return "logprobs", "logprobs are not supported by this server yet: drop logprobs (and top_logprobs)"
         if not self.skip_special_tokens:
             return "skip_special_tokens", "skip_special_tokens=false is not supported by this server yet: " \
                                           "drop it (special tokens are left out of the text)"
@@ -176,6 +174,12 @@ class CompletionRequest(_Common):
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        """echo with logprobs scores the prompt's tokens too (as OpenAI's legacy completions do)."""
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
     def not_honoured(self) -> tuple[str, str] | None:
         if self.suffix:

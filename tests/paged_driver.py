@@ -131,7 +131,7 @@ def processors_off(shape: tuple[int, int]) -> dict[str, np.ndarray]:
     """Verify inputs for rows without logits processors: identity edits of token 0, min-p off."""
     return {c.LOGIT_EDIT_IDS: np.zeros((*shape, 1), np.int64),
             c.LOGIT_EDITS: np.tile(np.array([0.0, 1.0, 0.0], np.float32), (*shape, 1, 1)),
-            c.MIN_P_LOG: np.full(shape[0], -np.inf, np.float32)}
+            c.MIN_P_LOG: np.full(shape[0], -np.inf, np.float32), c.WANT_LOGPROBS: np.zeros(shape[0], np.int64)}
 
 
 def relaxed_off(shape: tuple[int, int]) -> dict[str, np.ndarray]:
