@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -30,9 +29,9 @@ from tandem.server import metrics as m
 from tandem.server.chat_template import ChatTemplate, ChatTemplateError
 from tandem.server.engine_loop import EngineError, EngineLoop
 from tandem.server.limits import RequestGuard
-from tandem.server.logprobs_format import LogprobText
 from tandem.server.protocol import ChatRequest, CompletionRequest, error_body, json_bytes, unknown_field
-from tandem.server.tool_calls import AnswerParser, check_tools, message, template_messages, tool_choice_grammar
+from tandem.server.responses import EngineFailed, Responses, best, candidate_params, collect
+from tandem.server.tool_calls import AnswerParser, check_tools, template_messages, tool_choice_grammar
 
 log = logging.getLogger("tandem.server")
 DISCONNECT_POLL_S = 0.1    # how often a non-streamed request checks that its client is still there
@@ -78,7 +77,7 @@ def create_app(llm: LLM, settings: ServerSettings,
     chat_template = ChatTemplate.from_engine_dir(llm.engine_dir)
     formats = chat_formats(llm.manifest)   # the family's tool-call and reasoning syntax (server/tool_calls.py)
     state = {"ready": False, "draining": False}
-    shown = LogprobText(llm.tokenizer, llm.token_bytes)
+    responses = Responses(llm, settings.model_name)
 
     async def watchdog():
         while loop.alive():
@@ -170,11 +169,16 @@ def create_app(llm: LLM, settings: ServerSettings,
             raise ApiError(503, "the server is shutting down", "server_error")
         if not loop.alive():
             raise ApiError(503, "the engine is not running; the server is restarting", "server_error")
-        if loop.load() >= settings.max_queued:
+        if req.candidates() > max(settings.max_queued, 1):
+            field = "best_of" if req.best_of else "n"
+            raise ApiError(400, f"{field}={req.candidates()}: each candidate is a request of its own and this server "
+                                f"runs at most {settings.max_queued} (--max-queued); ask for fewer", param=field)
+        if loop.load() + req.candidates() > settings.max_queued:
             raise ApiError(429, f"too many requests in flight ({settings.max_queued}); retry shortly",
                            "rate_limit_error", headers={"Retry-After": "1"})
 
-    async def start(prompt, req, grammar=None) -> tuple[str, asyncio.Queue]:
+    async def start(prompt, req, grammar=None) -> list[tuple[str, asyncio.Queue]]:
+        """The request's engine requests, one per candidate (n, or best_of), started."""
         try:
             params = req.sampling_params(settings.default_max_tokens)
             if grammar is not None:   # tool_choice required / named: the call's grammar
@@ -183,7 +187,16 @@ def create_app(llm: LLM, settings: ServerSettings,
                                         "constrain the output: send one of them", param="tool_choice")
                 params = dataclasses.replace(params, grammar=grammar)
             checked = await asyncio.to_thread(llm.check_request, prompt, params)  # tokenizing may take a while
-            return await loop.submit(checked.ids, params, settings.stream_interval if req.stream else None)
+            started = []
+            try:
+                for p in candidate_params(params, req.n, req.candidates()):
+                    started.append(await loop.submit(checked.ids, p, settings.stream_interval if req.stream
+                                                     else None))
+            except BaseException:
+                for rid, _ in started:
+                    loop.abort(rid)
+                raise
+            return started
         except ValueError as e:
             raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
         except EngineError as e:
@@ -192,8 +205,8 @@ def create_app(llm: LLM, settings: ServerSettings,
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         check(req)
-        rid, out = await start(req.prompt, req)
-        return await respond(request, rid, out, req, chat=False)
+        started = await start(req.prompt, req)
+        return await respond(request, started, req, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -211,121 +224,41 @@ def create_app(llm: LLM, settings: ServerSettings,
             raise ApiError(400, str(e), param="messages") from e
         except ValueError as e:
             raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
-        answer = AnswerParser(formats, prompt, tools, parse_tools=choice != "none")
-        rid, out = await start(prompt, req, grammar)
-        return await respond(request, rid, out, req, chat=True, answer=answer)
+        answers = [AnswerParser(formats, prompt, tools, parse_tools=choice != "none") for _ in range(req.candidates())]
+        started = await start(prompt, req, grammar)
+        return await respond(request, started, req, chat=True, answers=answers)
 
-    async def respond(request: Request, rid: str, out: asyncio.Queue, req, chat: bool,
-                      answer: AnswerParser | None = None):
-        created = int(time.time())
+    async def respond(request: Request, started: list[tuple[str, asyncio.Queue]], req, chat: bool,
+                      answers: list[AnswerParser] | None = None):
+        created, rids = int(time.time()), [rid for rid, _ in started]
+        outs = [out for _, out in started]
         if req.stream:
-            return StreamingResponse(stream(rid, out, req, chat, created, answer), media_type="text/event-stream")
-        text, finish, seq, scored = [], None, None, []
+            def unfinished(indices: list[int]) -> None:   # the client went away (or the engine failed)
+                for i in indices:
+                    loop.abort(rids[i])
+            return StreamingResponse(responses.chunks(rids[0], created, req, chat, outs, answers, EngineError,
+                                                      unfinished), media_type="text/event-stream")
         gone = asyncio.create_task(_client_gone(request))
+        everything = asyncio.ensure_future(asyncio.gather(*(collect(out, EngineError) for out in outs)))
         try:
-            while finish is None:
-                get = asyncio.ensure_future(out.get())
-                await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():  # the client hung up: stop generating for it
-                    get.cancel()
+            await asyncio.wait({everything, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not everything.done():  # the client hung up: stop generating for it
+                everything.cancel()
+                for rid in rids:
                     loop.abort(rid)
-                    return AsciiJSON({}, 499)  # nobody reads it
-                item = get.result()
-                if isinstance(item, EngineError):
-                    raise ApiError(500, str(item), "server_error")
-                text.append(item.text)
-                scored += item.logprobs or ()
-                seq, finish = item.sequence, item.finish_reason if item.finished else None
+                return AsciiJSON({}, 499)  # nobody reads it
+            results = everything.result()
+        except EngineFailed as e:
+            for rid in rids:   # the other candidates too (aborting a finished request does nothing)
+                loop.abort(rid)
+            raise ApiError(500, str(e), "server_error") from e
         except asyncio.CancelledError:
-            loop.abort(rid)
+            for rid in rids:
+                loop.abort(rid)
             raise
         finally:
             gone.cancel()
-        usage = _usage(seq)
-        body = "".join(text)
-        if chat:
-            msg = message(answer.feed(body) + answer.finish())
-            finish = "tool_calls" if msg.get("tool_calls") and finish == "stop" else finish
-            choice = {"index": 0, "message": msg, "logprobs": shown.chat(scored) if req.logprobs else None,
-                      "finish_reason": finish}
-            out = {"id": rid, "object": "chat.completion", "created": created, "model": settings.model_name,
-                   "choices": [choice], "usage": usage}
-            if req.prompt_logprobs is not None:     # vLLM: beside the choices in chat
-                out["prompt_logprobs"] = shown.prompt_logprobs(seq.prompt, seq.prompt_logprobs)
-            return out
-        if req.echo:
-            body = _echoed(llm, req, seq) + body
-        logprobs = None
-        if req.logprobs is not None:
-            logprobs = shown.completion(scored, prompt=(seq.prompt, seq.prompt_logprobs) if req.echo else None)
-            del logprobs["end"]
-        choice = {"index": 0, "text": body, "logprobs": logprobs, "finish_reason": finish}
-        if req.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = shown.prompt_logprobs(seq.prompt, seq.prompt_logprobs)
-        return {"id": rid, "object": "text_completion", "created": created, "model": settings.model_name,
-                "choices": [choice], "usage": usage}
-
-    async def stream(rid: str, out: asyncio.Queue, req, chat: bool, created: int, answer: AnswerParser | None):
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        offset = 0      # completions: where the next token's text_offset starts
-        extra = {}      # prompt_logprobs, on the first chunk after the prompt is scored
-
-        def chunk(text: str | None, finish: str | None, first: bool = False, delta: dict | None = None,
-                  scored: list | None = None, prompt: tuple | None = None) -> str:
-            """`scored`: the logprobs of this chunk's tokens; `prompt`: the echoed prompt's ids and logprobs."""
-            nonlocal offset
-            if chat:
-                delta = {"role": "assistant", "content": ""} if first else (delta or {})
-                logprobs = shown.chat(scored) if req.logprobs and scored else None
-                choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-            else:
-                logprobs = None
-                if req.logprobs is not None and scored is not None:
-                    logprobs = shown.completion(scored, offset, prompt)
-                    offset = logprobs.pop("end")
-                choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-            body = {"id": rid, "object": kind, "created": created, "model": settings.model_name, "choices": [choice]}
-            if "prompt_logprobs" in extra and not first:   # vLLM: in the choice (completions), beside them (chat)
-                (body if chat else choice)["prompt_logprobs"] = extra.pop("prompt_logprobs")
-            return f"data: {json.dumps(body)}\n\n"
-
-        finished, echo = False, not chat and req.echo
-        try:
-            if chat:
-                yield chunk(None, None, first=True)
-            while True:
-                item = await out.get()
-                if isinstance(item, EngineError):
-                    yield f"data: {json.dumps(error_body(str(item), 'server_error', 500))}\n\n"
-                    break
-                seq = item.sequence
-                if req.prompt_logprobs is not None and "sent" not in extra:
-                    extra.update(prompt_logprobs=shown.prompt_logprobs(seq.prompt, seq.prompt_logprobs), sent=True)
-                if echo:   # the prompt first, with its logprobs
-                    echo = False
-                    yield chunk(_echoed(llm, req, seq), None, scored=[], prompt=(seq.prompt, seq.prompt_logprobs))
-                if chat:   # reasoning, content and tool-call deltas (this output's logprobs on the first)
-                    deltas = answer.feed(item.text) + (answer.finish() if item.finished else [])
-                    if item.logprobs and req.logprobs and not deltas:
-                        deltas = [{}]    # text the parser holds back: its tokens' logprobs still go now
-                    for i, delta in enumerate(deltas):
-                        yield chunk(None, None, delta=delta, scored=item.logprobs if i == 0 else None)
-                    if item.finished:
-                        stop = item.finish_reason
-                        yield chunk(None, "tool_calls" if answer.calls and stop == "stop" else stop)
-                elif item.text or item.finished or item.logprobs:
-                    yield chunk(item.text, item.finish_reason if item.finished else None, scored=item.logprobs)
-                if item.finished:
-                    finished = True
-                    if req.include_usage:
-                        body = {"id": rid, "object": kind, "created": created, "model": settings.model_name,
-                                "choices": [], "usage": _usage(seq)}
-                        yield f"data: {json.dumps(body)}\n\n"
-                    break
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:  # the client went away (or the engine failed): free the request now
-                loop.abort(rid)
+        return responses.whole(rids[0], created, req, chat, results, answers, best(results, req.n))
 
     return app
 
@@ -349,14 +282,3 @@ def _field_path(loc) -> str:
 
 
 _UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}
-
-
-def _echoed(llm: LLM, req, seq) -> str:
-    """A completion's prompt as `echo` returns it: the text sent, or the token ids' text."""
-    return req.prompt if isinstance(req.prompt, str) else llm.tokenizer.decode(seq.prompt)
-
-
-def _usage(seq) -> dict:
-    prompt, completion = len(seq.prompt), seq.num_generated
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "speculative": {"accept_length": round(seq.metrics.accept_length, 3), "verify_steps": seq.metrics.rounds}}

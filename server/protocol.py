@@ -85,6 +85,10 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
     def length_asked(self) -> int | None:
         return self.max_tokens
 
+    def candidates(self) -> int:
+        """Engine requests this request runs: n choices, picked from best_of candidates."""
+        return max(self.n, self.best_of or 1)
+
     def logprobs_asked(self) -> int | None:
         """Top logprobs per emitted token (0: the chosen token's only), None: no logprobs."""
         return None
@@ -123,11 +127,12 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
 
     def not_honoured(self) -> tuple[str, str] | None:
         """(field, why) for a field whose value this server cannot honour yet (-> 400), else None."""
-        n_best = max(self.n, self.best_of or 1)
-        if n_best != 1 or (self.best_of or 1) < self.n:
-            field = "n" if self.n != 1 else "best_of"
-            return field, f"{field}={getattr(self, field)} is not supported: tandem returns one choice per " \
-                          "request; send n=1 (and best_of 1 or none) and repeat the request for more samples"
+        if self.best_of is not None and self.best_of < self.n:
+            return "best_of", f"best_of={self.best_of} must be >= n={self.n}: it is how many candidates the n " \
+                              "choices are picked from"
+        if self.stream and self.candidates() > self.n:
+            return "best_of", "best_of > n cannot be streamed (the best candidates are known only at the end): " \
+                              "drop stream, or send best_of equal to n"
         if not self.skip_special_tokens:
             return "skip_special_tokens", "skip_special_tokens=false is not supported by this server yet: " \
                                           "drop it (special tokens are left out of the text)"

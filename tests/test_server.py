@@ -189,7 +189,7 @@ BAD = [
     ({"model": "tiny", "prompt": "x", "max_tokens": -3}, 400, "max_tokens"),
     ({"model": "tiny", "prompt": 7}, 400, "prompt"),
     ({"model": "nope", "prompt": "x"}, 404, "model 'nope' does not exist"),
-    ({"model": "tiny", "prompt": "x", "n": 2}, 400, "n=2 is not supported"),
+    ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 1}, 400, "best_of=1 must be >= n=2"),
     ({"model": "tiny", "prompt": "x " * 2000, "max_tokens": 8}, 400, "exceeds the engines' limit of"),
     ({"model": "tiny", "prompt": "x", "temperature": 9}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "spec_k": 7}, 400, "needs verify width"),

@@ -113,7 +113,7 @@ TABLE = [
     ("temperature 9", COMPLETIONS, _body(temperature=9), 400, "temperature"),
     ("top_p 0", COMPLETIONS, _body(top_p=0), 400, "top_p"),
     ("spec_k 7 (no such width)", COMPLETIONS, _body(spec_k=7), 400, "needs verify width"),
-    ("n=2", COMPLETIONS, _body(n=2), 400, "n=2 is not supported"),
+    ("n above best_of", COMPLETIONS, _body(n=2, best_of=1), 400, "best_of=1 must be >= n=2"),
     ("empty messages", CHAT, json.dumps({"model": "tiny", "messages": []}).encode(), 400, "messages"),
     ("unknown role", CHAT, json.dumps({"model": "tiny", "messages": [{"role": "wizard"}]}).encode(), 400, "role"),
     ("content a number", CHAT, _chat(5), 400, "messages[0].content"),
