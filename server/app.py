@@ -73,7 +73,7 @@ def _error(status: int, message: str, kind: str, param: str | None = None, heade
 
 def create_app(llm: LLM, settings: ServerSettings,
                on_fatal: Callable[[BaseException | None], None] | None = None) -> FastAPI:
-    loop = EngineLoop(llm, settings.max_queued)
+    loop = EngineLoop(llm, settings.max_queued, settings.model_name)
     chat_template = ChatTemplate.from_engine_dir(llm.engine_dir)
     formats = chat_formats(llm.manifest)   # the family's tool-call and reasoning syntax (server/tool_calls.py)
     state = {"ready": False, "draining": False}

@@ -61,8 +61,9 @@ class _Request:
 
 
 class EngineLoop:
-    def __init__(self, llm: LLM, max_queued: int):
+    def __init__(self, llm: LLM, max_queued: int, model_name: str = ""):
         self.llm = llm
+        self.vllm = m.VllmSeries(model_name)   # the vLLM-named series
         self.max_queued = max_queued
         self.fatal: BaseException | None = None   # why the engine thread ended, if it did
         self._commands: queue.Queue = queue.Queue()
@@ -254,12 +255,14 @@ class EngineLoop:
     def _fail(self, request_id: str, message: str) -> None:
         req = self._live.pop(request_id, None)
         self._last_token.pop(request_id, None)
+        self.vllm.forget(request_id)
         if req is not None:
             _send(req, EngineError(message))
             m.REQUESTS.labels(status="error").inc()
 
     def _drop(self, request_id: str) -> None:
         self.llm.abort(request_id)
+        self.vllm.forget(request_id)
         self._live.pop(request_id, None)
         self._last_token.pop(request_id, None)
 
@@ -267,18 +270,24 @@ class EngineLoop:
     def _observe(self, req: _Request, out, now: float) -> None:
         if out.token_ids:
             last = self._last_token.get(req.id)
-            if last is None:
-                m.TTFT.observe(now - req.submitted)
+            ttft = now - req.submitted if last is None else None
+            gap = (now - last) / len(out.token_ids) if last is not None else None
+            if ttft is not None:
+                m.TTFT.observe(ttft)
             else:
-                m.ITL.observe((now - last) / len(out.token_ids))
+                m.ITL.observe(gap)
             self._last_token[req.id] = now
             m.GENERATION_TOKENS.inc(len(out.token_ids))
+            self.vllm.tokens(len(out.token_ids), ttft, gap)
         if out.finished:
             seq = out.sequence
             m.PROMPT_TOKENS.inc(len(seq.prompt))
             m.REQUESTS.labels(status=out.finish_reason or "stop").inc()
             if seq.metrics.rounds:
                 m.ACCEPT_LENGTH.observe(seq.metrics.accept_length)
+            self.vllm.finished(req.id, seq, out.finish_reason or "stop", now - req.submitted)
+        elif out.sequence is not None:
+            self.vllm.spec(req.id, out.sequence.metrics)
 
     def _update_gauges(self) -> None:
         sched = self.llm.scheduler
@@ -290,6 +299,9 @@ class EngineLoop:
             m.KV_PAGES_BY_GROUP.labels(group=table.partition(".")[2] or "full").set(n)
         for i, rate in enumerate(self.llm.engine.stats.acceptance_per_position()):
             m.ACCEPTANCE.labels(position=str(i + 1)).set(rate)
+        pages = sum(fl.size - 1 for fl in self.llm.page_groups.lists.values())   # (each list's scratch page left out)
+        self.vllm.gauges(len(sched.running), len(sched.waiting) + self._commands.qsize(),
+                         sum(held.values()) / pages if pages else 0.0)
 
 
 def _merged(first: StepOutput, then: StepOutput) -> StepOutput:

@@ -292,3 +292,30 @@ def test_sigterm_drains_in_flight_requests_then_exits(engine_dirs):
         assert proc.wait(30) in (0, -signal.SIGTERM)
     finally:
         proc.kill()
+
+
+def test_vllm_named_metrics_follow_the_requests(live):
+    """The vllm: series a vLLM dashboard reads move with the work done, spec_decode counts included."""
+    def series(name: str, **labels) -> float:
+        return live.metrics().get(f"vllm:{name}" + json.dumps({"model_name": "tiny", **labels}, sort_keys=True), 0.0)
+
+    names = ("generation_tokens_total", "prompt_tokens_total", "time_to_first_token_seconds_count",
+             "e2e_request_latency_seconds_count", "spec_decode_num_drafts_total",
+             "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total")
+    before = {k: series(k) for k in names}
+    done = series("request_success_total", finished_reason="length")
+    r = client(live).completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=12, temperature=0,
+                                        extra_body={"ignore_eos": True, "spec_k": 2})
+    spec = r.usage.model_extra["speculative"]
+    moved = {k: series(k) - before[k] for k in names}
+    assert moved["generation_tokens_total"] == 12 and moved["prompt_tokens_total"] == 3
+    assert moved["time_to_first_token_seconds_count"] == moved["e2e_request_latency_seconds_count"] == 1
+    assert series("request_success_total", finished_reason="length") == done + 1
+    drafts = moved["spec_decode_num_drafts_total"]
+    assert drafts == spec["verify_steps"] > 0 and moved["spec_decode_num_draft_tokens_total"] >= drafts
+    accepted = moved["spec_decode_num_accepted_tokens_total"]
+    assert accepted == pytest.approx((spec["accept_length"] - 1) * drafts, abs=0.01 * drafts)
+    now = live.metrics()
+    per_pos = sum(v for k, v in now.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total"))
+    assert per_pos == series("spec_decode_num_accepted_tokens_total")
+    assert 0.0 <= series("kv_cache_usage_perc") <= 1.0 and any(k.startswith("vllm:num_requests_running") for k in now)
