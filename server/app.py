@@ -26,11 +26,13 @@ from tandem.engines.manifest import chat_formats
 from tandem.pipeline.llm import LLM
 from tandem.pipeline.request_checks import check_text
 from tandem.server import metrics as m
+from tandem.server import tokenize_api
 from tandem.server.chat_template import ChatTemplate, ChatTemplateError
 from tandem.server.engine_loop import EngineError, EngineLoop
 from tandem.server.limits import RequestGuard
 from tandem.server.protocol import ChatRequest, CompletionRequest, error_body, json_bytes, unknown_field
 from tandem.server.responses import EngineFailed, Responses, best, candidate_params, collect
+from tandem.server.tokenize_api import Detokenize, TokenizeBody
 from tandem.server.tool_calls import AnswerParser, check_tools, template_messages, tool_choice_grammar
 
 log = logging.getLogger("tandem.server")
@@ -151,18 +153,41 @@ def create_app(llm: LLM, settings: ServerSettings,
     async def metrics():
         return PlainTextResponse(generate_latest(m.REGISTRY).decode(), media_type=CONTENT_TYPE_LATEST)
 
+    # ---- tokenizer -------------------------------------------------------------------
+    def check_body(req) -> None:
+        """What every body is checked for: the model it names and fields nobody declares."""
+        if req.model is not None and req.model != settings.model_name:
+            raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{settings.model_name}'",
+                           "not_found_error", "model")
+        if not settings.allow_extra_fields and (field := unknown_field(req)) is not None:
+            raise ApiError(400, f"{field}: not a field of this endpoint; drop it (or start the server with "
+                                "--allow-extra-fields to accept and ignore unknown fields)", param=field)
+
+    @app.post("/tokenize")
+    async def tokenize(req: TokenizeBody):
+        check_body(req)
+        try:
+            return await asyncio.to_thread(tokenize_api.tokenize, llm, chat_template, req)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e), param="messages") from e
+        except ValueError as e:
+            raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
+
+    @app.post("/detokenize")
+    async def detokenize(req: Detokenize):
+        check_body(req)
+        try:
+            return tokenize_api.detokenize(llm, req)
+        except ValueError as e:
+            raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
+
     # ---- generation --------------------------------------------------------------------
     def check(req) -> None:
         try:
             req.check_text_fields()
         except ValueError as e:
             raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
-        if req.model != settings.model_name:
-            raise ApiError(404, f"model '{req.model}' does not exist; this server serves '{settings.model_name}'",
-                           "not_found_error", "model")
-        if not settings.allow_extra_fields and (field := unknown_field(req)) is not None:
-            raise ApiError(400, f"{field}: not a field of this endpoint; drop it (or start the server with "
-                                "--allow-extra-fields to accept and ignore unknown fields)", param=field)
+        check_body(req)
         if (refused := req.not_honoured()) is not None:
             raise ApiError(400, refused[1], param=refused[0])
         if state["draining"]:

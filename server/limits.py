@@ -1,4 +1,5 @@
-"""What every HTTP request passes before a handler sees it: the API key on `/v1/*` and the body
+"""What every HTTP request passes before a handler sees it: the API key on `/v1/*`, `/tokenize` and
+`/detokenize`, and the body
 size limit. A plain ASGI middleware, so it sees the body as it streams:
 
     client --chunks--> guard: count bytes --(over the limit)--> 413, rest of the body discarded
@@ -20,6 +21,9 @@ from tandem.server.protocol import error_body
 DRAIN_FACTOR = 8
 
 
+_KEYED = {"/tokenize", "/detokenize"}   # beside /v1/*: what needs the API key
+
+
 class RequestGuard:
     def __init__(self, app, api_key: str | None, max_body_bytes: int):
         self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
@@ -27,7 +31,8 @@ class RequestGuard:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if scope["path"].startswith("/v1/") and self.api_key and not self._authorized(scope):
+        keyed = scope["path"].startswith("/v1/") or scope["path"] in _KEYED
+        if keyed and self.api_key and not self._authorized(scope):
             return await _reply(send, 401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                                 "authentication_error")
         declared = _header(scope, b"content-length")

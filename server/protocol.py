@@ -299,31 +299,37 @@ class ChatRequest(_Common):
 
     def check_text_fields(self) -> None:
         super().check_text_fields()
-        for i, msg in enumerate(self.messages):
-            if isinstance(msg.content, str):
-                check_text(msg.content, f"messages[{i}].content")
-            for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
-                where = f"messages[{i}].content[{j}]"
-                if check_text(part.type, f"{where}.type") != "text":
-                    raise RequestError(where, f"{where}: parts of type {part.type!r} are not supported: this model "
-                                              "reads text only (send {\"type\": \"text\", \"text\": ...})")
-                check_text(part.text or "", f"{where}.text")
-            for name in ("name", "tool_call_id", "reasoning_content"):
-                if getattr(msg, name) is not None:
-                    check_text(getattr(msg, name), f"messages[{i}].{name}")
-            for j, call in enumerate(msg.tool_calls or []):
-                where = f"messages[{i}].tool_calls[{j}]"
-                check_text(call.id or "", f"{where}.id")
-                check_text(call.function.name, f"{where}.function.name")
-                check_text(call.function.arguments if isinstance(call.function.arguments, str)
-                           else json.dumps(call.function.arguments), f"{where}.function.arguments")
-        for i, tool in enumerate(self.tools or []):
-            check_text(tool.function.name, f"tools[{i}].function.name")
-            check_text(tool.function.description or "", f"tools[{i}].function.description")
-            check_text(json.dumps(tool.function.parameters or {}, ensure_ascii=False),
-                       f"tools[{i}].function.parameters")
+        check_chat_texts(self.messages, self.tools)
         if self.chat_template_kwargs is not None:
             check_text(json.dumps(self.chat_template_kwargs, ensure_ascii=False), "chat_template_kwargs")
+
+
+def check_chat_texts(messages: list[ChatMessage], tools: list[ToolBody] | None) -> None:
+    """RequestError (-> 400) naming the first text of a chat's messages or tools that is not valid
+    Unicode (a lone surrogate), or a content part that is not text."""
+    for i, msg in enumerate(messages):
+        if isinstance(msg.content, str):
+            check_text(msg.content, f"messages[{i}].content")
+        for j, part in enumerate(msg.content if isinstance(msg.content, list) else []):
+            where = f"messages[{i}].content[{j}]"
+            if check_text(part.type, f"{where}.type") != "text":
+                raise RequestError(where, f"{where}: parts of type {part.type!r} are not supported: this model "
+                                          "reads text only (send {\"type\": \"text\", \"text\": ...})")
+            check_text(part.text or "", f"{where}.text")
+        for name in ("name", "tool_call_id", "reasoning_content"):
+            if getattr(msg, name) is not None:
+                check_text(getattr(msg, name), f"messages[{i}].{name}")
+        for j, call in enumerate(msg.tool_calls or []):
+            where = f"messages[{i}].tool_calls[{j}]"
+            check_text(call.id or "", f"{where}.id")
+            check_text(call.function.name, f"{where}.function.name")
+            check_text(call.function.arguments if isinstance(call.function.arguments, str)
+                       else json.dumps(call.function.arguments, ensure_ascii=False), f"{where}.function.arguments")
+    for i, tool in enumerate(tools or []):
+        check_text(tool.function.name, f"tools[{i}].function.name")
+        check_text(tool.function.description or "", f"tools[{i}].function.description")
+        check_text(json.dumps(tool.function.parameters or {}, ensure_ascii=False),
+                   f"tools[{i}].function.parameters")
 
 
 def error_body(message: str, kind: str, status: int, param: str | None = None) -> dict:
