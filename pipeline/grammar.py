@@ -28,8 +28,9 @@ from tandem.contract import mask_words
 from tandem.pipeline.request_checks import RequestError
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
-# compact JSON: without it a model may pad with whitespace forever (llguidance's default is flexible)
-_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# compact JSON: without it a model may pad with whitespace forever (llguidance's default is flexible);
+# a %json rule inside a Lark grammar takes the same options as the schema's "x-guidance" key
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,22 @@ class GrammarSpec:
     def llguidance_grammar(self) -> str:
         """The llguidance grammar text (a JSON schema can still be invalid: Grammars.compile says)."""
         if self.kind == "json_schema":
-            return llguidance.LLMatcher.grammar_from_json_schema(self.source, overrides=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema(self.source, overrides=JSON_OPTIONS)
         if self.kind == "json_object":
-            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=_JSON_OPTIONS)
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
         if self.kind == "regex":
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         return self.source
+
+
+    def check(self) -> None:
+        """RequestError naming the field if the grammar does not compile (no tokenizer needed)."""
+        try:
+            error = llguidance.LLMatcher.validate_grammar(self.llguidance_grammar())
+        except (ValueError, RuntimeError) as e:
+            error = str(e)
+        if error:
+            raise RequestError(self.field, f"{self.field}: the {self.kind} does not compile: {error}")
 
 
 class Grammars:

@@ -20,7 +20,7 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from tandem.pipeline.grammar import GrammarSpec
+from tandem.pipeline.grammar import JSON_OPTIONS, GrammarSpec
 from tandem.pipeline.request_checks import RequestError
 from tandem.server.reasoning import held_back
 
@@ -60,10 +60,35 @@ def _lark(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _json_value(schema: dict) -> str:
+    """A Lark rule for a JSON value of `schema`, written compactly (no whitespace padding)."""
+    return f"%json {json.dumps({**schema, 'x-guidance': JSON_OPTIONS})}"
+
+
 def _string_value(schema: dict, stop: str) -> str:
-    """A Lark regex for a string argument: no '<' (the closing tag) and no character of `stop`."""
-    most = schema.get("maxLength")
-    return f"/[^<{stop}]{{0,{int(most)}}}/" if isinstance(most, int) else f"/[^<{stop}]*/"
+    """A Lark rule for a string argument written as text: one of its `enum` / `const` values, else a
+    regex of its `pattern`, else minLength..maxLength characters with no '<' (the closing tag) and no
+    character of `stop`."""
+    choices = [schema["const"]] if "const" in schema else schema.get("enum")
+    if choices:
+        return "(" + " | ".join(_lark(c if isinstance(c, str) else json.dumps(c)) for c in choices) + ")"
+    if isinstance(schema.get("pattern"), str):   # the whole value matches it (the schema asks for a match in it)
+        pattern = schema["pattern"].removeprefix("^")
+        pattern = pattern[:-1] if pattern.endswith("$") and not pattern.endswith("\\$") else pattern
+        return "/" + pattern.replace("/", "\\/") + "/"
+    least, most = schema.get("minLength", 0), schema.get("maxLength")
+    return f"/[^<{stop}]{{{least},{most if most is not None else ''}}}/"
+
+
+def _arguments(params: dict, argument) -> str:
+    """The Lark rule of a call's arguments in an XML format: each property in the schema's order,
+    required ones always, optional ones maybe; `argument(key, value_schema)` is one argument's rule."""
+    props, required = params.get("properties", {}), params.get("required", [])
+    parts = []
+    for key in [*props, *(k for k in required if k not in props)]:
+        rule = argument(key, props.get(key, {}))
+        parts.append(rule if key in required else f"({rule})?")
+    return " ".join(parts)
 
 
 class HermesJson:
@@ -75,9 +100,11 @@ class HermesJson:
         return ToolCall(call["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False))
 
     def call_rule(self, name: str, params: dict) -> str:
+        if "properties" in params and "additionalProperties" not in params:
+            params = {**params, "additionalProperties": False}   # the declared arguments only, as the XML formats
         schema = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
                   "properties": {"name": {"const": name}, "arguments": params or {"type": "object"}}}
-        return f'{_lark(OPEN + chr(10))} %json {json.dumps(schema)} {_lark(chr(10) + CLOSE)}'
+        return f'{_lark(OPEN + chr(10))} {_json_value(schema)} {_lark(chr(10) + CLOSE)}'
 
 
 class QwenXml:
@@ -93,14 +120,12 @@ class QwenXml:
         return ToolCall(m.group(1), json.dumps(args, ensure_ascii=False))
 
     def call_rule(self, name: str, params: dict) -> str:
-        parts = [_lark(f"{OPEN}\n<function={name}>\n")]
-        props = params.get("properties", {})
-        for key in params.get("required", []):
-            value = props.get(key, {})
-            parts += [_lark(f"<parameter={key}>\n"),
-                      _string_value(value, r"\n") if value.get("type") == "string" else f"%json {json.dumps(value)}",
-                      _lark("\n</parameter>\n")]
-        return " ".join(parts + [_lark(f"</function>\n{CLOSE}")])
+        def argument(key: str, value: dict) -> str:
+            text = _string_value(value, r"\n") if value.get("type") == "string" else _json_value(value)
+            return f'{_lark(f"<parameter={key}>{chr(10)}")} {text} {_lark(chr(10) + "</parameter>" + chr(10))}'
+
+        return f'{_lark(f"{OPEN}{chr(10)}<function={name}>{chr(10)}")} {_arguments(params, argument)} ' \
+               f'{_lark(f"</function>{chr(10)}{CLOSE}")}'
 
 
 class GlmXml:
@@ -116,14 +141,11 @@ class GlmXml:
         return ToolCall(m.group(1), json.dumps(args, ensure_ascii=False))
 
     def call_rule(self, name: str, params: dict) -> str:
-        parts = [_lark(f"{OPEN}{name}\n")]
-        props = params.get("properties", {})
-        for key in params.get("required", []):
-            value = props.get(key, {})
-            parts += [_lark(f"<arg_key>{key}</arg_key>\n<arg_value>"),
-                      _string_value(value, "") if value.get("type") == "string" else f"%json {json.dumps(value)}",
-                      _lark("</arg_value>\n")]
-        return " ".join(parts + [_lark(CLOSE)])
+        def argument(key: str, value: dict) -> str:
+            text = _string_value(value, "") if value.get("type") == "string" else _json_value(value)
+            return f'{_lark(f"<arg_key>{key}</arg_key>{chr(10)}<arg_value>")} {text} {_lark("</arg_value>" + chr(10))}'
+
+        return f'{_lark(f"{OPEN}{name}{chr(10)}")} {_arguments(params, argument)} {_lark(CLOSE)}'
 
 
 FORMATS = {"hermes_json": HermesJson(), "qwen3_xml": QwenXml(), "glm": GlmXml()}
@@ -144,7 +166,8 @@ def tool_choice_grammar(fmt: str, tools: list[dict], choice, parallel: bool) -> 
 
 
 def check_tools(fmt: str | None, tools: list[dict] | None, choice) -> None:
-    """RequestError (-> 400) for tools this engine dir cannot parse or a tool_choice naming no tool."""
+    """RequestError (-> 400) for tools this engine dir cannot parse, a parameter schema that is not a valid
+    object schema (checked by the grammar compiler that enforces it), or a tool_choice naming no tool."""
     if not tools:
         if choice not in (None, "none", "auto"):
             raise RequestError("tool_choice", "tool_choice needs tools: send the tools it may call")
@@ -152,6 +175,14 @@ def check_tools(fmt: str | None, tools: list[dict] | None, choice) -> None:
     if fmt is None:
         raise RequestError("tools", "this model's tool-call syntax is not known to tandem (its family declares no "
                                     "tool-call format), so tool calls cannot be parsed; send the request without tools")
+    for i, tool in enumerate(tools):
+        params, where = tool["function"].get("parameters"), f"tools[{i}].function.parameters"
+        if params is None:
+            continue
+        if params.get("type", "object") != "object":
+            raise RequestError(where, f"{where}: a tool's parameters are an object schema "
+                                      '({"type": "object", "properties": {...}}), got type ' + repr(params["type"]))
+        GrammarSpec.json_schema(params, where).check()
     names = [t["function"]["name"] for t in tools]
     if isinstance(choice, dict) and choice["function"]["name"] not in names:
         raise RequestError("tool_choice", f"tool_choice names {choice['function']['name']!r}, which is not among "
@@ -190,10 +221,14 @@ class ToolCallParser:
         return out, calls
 
     def finish(self) -> str:
-        """Text still held back: an unfinished call (the model stopped inside it) or trailing whitespace
-        (dropped after a call)."""
+        """Text still held back. An unfinished call (the model stopped inside it, cut off by max_tokens)
+        is dropped, markup and all: a client reads finish_reason "length", never half a call as content.
+        Trailing whitespace after a call is dropped too."""
         rest, self._pending = self._pending, ""
-        return rest.rstrip() if self.calls and not rest.strip() else rest
+        opened = rest.strip()
+        if opened.startswith(OPEN) or len(opened) > 1 and OPEN.startswith(opened):
+            return ""
+        return rest.rstrip() if self.calls and not opened else rest
 
 
 def template_messages(messages) -> list[dict]:

@@ -62,12 +62,54 @@ def test_parsers_round_trip_and_stream_split_anywhere(fmt):
 
 
 @pytest.mark.parametrize("fmt", sorted(FORMATS))
-def test_a_broken_or_unfinished_call_stays_text(fmt):
+def test_a_broken_call_stays_text_and_an_unfinished_one_leaves_no_markup(fmt):
     broken = "<tool_call>\n{not json or markup</tool_call>" if fmt == "hermes_json" else "<tool_call></tool_call>"
     text, calls = _pieces(ToolCallParser(fmt, TOOLS), "a " + broken, 3)
     assert (text, calls) == ("a " + broken, [])
-    unfinished = render(fmt, *CALLS[0])[:-5]
-    assert _pieces(ToolCallParser(fmt, TOOLS), "b" + unfinished, 4) == ("b" + unfinished, [])
+    whole = render(fmt, *CALLS[0])
+    for cut in range(2, len(whole)):     # cut off anywhere (max_tokens): the text before it, no half call
+        assert _pieces(ToolCallParser(fmt, TOOLS), "b " + whole[:cut], 4) == ("b", []), cut
+    assert _pieces(ToolCallParser(fmt, TOOLS), "x < y", 5) == ("x < y", [])   # a '<' that opens nothing stays
+
+
+FORCED = [{"type": "function", "function": {"name": "book", "parameters": {
+    "type": "object", "required": ["city", "seats"],
+    "properties": {"city": {"type": "string", "minLength": 3, "maxLength": 8},
+                   "seats": {"type": "integer", "minimum": 1, "maximum": 4},
+                   "cabin": {"type": "string", "enum": ["economy", "first"]},
+                   "code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}}}}}]
+
+
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_a_forced_call_satisfies_its_schema_whatever_is_sampled(fmt, shipped):  # noqa: F811
+    """Random tokens under the call grammar: every walk parses to arguments the schema accepts
+    (minLength, enum, pattern and optional properties included)."""
+    import numpy as np
+
+    from tandem.pipeline.grammar import Grammars, allowed_tokens
+    from tandem.server.tool_calls import tool_choice_grammar
+
+    manifest = read_manifest(shipped)
+    vocab = manifest["description"]["vocab_size"]
+    grammars = Grammars(shipped / "tokenizer.json", vocab, tuple(manifest["description"]["eos_token_ids"]))
+    from tokenizers import Tokenizer
+    tok = Tokenizer.from_file(str(shipped / "tokenizer.json"))
+    spec = tool_choice_grammar(fmt, FORCED, {"type": "function", "function": {"name": "book"}}, False)
+    rng, seen = np.random.default_rng(0), set()
+    for _ in range(12):
+        m, out = grammars.matcher(spec), []
+        while not m.ll.is_stopped() and len(out) < 300:
+            choices = np.flatnonzero(allowed_tokens(m.fill(m._row), vocab))
+            out.append(int(rng.choice(choices)))
+            m.sync(out)
+        assert m.ll.is_stopped(), repr(tok.decode(out, skip_special_tokens=False))
+        text = tok.decode([t for t in out if t not in grammars._eos_ids], skip_special_tokens=False)
+        done, calls = _pieces(ToolCallParser(fmt, FORCED), text, len(text))
+        assert done == "" and len(calls) == 1, text
+        args = json.loads(calls[0].arguments)
+        jsonschema.validate(args, FORCED[0]["function"]["parameters"])
+        seen |= set(args)
+    assert seen == {"city", "seats", "cabin", "code"}     # the optional properties are reachable
 
 
 def _reasoning(prompt: str, text: str, cut: int) -> Split:
@@ -177,6 +219,28 @@ def test_tool_answers_go_back_in_and_bad_tool_requests_are_400(live):
                          ({"tool_choice": "required", "guided_regex": "a"}, "tool_choice")):
         r = httpx.post(f"{live.url}/v1/chat/completions", json={**body, **extra}, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    for params in ({"type": "banana"}, {"type": "object", "properties": {"a": {"type": "strin"}}},
+                   {"type": "object", "properties": [1]}, {"type": "object", "required": "a"},
+                   {"type": "string"}, {"type": "object", "properties": {"a": {"minLength": "x"}}}):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+        r = httpx.post(f"{live.url}/v1/chat/completions", json={**body, "tools": tools}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.parameters", r.text
+    for calls in ("abc", [1, 2], [{"id": "c1", "type": "function"}], [{"function": {"arguments": "{}"}}]):
+        history = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+        r = httpx.post(f"{live.url}/v1/chat/completions", json={**body, "messages": history}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("messages[1].tool_calls"), r.text
+
+
+def test_a_call_cut_off_by_max_tokens_leaves_no_markup(live):
+    """tool_choice auto: the model starts a call (a regex makes it) and max_tokens ends it halfway."""
+    c = _client(live)
+    start = "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n"
+    kw = dict(model="tiny", messages=[{"role": "user", "content": "Weather?"}], tools=TOOLS, temperature=0.0,
+              max_tokens=14, extra_body={"guided_regex": start.replace(".", "\\.").replace("\n", "\\n") + "[a-z]{60}"})
+    out = c.chat.completions.create(**kw).choices[0]
+    assert out.finish_reason == "length" and out.message.content == "Sure." and not out.message.tool_calls
+    chunks = list(c.chat.completions.create(**kw, stream=True))
+    assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == "Sure."
 
 
 def test_reasoning_content_streamed_deltas_join_to_the_non_streamed_fields(live):
