@@ -200,8 +200,8 @@ class Engine:
                 seq.status = Status.DECODE
                 done.append(seq)
         if self.width_control is not None and self.width_control.hopeless(len(self.scheduler.running)):
-            for s, _, _ in work:      # drafting cannot pay at this batch size: no heads to keep (_adaptive_round)
-                s.speculative = False
+            for s, _, _ in work:      # drafting cannot pay at this batch size: no heads to keep (_adaptive_round),
+                s.speculative = s.speculative and s.k_fixed   # unless the request fixed its k: that always wins
         spec = [(s, a, b, o) for (s, a, b), o in zip(work, outs.rows()) if s.speculative]
         if spec:  # re-anchor the heads over this chunk: row i pairs tokens[i+1] with h_i
             self._reanchor([(s, s.tokens[a + 1 : b + 1], o[c.HIDDEN][: b - a]) for s, a, b, o in spec])
@@ -279,12 +279,17 @@ class Engine:
         self._width = self._open_width(seqs, self.width_control.width(batch))
         if self._width == 1 and self.width_control.hopeless(batch):
             self._width = None
-            for s in seqs:        # plain decoding for good: no drafts, probes or heads' catch-up
+            fixed = [s for s in seqs if s.k_fixed]      # a request's own k wins over the controller
+            judged = [s for s in seqs if not s.k_fixed]
+            for s in judged:      # plain decoding for good: no drafts, probes or heads' catch-up
                 s.speculative = False
                 self._lagging.pop(s, None)
-            self._judged.update(seqs)
-            with self._phase("decode"):
-                self._plain_round(seqs)
+            self._judged.update(judged)
+            if fixed:
+                self._speculative_round(fixed)
+            if judged:
+                with self._phase("decode"):
+                    self._plain_round(judged)
             return
         try:
             off = [s for s in seqs if self.round_k(s, batch) == 0]

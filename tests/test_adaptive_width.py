@@ -7,6 +7,8 @@ heads' deferred catch-up leaves them exactly where a per-round re-anchor would."
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -231,6 +233,19 @@ def test_rounds_that_cannot_pay_end_drafting_and_the_heads_catch_up(engine_dirs,
     assert generate(llm, PROMPTS) == plain
     assert llm.runner.calls.get("mtp_head_0", 0) == heads         # the new requests' prefill ran no head
     assert llm.engine.stats.phase_seconds.get("reanchor", 0.0) == reanchor
+
+
+def test_a_request_k_wins_over_a_hopeless_verdict(engine_dirs, plain, monkeypatch, widths):
+    """Once a bucket is judged hopeless, requests that leave k to the engine decode plain, but one that
+    sends its own k still drafts that many each round, from its prefill on (and stays exact)."""
+    install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
+    llm = LLM(engine_dirs[KIND])
+    llm.engine.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
+    assert generate(llm, PROMPTS) == plain and llm.engine.width_control.hopeless(len(PROMPTS))
+    fixed = replace(LONG, k=2)
+    assert generate(llm, PROMPTS, fixed) == plain
+    for s in llm.test_sequences:
+        assert s.speculative and s.metrics.rounds > 0 and s.metrics.drafted == 2 * s.metrics.rounds
 
 
 def judged_off(engine_dirs, monkeypatch):
