@@ -41,9 +41,10 @@ def _byte_level_chars() -> dict[int, int]:
     return {cp: b for b, cp in chars.items()}
 
 
-def byte_pieces(tokenizer: Tokenizer, size: int = 0) -> list[bytes] | None:
-    """Each token id's bytes (b"" for special tokens and for ids the tokenizer lacks, up to `size`:
-    a model's vocabulary may be larger than its tokenizer's; decoding skips both) where the tokenizer's
+def byte_pieces(tokenizer: Tokenizer, size: int = 0, skip_special_tokens: bool = True) -> list[bytes] | None:
+    """Each token id's bytes (b"" for ids the tokenizer lacks, up to `size`: a model's vocabulary may
+    be larger than its tokenizer's, and for special tokens where `skip_special_tokens`; decoding skips
+    them) where the tokenizer's
     decoder is ByteLevel alone, else None. A token whose characters are all in the byte-level
     alphabet is their bytes; any other (an added token such as "<think>" with a character outside
     it) is its UTF-8, as the tokenizers library's ByteLevel decoder does. Checked against
@@ -62,23 +63,33 @@ def byte_pieces(tokenizer: Tokenizer, size: int = 0) -> list[bytes] | None:
         except UnicodeEncodeError:
             pieces[i] = token.encode()
     for i, added in tokenizer.get_added_tokens_decoder().items():
-        if added.special:
+        if added.special and skip_special_tokens:
             pieces[i] = b""
     step = max(1, len(pieces) // 512)
     sample = [*range(0, len(pieces), step), *tokenizer.get_added_tokens_decoder(), len(pieces) - 1]
     text = tokenizer.encode("Hé wörld ∑ 🙂 日本語\n\tx = {1, 2};").ids
     for ids in [[i] for i in sample] + [text]:
         decoded = b"".join(pieces[i] for i in ids).decode("utf-8", "replace")
-        if decoded != tokenizer.decode(ids, skip_special_tokens=True):
+        if decoded != tokenizer.decode(ids, skip_special_tokens=skip_special_tokens):
             return None
     return pieces
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), pieces: list[bytes] | None = None):
-        """`pieces`: byte_pieces(tokenizer), where it has them (made once per tokenizer)."""
+    def __init__(self, tokenizer: Tokenizer, stop: tuple[str, ...] = (), pieces: list[bytes] | None = None,
+                 skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True):
+        """`pieces`: byte_pieces(tokenizer, skip_special_tokens=...), where it has them (made once per
+        tokenizer). Special tokens are left out of the text where `skip_special_tokens`; with them in
+        it, `spaces_between_special_tokens` false writes two added tokens in a row as their own text,
+        without the space some decoders (Metaspace) put before the second, as vLLM does for a fast
+        tokenizer (a ByteLevel decoder puts none: the table's text is the same either way)."""
         self.tokenizer = tokenizer
         self.pieces = pieces
+        self.skip_special = skip_special_tokens
+        # added token id -> its text, where adjacent added tokens are written as they are
+        self._added = None if skip_special_tokens or spaces_between_special_tokens else \
+            {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+        self._last_added = False
         self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if pieces is not None else None
         self.text = ""                 # everything decoded so far (whole characters only)
         self.emitted = 0               # chars of self.text handed out
@@ -86,7 +97,7 @@ class IncrementalDetokenizer:
         self._hold = max((len(s) for s in stop), default=1) - 1
         self._searched = 0             # chars of self.text searched for stop strings (none found)
         self.matched = 0               # length of the stop string find_stop found
-        self._stream = DecodeStream(skip_special_tokens=True)
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self.pending: list[int] = []   # tokens the stream holds back (a character split across them)
 
     def add(self, token_ids: list[int]) -> None:
@@ -96,6 +107,11 @@ class IncrementalDetokenizer:
             return
         for t in token_ids:
             chunk = self._stream.step(self.tokenizer, t)
+            if self._added is not None:
+                added = self._added.get(t)
+                if added is not None and self._last_added:
+                    chunk = added      # no space between two added tokens
+                self._last_added = added is not None
             if chunk is not None:
                 self.text += chunk
                 self.pending.clear()
@@ -105,9 +121,9 @@ class IncrementalDetokenizer:
             # more held tokens are invalid bytes, not a split character. Release them as decoded
             # (U+FFFD) and restart the stream, whose work per token grows with what it holds.
             if len(self.pending) > _MAX_CHARACTER_TOKENS:
-                self.text += self.tokenizer.decode(self.pending, skip_special_tokens=True)
+                self.text += self.tokenizer.decode(self.pending, skip_special_tokens=self.skip_special)
                 self.pending.clear()
-                self._stream = DecodeStream(skip_special_tokens=True)
+                self._stream = DecodeStream(skip_special_tokens=self.skip_special)
 
     def add_until_stop(self, token_ids: list[int]) -> tuple[int, int]:
         """Add tokens up to the one that completes a stop string -> (tokens added, index in

@@ -139,8 +139,10 @@ class LLM:
         self.mtp_layers = max([kind.head + 1 for kind, _ in kinds if kind.is_head], default=0)
         self.mtp_mode = config.mtp_mode or ("chained" if self.mtp_layers > 1 else "reused")
         self.tokenizer = _load_tokenizer(self.engine_dir / "tokenizer.json")
-        # the detokenizers' table of token bytes, where the tokenizer is byte-level
+        # the detokenizers' table of token bytes, where the tokenizer is byte-level (special tokens
+        # skipped; the table that writes them is made on the first request that keeps them)
         self.token_bytes = byte_pieces(self.tokenizer, self.desc.vocab_size)
+        self._token_bytes_with_special: list[bytes] | None = None
         batch_sizes = rt["batch_sizes"]
         max_seqs = config.max_num_seqs or max(batch_sizes)
         # the most rows one step writes per sequence: a prefill chunk, a verify width or a multi-step decode
@@ -335,12 +337,21 @@ class LLM:
                             and not self._verify_takes(contract.MIN_P_LOG, k + 1, (True,))
                             or params.logprobs is not None and not self._verify_takes(contract.WANT_LOGPROBS, k + 1)):
             speculative, k = False, 0   # verify engines built before masks or edits: decode without drafting
-        seq = Sequence(request_id or f"req-{next(self._ids)}", req.ids, params,
-                       IncrementalDetokenizer(self.tokenizer, params.stop, self.token_bytes), self.page_size,
-                       speculative, k, req.k_fixed)
+        seq = Sequence(request_id or f"req-{next(self._ids)}", req.ids, params, self._detokenizer(params),
+                       self.page_size, speculative, k, req.k_fixed)
         seq.rules = self._rules(seq)
         self.scheduler.add(seq)
         return seq
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
+        pieces = self.token_bytes
+        if not params.skip_special_tokens and pieces is not None:
+            if self._token_bytes_with_special is None:
+                self._token_bytes_with_special = byte_pieces(self.tokenizer, self.desc.vocab_size,
+                                                             skip_special_tokens=False)
+            pieces = self._token_bytes_with_special
+        return IncrementalDetokenizer(self.tokenizer, params.stop, pieces, params.skip_special_tokens,
+                                      params.spaces_between_special_tokens)
 
     def pages_held(self) -> dict[str, int]:
         """KV pages in use per page group, under the group's block-table name (`block_tables`,

@@ -68,7 +68,8 @@ class SamplingParams:
     logprobs: int | None = None       # the target's log-probability of each emitted token, with the top N
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
+    skip_special_tokens: bool = True   # special tokens left out of the text (the ids keep them)
+    spaces_between_special_tokens: bool = True   # false: adjacent added tokens as their own text (detokenizer.py)
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -107,7 +107,9 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
                               bad_words=tuple(self.bad_words or ()),
                               allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None,
                               logprobs=self.logprobs_asked(), prompt_logprobs=self.prompt_logprobs_asked(),
-                              include_stop_str_in_output=self.include_stop_str_in_output)
+                              include_stop_str_in_output=self.include_stop_str_in_output,
+                              skip_special_tokens=self.skip_special_tokens,
+                              spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def prompt_logprobs_asked(self) -> int | None:
         return self.prompt_logprobs
@@ -133,9 +135,6 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
         if self.stream and self.candidates() > self.n:
             return "best_of", "best_of > n cannot be streamed (the best candidates are known only at the end): " \
                               "drop stream, or send best_of equal to n"
-        if not self.skip_special_tokens:
-            return "skip_special_tokens", "skip_special_tokens=false is not supported by this server yet: " \
-                                          "drop it (special tokens are left out of the text)"
         return None
 
     def check_text_fields(self) -> None:

@@ -89,7 +89,8 @@ class Responses:
 
     def echoed(self, req, seq) -> str:
         """A completion's prompt as `echo` returns it: the text sent, or the token ids' text."""
-        return req.prompt if isinstance(req.prompt, str) else self.llm.tokenizer.decode(seq.prompt)
+        return req.prompt if isinstance(req.prompt, str) else \
+            self.llm.tokenizer.decode(seq.prompt, skip_special_tokens=req.skip_special_tokens)
 
     # ---- whole responses -----------------------------------------------------------------
     def whole(self, rid: str, created: int, req, chat: bool, results: list[Collected],

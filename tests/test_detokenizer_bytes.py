@@ -87,3 +87,38 @@ def test_other_decoders_keep_the_decode_stream():
     tok = Tokenizer(models.WordLevel({"▁a": 0, "▁b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     tok.decoder = decoders.Metaspace()
     assert byte_pieces(tok) is None
+
+
+def test_special_tokens_kept_when_asked(tokenizer):
+    """skip_special_tokens=False: the table with special tokens and DecodeStream give
+    tokenizer.decode(ids, skip_special_tokens=False), step for step; the default leaves them out."""
+    vocab = tokenizer.get_vocab_size(with_added_tokens=True)
+    special = [i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special]
+    assert special
+    valid = tokenizer.encode(TEXT).ids
+    ids = valid[:5] + special + special[:1] + valid[5:]
+    table = byte_pieces(tokenizer, vocab, skip_special_tokens=False)
+    assert table is not None
+    kept = [_steps(IncrementalDetokenizer(tokenizer, pieces=table, skip_special_tokens=False), ids, [1] * len(ids)),
+            _steps(IncrementalDetokenizer(tokenizer, skip_special_tokens=False), ids, [1] * len(ids))]
+    assert kept[0] == kept[1] and "".join(kept[0]) == tokenizer.decode(ids, skip_special_tokens=False)
+    skipped = IncrementalDetokenizer(tokenizer, pieces=byte_pieces(tokenizer, vocab))
+    skipped.add(ids)
+    assert skipped.text == tokenizer.decode(ids) != "".join(kept[0])
+
+
+def test_no_space_between_adjacent_added_tokens_when_asked():
+    """A WordPiece decoder puts a space between tokens, added ones too; with spaces_between_special_tokens
+    false two added tokens in a row are written as they are (vLLM's rule for fast tokenizers)."""
+    tok = Tokenizer(models.WordPiece({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.decoder = decoders.WordPiece()
+    tok.add_special_tokens(["<s>", "</s>"])
+    ids = [0, tok.token_to_id("<s>"), tok.token_to_id("</s>"), 1]
+
+    def text(spaces: bool) -> str:
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=False, spaces_between_special_tokens=spaces)
+        detok.add(ids)
+        return detok.text
+
+    assert text(True) == tok.decode(ids, skip_special_tokens=False)
+    assert "<s></s>" in text(False) and text(False) != text(True)

@@ -140,3 +140,22 @@ def LLM_plain(live):  # noqa: N802 - a plain-decoding twin of the server's pipel
     if not hasattr(live, "plain_twin"):
         live.plain_twin = LLM(live.app.state.engine_loop.llm.engine_dir, EngineConfig(speculative=False))
     return live.plain_twin
+
+
+def test_skip_special_tokens_false_writes_them(live):
+    """An end token forced by logit_bias (ignore_eos: it does not stop the answer) is in the text with
+    skip_special_tokens false and left out by default; echo of a token-id prompt follows the same flag."""
+    llm = live.app.state.engine_loop.llm
+    eos = llm.desc.eos_token_ids[0]
+    written = llm.tokenizer.decode([eos], skip_special_tokens=False)
+    assert written
+    body = {"model": "tiny", "prompt": [5, eos, 7], "max_tokens": 3, "ignore_eos": True, "temperature": 0,
+            "logit_bias": {str(eos): 100}, "echo": True}
+    texts = {}
+    for skip in (True, False):
+        r = httpx.post(f"{live.url}{COMPLETIONS}", json={**body, "skip_special_tokens": skip}, timeout=60)
+        assert r.status_code == 200, r.text
+        texts[skip] = r.json()["choices"][0]["text"]
+    prompt_text = llm.tokenizer.decode([5, eos, 7], skip_special_tokens=False)
+    assert texts[False] == prompt_text + written * 3
+    assert texts[True] == llm.tokenizer.decode([5, 7]) and written not in texts[True]
