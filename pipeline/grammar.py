@@ -25,12 +25,16 @@ import llguidance
 import numpy as np
 
 from tandem.contract import mask_words
+from tandem.pipeline.json_keys import KeyGuard, KeyTable
+from tandem.pipeline.json_schema_checks import infinite_ref
 from tandem.pipeline.request_checks import RequestError
 
 KINDS = ("json_schema", "json_object", "regex", "lark")
 # compact JSON: without it a model may pad with whitespace forever (llguidance's default is flexible);
-# a %json rule inside a Lark grammar takes the same options as the schema's "x-guidance" key
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# a %json rule inside a Lark grammar takes the same options as the schema's "x-guidance" key. oneOf
+# compiles as anyOf (coerce_one_of): the same where llguidance proves the branches disjoint, else a
+# value satisfies at least one branch (docs/structured_outputs.md)
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "coerce_one_of": True}
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,7 @@ class GrammarSpec:
     def llguidance_grammar(self) -> str:
         """The llguidance grammar text (a JSON schema can still be invalid: Grammars.compile says)."""
         if self.kind == "json_schema":
+            self._check_finite()
             return llguidance.LLMatcher.grammar_from_json_schema(self.source, overrides=JSON_OPTIONS)
         if self.kind == "json_object":
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, overrides=JSON_OPTIONS)
@@ -72,6 +77,19 @@ class GrammarSpec:
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         return self.source
 
+
+    def _check_finite(self) -> None:
+        """RequestError for a schema every value of which nests a `$ref` in itself without end: its
+        grammar would force {"next": {"next": ... until the output stops after "{"."""
+        try:
+            schema = json.loads(self.source)
+        except ValueError:
+            return      # the compiler says what is wrong with it
+        if (ref := infinite_ref(schema)) is not None:
+            raise RequestError(self.field, f"{self.field}: the schema has no finite value: every value must hold "
+                                           f"{ref} inside itself without end (a required property or minItems "
+                                           "leads back to it); make that property optional, or give it another "
+                                           'branch such as {"type": "null"}')
 
     def check(self) -> None:
         """RequestError naming the field if the grammar does not compile (no tokenizer needed)."""
@@ -115,8 +133,14 @@ class Grammars:
             self._compiled[spec] = text
         return text
 
+    @functools.cached_property
+    def key_table(self) -> KeyTable:
+        """Each token's bytes, for the JSON kinds' duplicate-key guard (pipeline/json_keys.py)."""
+        return KeyTable([self.tokenizer.decode_bytes([t]) for t in range(self.tokenizer.vocab_size)])
+
     def matcher(self, spec: GrammarSpec) -> Matcher:
-        return Matcher(llguidance.LLMatcher(self.tokenizer, self.compile(spec), log_level=0), self.vocab_size)
+        guard = KeyGuard(self.key_table) if spec.kind in ("json_schema", "json_object") else None
+        return Matcher(llguidance.LLMatcher(self.tokenizer, self.compile(spec), log_level=0), self.vocab_size, guard)
 
 
 def allowed(mask: np.ndarray, token: int) -> bool:
@@ -133,27 +157,36 @@ class Matcher:
     """One sequence's grammar state. `consumed` output tokens are in it; `sync` catches it up with the
     sequence's output, so every commit path (prefill, plain decode, verify, unified rounds) only appends
     tokens and the matcher follows before the next mask is taken. After the end of the grammar (EOS)
-    only EOS is allowed, and tokens past it are not consumed (the sequence stops there)."""
+    only EOS is allowed, and tokens past it are not consumed (the sequence stops there). A JSON
+    grammar's `guard` follows the same tokens and takes from each mask the tokens that would repeat
+    a key in its object (pipeline/json_keys.py)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, guard: KeyGuard | None = None):
         self.ll, self.vocab_size, self.words = matcher, vocab_size, mask_words(vocab_size)
+        self.guard = guard
         self.consumed = 0
         self._row = np.empty(self.words, np.int32)
+
+    def _consume(self, t: int, what: str) -> None:
+        if not self.ll.consume_token(t):
+            raise RuntimeError(f"token {t} ({what}) breaks the request's grammar: {self.ll.get_error()}")
+        if self.guard is not None:
+            self.guard.consume(t)
 
     def sync(self, output: list[int]) -> None:
         """Consume output[consumed:]; a token the grammar refuses is a bug in masking upstream."""
         for t in output[self.consumed :]:
             if self.ll.is_stopped():
                 break
-            if not self.ll.consume_token(t):
-                raise RuntimeError(f"token {t} at output position {self.consumed} breaks the request's grammar: "
-                                   f"{self.ll.get_error()}")
+            self._consume(t, f"output position {self.consumed}: a bug in masking upstream")
             self.consumed += 1
         self.consumed = len(output)
 
     def fill(self, row: np.ndarray) -> np.ndarray:
         """Write the mask of the current state into row [words] (int32) and return it."""
         self.ll.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+        if self.guard is not None:
+            self.guard.edit(row)
         return row
 
     def mask_logits(self, logits: np.ndarray, output: list[int]) -> np.ndarray:
@@ -162,24 +195,29 @@ class Matcher:
         keep = allowed_tokens(self.fill(self._row), self.vocab_size)
         return np.where(keep[: len(logits)], logits, -np.inf).astype(logits.dtype)
 
+    def _rollback(self, consumed: int, saved) -> None:
+        """Undo the drafts consumed since `saved` (the guard's state then)."""
+        if consumed:
+            self.ll.rollback(consumed)
+        if self.guard is not None:
+            self.guard.scanner.restore(saved)
+
     def next_mask(self, output: list[int], drafts: list[int]) -> np.ndarray | None:
         """The mask [words] of the token after output + drafts (what the next draft may be), or None
         where a draft is not allowed or the grammar is complete before it (nothing drafted after it
         can be kept). The drafts are consumed as draft_masks consumes them, then rolled back."""
         self.sync(output)
         row = np.empty(self.words, np.int32)
-        consumed = 0
+        consumed, saved = 0, self.guard.scanner.save() if self.guard is not None else None
         try:
             for d in drafts:
                 if self.ll.is_stopped() or not allowed(self.fill(row), d):
                     return None
-                if not self.ll.consume_token(d):   # allowed, so never: a refusal would leave the matcher broken
-                    raise RuntimeError(f"the grammar refused draft {d} its own mask allows: {self.ll.get_error()}")
+                self._consume(d, "a draft its own mask allows")
                 consumed += 1
             return self.fill(row)
         finally:
-            if consumed:
-                self.ll.rollback(consumed)
+            self._rollback(consumed, saved)
 
     def draft_masks(self, output: list[int], drafts: list[int]) -> tuple[list[int], np.ndarray]:
         """Masks of the verify rows [pending, d_1..d_k] -> (drafts, masks [k + 1, words]).
@@ -190,7 +228,7 @@ class Matcher:
         self.sync(output)
         masks = np.full((len(drafts) + 1, self.words), -1, np.int32)
         drafts = list(drafts)
-        consumed = 0
+        consumed, saved = 0, self.guard.scanner.save() if self.guard is not None else None
         for i, d in enumerate(drafts):
             row = self.fill(masks[i])
             if not allowed(row, d):
@@ -200,14 +238,12 @@ class Matcher:
                 drafts[i] = d = int(forced[0])
             if self.ll.is_stopped():   # the grammar is complete: d is EOS, nothing after it is kept (and
                 break                  # llguidance does not count an EOS consumed here as a token to roll back)
-            if not self.ll.consume_token(d):   # allowed, so never: a refusal would leave the matcher broken
-                raise RuntimeError(f"the grammar refused draft {d} its own mask allows: {self.ll.get_error()}")
+            self._consume(d, "a draft its own mask allows")
             consumed += 1
             if self.ll.is_stopped():   # complete after d: row i + 1 allows EOS only, later rows decide nothing
                 self.fill(masks[i + 1])
                 break
         else:
             self.fill(masks[len(drafts)])
-        if consumed:
-            self.ll.rollback(consumed)
+        self._rollback(consumed, saved)
         return drafts, masks

@@ -305,7 +305,11 @@ def test_bad_grammars_are_400_and_the_server_keeps_serving(live):
              ({"guided_regex": "a(b"}, "guided_regex"),
              ({"guided_grammar": "start: undefined_rule"}, "guided_grammar"),
              ({"guided_regex": "a", "response_format": {"type": "json_object"}}, "guided_regex"),
-             ({"response_format": {"type": "xml"}}, "response_format.type")]
+             ({"response_format": {"type": "xml"}}, "response_format.type"),
+             ({"response_format": _json_schema_format({"type": "object", "required": ["next"], "properties": {
+                 "next": {"$ref": "#"}}})}, "response_format.json_schema.schema"),      # no finite value
+             ({"guided_json": {"$defs": {"n": {"type": "array", "minItems": 1, "items": {"$ref": "#/$defs/n"}}},
+                               "$ref": "#/$defs/n"}}, "guided_json")]
     for extra, param in cases:
         r = httpx.post(f"{live.url}/v1/chat/completions", json={**body, **extra}, timeout=60)
         assert r.status_code in (400, 422), (extra, r.text)
