@@ -140,7 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   api_key=args.api_key, max_queued=args.max_queued,
                                   max_body_bytes=args.max_body_bytes, default_max_tokens=args.default_max_tokens,
                                   openapi=args.openapi, stream_interval=args.stream_interval,
-                                  allow_extra_fields=args.allow_extra_fields)
+                                  allow_extra_fields=args.allow_extra_fields, max_header_bytes=args.max_header_bytes,
+                                  header_timeout_s=args.header_timeout)
         config = EngineConfig(memory_budget_bytes=int(args.memory_budget_mb * 2**20), mtp_mode=args.mtp_mode,
                               threads=args.threads)
         if args.ray:
@@ -311,6 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queued", type=int, default=64, help="requests in flight before 429 (default 64)")
     p.add_argument("--model-name", default=None, help="the model id clients send (default: the folder name)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--max-header-bytes", type=int, default=64 << 10,
+                   help="a request's line and headers at most (default 65536; past it: 431)")
+    p.add_argument("--header-timeout", type=float, default=10.0,
+                   help="seconds for a request's headers to arrive (default 10; past it: 408)")
     p.add_argument("--default-max-tokens", type=int, default=256)
     p.add_argument("--memory-budget-mb", type=float, default=512, help="KV pages + state slots (MiB)")
     p.add_argument("--mtp-mode", choices=["chained", "reused"], default=None)

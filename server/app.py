@@ -50,11 +50,16 @@ class ServerSettings:
     openapi: bool = False          # serve /docs, /redoc and /openapi.json
     stream_interval: int = 1       # tokens a streamed event holds (after the first); more: less host work per token
     allow_extra_fields: bool = False   # accept (and ignore) request fields tandem does not know; off: 400
+    max_header_bytes: int = 64 << 10   # a request's line and headers at most (431 past it; server/http_guard.py)
+    header_timeout_s: float = 10.0     # for them to arrive once the first byte has (408 past it)
 
     def __post_init__(self):
         check_text(self.model_name, "the model name")  # e.g. undecodable bytes on the command line
         if self.max_queued < 0 or self.max_body_bytes < 0 or self.default_max_tokens < 1 or self.stream_interval < 1:
             raise ValueError("max_queued and max_body_bytes must be >= 0, default_max_tokens and stream_interval >= 1")
+        if self.max_header_bytes < 1024 or not self.header_timeout_s > 0:
+            raise ValueError(f"max_header_bytes must be >= 1024 and header_timeout a number of seconds > 0, got "
+                             f"{self.max_header_bytes} and {self.header_timeout_s}")
 
 
 class ApiError(Exception):
@@ -106,7 +111,7 @@ def create_app(llm: LLM, settings: ServerSettings,
 
     docs = {} if settings.openapi else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="tandem", lifespan=lifespan, default_response_class=AsciiJSON, **docs)
-    app.state.engine_loop = loop
+    app.state.engine_loop, app.state.settings = loop, settings
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
 
     # ---- errors in the OpenAI shape ----------------------------------------------------

@@ -14,6 +14,7 @@ import uvicorn
 
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.server.app import ServerSettings, create_app
+from tandem.server.http_guard import guarded_protocol
 
 STARTUP_FAILURE = 3   # as uvicorn.run: the server never started (the port is taken, say)
 
@@ -25,6 +26,15 @@ def build(engine_dir: str | Path, settings: ServerSettings | None = None, config
     return create_app(llm, settings, on_fatal)
 
 
+def uvicorn_config(app, host: str, port: int) -> uvicorn.Config:
+    """How uvicorn runs the app: its settings' header limits on every connection (server/http_guard.py);
+    on SIGTERM uvicorn stops accepting, lets in-flight requests finish (up to the timeout), then runs
+    the app's shutdown, which waits for the engine loop to drain."""
+    settings = app.state.settings
+    return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60,
+                          http=guarded_protocol(settings.max_header_bytes, settings.header_timeout_s))
+
+
 def serve(engine_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, settings: ServerSettings | None = None,
           config: EngineConfig | None = None) -> int:
     died: list[BaseException | None] = []
@@ -34,11 +44,7 @@ def serve(engine_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, set
         died.append(error)
         server.should_exit = True   # stop taking connections, close, return from run()
 
-    app = build(engine_dir, settings, config, on_fatal)
-    # SIGTERM: uvicorn stops accepting, lets in-flight requests finish (up to the timeout), then
-    # runs the app's shutdown, which waits for the engine loop to drain.
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
-                                           timeout_graceful_shutdown=60))
+    server = uvicorn.Server(uvicorn_config(build(engine_dir, settings, config, on_fatal), host, port))
     try:
         server.run()
     except KeyboardInterrupt:

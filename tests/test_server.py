@@ -16,7 +16,7 @@ from tandem.pipeline.llm import LLM
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.server.app import ServerSettings
 from tandem.server.chat_template import ChatTemplate
-from tandem.server.serve import build
+from tandem.server.serve import build, uvicorn_config
 
 openai = pytest.importorskip("openai")
 
@@ -45,7 +45,7 @@ class Live:
         self.app = build(engine_dir, ServerSettings(model_name="tiny", **settings))
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, "127.0.0.1", self.port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self):
