@@ -44,7 +44,7 @@ from bench.weight_formats import agreement  # noqa: E402
 from tandem import contract as c  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
-from tandem.pipeline import engine as engine_module  # noqa: E402
+from tandem.pipeline import host_tokens  # noqa: E402
 from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tools.train_small_model import MTP_LAYERS, encode, read, stdlib_files  # noqa: E402
@@ -142,7 +142,9 @@ def teacher_forced(llm: LLM, windows: np.ndarray) -> tuple[np.ndarray, np.ndarra
 
 def measure(engine_dir: Path, windows: np.ndarray, prompts: list[list[int]], tokens: int) -> Quality:
     # every round drafts MTP_LAYERS tokens (the adaptive width would pick widths from timings)
-    llm = LLM(engine_dir, EngineConfig(memory_budget_bytes=1 << 30, spec_k=MTP_LAYERS, adaptive_width=False))
+    # one token a step: every greedy row passes host_tokens.next_tokens (greedy_with_drift records there)
+    llm = LLM(engine_dir, EngineConfig(memory_budget_bytes=1 << 30, spec_k=MTP_LAYERS, adaptive_width=False,
+                                       decode_burst=1))
     nll, top = teacher_forced(llm, windows)
     plain, drift = greedy_with_drift(llm, prompts, tokens)
     spec = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))
@@ -162,18 +164,18 @@ def greedy_with_drift(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[
     """Plain greedy outputs, and how far the same engines' log p of each greedy token moves between
     the 1-row decode step that chose it and a prefill chunk over prompt + output (many rows per call)."""
     chosen: dict[str, list[float]] = {}
-    real = engine_module._next_tokens
+    real = host_tokens.next_tokens
 
-    def record(seqs, logits):
+    def record(sampler, seqs, logits):
         for seq, lp in zip(seqs, _log_softmax_max(logits)):
             chosen.setdefault(seq.request_id, []).append(float(lp))
-        return real(seqs, logits)
+        return real(sampler, seqs, logits)
 
-    engine_module._next_tokens = record
+    host_tokens.next_tokens = record
     try:
         plain = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, speculative=False))
     finally:
-        engine_module._next_tokens = real
+        host_tokens.next_tokens = real
     n = len(prompts[0])
     if any(len(p) != n for p in prompts):
         raise ValueError("greedy_with_drift: prompts of one length, so the prefill windows line up")

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
-from tandem.pipeline import engine as engine_module  # noqa: E402
+from tandem.pipeline import host_tokens  # noqa: E402
 from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
@@ -48,18 +48,18 @@ def decode_speed(llm: LLM, prompts: list[list[int]], tokens: int) -> float:
 
 def greedy_with_first_logits(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[list[list[int]], np.ndarray]:
     firsts = []
-    real = engine_module._next_token
+    real = host_tokens.next_token
 
-    def record(seq, row):
+    def record(sampler, seq, row):
         if seq.num_generated == 0:
             firsts.append(row.copy())
-        return real(seq, row)
+        return real(sampler, seq, row)
 
-    engine_module._next_token = record
+    host_tokens.next_token = record
     try:
         outs = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, speculative=False))
     finally:
-        engine_module._next_token = real
+        host_tokens.next_token = real
     return [o.token_ids for o in outs], np.stack(firsts)
 
 

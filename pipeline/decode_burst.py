@@ -19,11 +19,13 @@ steps, so the tokens are the same bits. The invariant after a burst is n decode 
 
     tokens += t_1 .. t_n; committed += n; pools hold the rows of every token but the pending one
 
-Who takes a burst: a batch of greedy or sampled rows without a grammar whose first tokens are out
-(the time to first token does not wait for a burst), for as many steps as the smallest token budget among
-them holds (Sequence.decode_rows); the scheduler reserves those rows' pages before the step, so a
-burst never writes a position a request was not admitted for. A batch with any other row takes one
-step. A burst ends early when a token is a stop id of any of its rows (what follows would be
+Who takes a burst: a batch whose first tokens are out (the time to first token does not wait for a
+burst), for as many steps as the smallest token budget among them holds (Sequence.decode_rows); the
+scheduler reserves those rows' pages before the step, so a burst never writes a position a request
+was not admitted for. Greedy and sampled rows take their tokens as above; where a row has rules (a
+grammar, logits processors) or asks for logprobs, every row's token comes from the host's step
+(pipeline/host_tokens.py) and is appended as it comes, so the rules see the burst's earlier tokens.
+A burst ends early when a token is a stop id of any of its rows (what follows would be
 dropped), before a call that would take it past its time budget (so that a step of a large model,
 where the host's share is small anyway, stays one call, and a stream's tokens come at least about
 every budget), and after any call once `interrupt()` is true (the server sets it to "a request or
@@ -40,6 +42,7 @@ import numpy as np
 
 from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP
+from tandem.pipeline import host_tokens
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.native_burst import BurstPlan, NativeBurst
 from tandem.pipeline.pools import Pools
@@ -113,13 +116,16 @@ class DecodeBurst:
     def _burst(self, seqs: list[Sequence], steps: int, hidden: list | None = None) -> None:
         n = len(seqs)
         stops = frozenset().union(*(s.ending_ids(self.eos_ids) for s in seqs))
+        # rows with rules or logprobs: each step's tokens decided as a plain step decides them, and
+        # appended as they come (the rules follow the output, a sampled row's draw its position)
+        shaped = any(s.shaped for s in seqs)
         tokens = self._tokens.get(n)
         if tokens is None:
             tokens = self._tokens[n] = np.zeros((self.steps, n), np.int64)
         # sampled rows: the token at index x of seq.tokens is decided by U(seed, x) (pipeline/sampler.py),
         # so step s of the burst draws with the uniform of index len(tokens) + s, as step s would
         sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
-        if sampled:     # every step's uniforms, [sampled rows, steps], at once
+        if sampled and not shaped:     # every step's uniforms, [sampled rows, steps], at once
             params = [seqs[b].params for b in sampled]
             at = np.array([[len(seqs[b].tokens)] for b in sampled]) + np.arange(steps)
             u = uniforms([seqs[b].seed for b in sampled], at)
@@ -133,7 +139,7 @@ class DecodeBurst:
         while True:
             if hidden is not None:      # before the commit: its row is this call's, whatever the path
                 hidden.append(outs.arrays[c.HIDDEN][:n, 0].copy())
-            if plan is not None and not sampled:    # one native call: commit, tokens, ids, context, stop ids
+            if plan is not None and not sampled and not shaped:   # one native call: commit, tokens, ids, context, stops
                 stopped = plan.greedy(made)
                 made += 1
             else:
@@ -142,9 +148,12 @@ class DecodeBurst:
                 else:
                     self.pools.commit_decode(layers, outs.arrays, inputs, n, burst, made)
                 logits = outs.arrays[c.LOGITS][:, 0]
-                token = _greedy(logits)
-                if sampled:
-                    token[sampled] = self.sampler.rows(logits[sampled], params, u[:, made])
+                if shaped:
+                    token = np.array(host_tokens.append_tokens(self.sampler, seqs, logits))
+                else:
+                    token = _greedy(logits)
+                    if sampled:
+                        token[sampled] = self.sampler.rows(logits[sampled], params, u[:, made])
                 tokens[made] = ids[:] = token
                 context += 1        # (the next decode() writes both afresh: harmless after the last call)
                 made += 1
@@ -162,4 +171,5 @@ class DecodeBurst:
         self.native_calls += made if plan is not None else 0
         for seq, new in zip(seqs, tokens[:made].T.tolist()):
             seq.committed += made
-            seq.tokens += new
+            if not shaped:
+                seq.tokens += new

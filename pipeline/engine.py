@@ -31,7 +31,7 @@ import numpy as np
 
 from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP, GraphKind
-from tandem.pipeline import logprobs
+from tandem.pipeline import host_tokens, logprobs
 from tandem.pipeline.decode_burst import DecodeBurst
 from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
 from tandem.pipeline.multi_step_decode import MultiStepDecode
@@ -52,37 +52,6 @@ def _head_rows(j: int, base: int, n: int) -> tuple[int, int]:
     the last `count` new tokens (rows below 0 do not exist: early in a prompt head j has fewer)."""
     first = max(0, base - j)
     return first, max(0, base + n - j) - first
-
-
-def _next_token(sampler: HostSampler, seq: Sequence, logits: np.ndarray) -> int:
-    """The token appended next, from one row of logits (masked by the request's grammar, if any); a
-    sampled one takes the uniform of the position it fills (greedy rows skip computing it: it is on
-    every plain decode step)."""
-    if seq.rules is not None:
-        logits = seq.rules.process(logits, seq.output_ids())
-    if seq.params.greedy:
-        return int(np.argmax(logits))
-    return sampler.one(logits, seq.params, float(uniforms([seq.seed], np.array([len(seq.tokens)]))[0]))
-
-
-def _append_host_token(sampler: HostSampler, seq: Sequence, logits: np.ndarray) -> None:
-    """Append the token one row of logits decides (with its logprobs, where the request asks)."""
-    token = _next_token(sampler, seq, logits)
-    seq.tokens.append(token)
-    if seq.logprobs is not None:
-        seq.logprobs.append(logprobs.from_logits(logits, token, seq.params.logprobs))
-
-
-def _next_tokens(sampler: HostSampler, seqs: list[Sequence], logits: np.ndarray) -> list[int]:
-    """_next_token for each sequence's row of logits [n, V]: greedy rows by one argmax over the batch,
-    sampled rows without a grammar drawn together (sampler.rows), grammar rows one at a time."""
-    free = [b for b, s in enumerate(seqs) if s.rules is None and not s.params.greedy]
-    tokens = np.argmax(logits, axis=-1)
-    if free:
-        u = uniforms([seqs[b].seed for b in free], np.array([len(seqs[b].tokens) for b in free]))
-        tokens[free] = sampler.rows(logits[free], [seqs[b].params for b in free], u)
-    return [t if s.rules is None else _next_token(sampler, s, row)
-            for s, t, row in zip(seqs, tokens.tolist(), logits)]
 
 
 def _last_row_mask(mask: np.ndarray | None, rows: int) -> np.ndarray | None:
@@ -195,7 +164,7 @@ class Engine:
                 seq.prompt_logprobs += logprobs.prompt_logprobs(out[c.LOGITS], following, seq.params.prompt_logprobs)
             if b == seq.prefill_target:
                 if seq.num_generated == 0:  # fresh prompt: its first token comes from the last row
-                    _append_host_token(self.sampler, seq, out[c.LOGITS][b - a - 1])
+                    host_tokens.append_token(self.sampler, seq, out[c.LOGITS][b - a - 1])
                     seq.metrics.first_token = time.perf_counter()
                 seq.status = Status.DECODE
                 done.append(seq)
@@ -219,12 +188,9 @@ class Engine:
             self.pools.write_rows(self.runner.trunk_kv, outs.arrays, np.arange(n), np.ones(n, int),
                                   np.array([s.committed for s in seqs]), [s.table.pages for s in seqs])
             self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
-        logits = outs.arrays[c.LOGITS][:, 0]
-        for seq, token, row in zip(seqs, _next_tokens(self.sampler, seqs, logits), logits):
+        host_tokens.append_tokens(self.sampler, seqs, outs.arrays[c.LOGITS][:, 0])
+        for seq in seqs:
             seq.committed += 1
-            seq.tokens.append(token)
-            if seq.logprobs is not None:
-                seq.logprobs.append(logprobs.from_logits(row, token, seq.params.logprobs))
         return outs
 
     def _speculative_round(self, seqs: list[Sequence]) -> None:
@@ -441,7 +407,7 @@ class Engine:
                 outs = (self.runner.verify(rows, sampling, commits=True) if width > 1
                         else self.runner.target_step(rows, commits=True))
                 accepted = [int(o[c.ACCEPTED]) if width > 1 else 0 for o in outs.rows()]
-                nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else _next_token(self.sampler, s, o[c.LOGITS][0])
+                nxt = [int(o[c.NEXT_TOKEN]) if width > 1 else host_tokens.next_token(self.sampler, s, o[c.LOGITS][0])
                        for o, s in zip(outs.rows(), seqs)]
                 for s, o, t in zip(seqs, outs.rows(), nxt):
                     if s.logprobs is not None and width == 1:

@@ -138,12 +138,12 @@ class Sequence:
     def decode_rows(self, steps: int, samples: bool) -> int:
         """Rows one plain decode step may write for this sequence, up to `steps` (a decode burst,
         pipeline/decode_burst.py, or a multi-step decode graph's call, which takes exactly its n):
-        for a request without a grammar, greedy or, where the decode path `samples` on the host
-        between its calls (a burst; a multi-step graph takes its argmax in the graph), sampled, as
-        many as its token budget holds, so no position past the request's admitted length is written
-        (pages, max_seq_len); else 1. Also 1 while its first token is not out yet: the time to first
-        token does not wait for several steps."""
-        if (steps > 1 and (samples or self.params.greedy) and not self.shaped
+        where the decode path decides tokens on the host between its calls (`samples`: a burst) any
+        request, and where it does not (a multi-step graph takes its argmax in the graph) a greedy one
+        without rules or logprobs, as many as its token budget holds, so no position past the
+        request's admitted length is written (pages, max_seq_len); else 1. Also 1 while its first
+        token is not out yet: the time to first token does not wait for several steps."""
+        if (steps > 1 and (samples or (self.params.greedy and not self.shaped))
                 and self.emitted > len(self.prompt)):
             return max(1, min(steps, self.params.max_tokens - self.num_generated))
         return 1

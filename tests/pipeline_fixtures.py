@@ -119,14 +119,13 @@ def record_logits(monkeypatch) -> list[np.ndarray]:
     """Wrap the engine's token choice (the real one still runs): the logits row behind every token
     a sequence appends outside verify rounds (a prompt's first token, plain decode steps, bursts) of
     the LLMs opened after this call."""
-    from tandem.pipeline import decode_burst, native_burst
-    from tandem.pipeline import engine as engine_module
+    from tandem.pipeline import decode_burst, host_tokens, native_burst
 
     rows = []
-    one, batch, burst = engine_module._next_token, engine_module._next_tokens, decode_burst._greedy
-    monkeypatch.setattr(engine_module, "_next_token",
+    one, batch, burst = host_tokens.next_token, host_tokens.next_tokens, decode_burst._greedy
+    monkeypatch.setattr(host_tokens, "next_token",
                         lambda sampler, seq, row: rows.append(row.copy()) or one(sampler, seq, row))
-    monkeypatch.setattr(engine_module, "_next_tokens",
+    monkeypatch.setattr(host_tokens, "next_tokens",
                         lambda sampler, seqs, logits: rows.extend(logits.copy()) or batch(sampler, seqs, logits))
     monkeypatch.setattr(decode_burst, "_greedy", lambda logits: rows.extend(logits.copy()) or burst(logits))
     # bursts take their tokens with numpy's argmax, not in the native step (LLMs opened from here on)

@@ -151,6 +151,34 @@ def test_sampled_and_greedy_rows_burst_together(built, steps):
     assert llm.engine.decode.calls > llm.engine.decode.bursts
 
 
+def test_rows_with_rules_and_logprobs_burst_as_one_token_a_step(built, steps):
+    """Rows with logits processors, a grammar or logprobs burst too, beside free ones: each step's
+    token is the one a plain step decides from the counts, grammar state and position the earlier
+    steps of the burst left, so every request emits what the same batch emits one token a step (tokens,
+    finish reasons and logprobs, the same bits)."""
+    from tandem.pipeline.grammar import GrammarSpec
+
+    n = BURST * 3 + 1
+    params = [SamplingParams(max_tokens=n, ignore_eos=True),
+              SamplingParams(max_tokens=n, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0,
+                             repetition_penalty=1.8, logit_bias=((17, 2.0),), logprobs=2),
+              SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.9, seed=3, min_p=0.1,
+                             frequency_penalty=2.0, logprobs=0),
+              SamplingParams(max_tokens=n, grammar=GrammarSpec("regex", "[a-f0-9 ]{0,40}")),
+              SamplingParams(max_tokens=n, ignore_eos=True, min_tokens=n - 2, logprobs=3, temperature=1.1, seed=8)]
+    prompts = (PROMPTS * 2)[: len(params)]
+
+    def run(burst: int, prompts, params):
+        llm = _open(built, burst, steps)
+        return [(r.token_ids, r.finish_reason, [(e.token, e.logprob, e.top) for e in r.logprobs or []])
+                for r in llm.generate(prompts, params)], llm
+
+    expected, _ = run(1, prompts, params)
+    got, llm = run(BURST, prompts, params)
+    assert got == expected
+    assert llm.engine.decode.calls > 2 * llm.engine.decode.bursts > 0
+
+
 def test_sampled_rows_alone_burst(built):
     params = SamplingParams(max_tokens=BURST * 3, ignore_eos=True, temperature=1.0, seed=7)
     plain, _ = _generate(built, 1, params)

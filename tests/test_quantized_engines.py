@@ -95,15 +95,15 @@ def test_int8_logits_stay_close_to_float(quantized_dirs, engine_dirs, monkeypatc
     """int8 weights move the first token's logits by under 15% of their range on the tiny random
     model (hidden 64, no trained redundancy: measured 8%, half of it from the weights, half from
     MatMulNBits' int8 activations); the figures on a trained model are in docs/performance.md."""
-    from tandem.pipeline import engine as engine_module
+    from tandem.pipeline import host_tokens
 
     def first_logits(path):
         rows = []
-        real = engine_module._next_token
-        monkeypatch.setattr(engine_module, "_next_token",
+        real = host_tokens.next_token
+        monkeypatch.setattr(host_tokens, "next_token",
                             lambda sampler, seq, row: rows.append(row.copy()) or real(sampler, seq, row))
         LLM(path).generate([PROMPTS[1]], SamplingParams(max_tokens=1, speculative=False))
-        monkeypatch.setattr(engine_module, "_next_token", real)
+        monkeypatch.setattr(host_tokens, "next_token", real)
         return rows[0]
 
     ref = first_logits(engine_dirs["qwen3_5_mtp3"])
