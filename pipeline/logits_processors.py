@@ -81,6 +81,11 @@ class Processors:
             self.seen[new] = True
             self.ids = np.union1d(self.ids, new)
 
+    def masks(self, output: list[int]) -> bool:
+        """Whether any mask applies to the row after `output` (else mask_row changes nothing)."""
+        return (self.allowed is not None or len(self.bad_single) > 0 or bool(self.bad_multi)
+                or len(output) < self.min_tokens)
+
     def mask_row(self, row: np.ndarray, output: list[int], extra: Seq[int] = ()) -> None:
         """AND this row's masks into row [words] (int32), for the token after output + extra."""
         if self.allowed is not None:
@@ -183,5 +188,7 @@ class TokenRules:
         if self.edits:
             self.processors.sync(output)
             logits = apply_edits(logits, *self.processors.row_edits())
+        if self.matcher is None and not self.processors.masks(output):
+            return logits if self.edits else logits.astype(np.float32)     # (apply_edits made a copy)
         keep = allowed_tokens(self.next_mask(output, []), self.vocab_size)
         return np.where(keep[: len(logits)], logits, -np.inf).astype(np.float32)

@@ -24,16 +24,18 @@ class TokenLogprob:
 
 
 def from_logits(logits: np.ndarray, token: int, n: int, rank: bool = False) -> TokenLogprob:
-    """From one row of logits [V]: log-softmax in float32, as the verify graph computes it."""
-    x = logits.astype(np.float32)
+    """From one row of logits [V]: log-softmax in float32, as the verify graph computes it
+    (x - (max + log(sum(exp(x - max))))), taken only at the tokens reported: the top n are the top n
+    logits, so the whole row of log-probabilities is never made."""
+    x = logits if logits.dtype == np.float32 else logits.astype(np.float32)
     m = x.max()
-    lp = x - (m + np.float32(np.log(np.exp(x - m, dtype=np.float32).sum(dtype=np.float32))))
+    lse = m + np.float32(np.log(np.exp(x - m, dtype=np.float32).sum(dtype=np.float32)))
     top = ()
     if n:
-        best = np.argpartition(-lp, n - 1)[:n] if n < len(lp) else np.arange(len(lp))
-        best = best[np.lexsort((best, -lp[best]))]     # descending, lower id first among equals (as TopK)
-        top = tuple((int(t), float(lp[t])) for t in best)
-    return TokenLogprob(int(token), float(lp[token]), top, int((lp > lp[token]).sum()) + 1 if rank else None)
+        best = np.argpartition(x, len(x) - n)[len(x) - n :] if n < len(x) else np.arange(len(x))
+        best = best[np.lexsort((best, -x[best]))]     # descending, lower id first among equals (as TopK)
+        top = tuple(zip(best.tolist(), (x[best] - lse).tolist()))
+    return TokenLogprob(int(token), float(x[token] - lse), top, int((x > x[token]).sum()) + 1 if rank else None)
 
 
 def from_verify(out: dict[str, np.ndarray], tokens: list[int], n: int) -> list[TokenLogprob]:
