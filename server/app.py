@@ -124,8 +124,8 @@ def create_app(llm: LLM, settings: ServerSettings,
         first = exc.errors()[0] if exc.errors() else {}
         where = _field_path(first.get("loc", ()))
         # 400 for every malformed body, as OpenAI and vLLM answer it
-        return _error(400, f"{where or 'body'}: {first.get('msg', 'invalid request')}", "invalid_request_error",
-                      where or None)
+        msg = first.get("msg", "invalid request").removeprefix("Value error, ")
+        return _error(400, f"{where or 'body'}: {msg}", "invalid_request_error", where or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
@@ -137,24 +137,24 @@ def create_app(llm: LLM, settings: ServerSettings,
         return _error(500, f"internal error: {type(exc).__name__}: {exc}", "server_error")
 
     # ---- health, readiness, models, metrics --------------------------------------------
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not loop.alive():  # the process cannot serve; it is exiting for its supervisor to restart it
             return AsciiJSON({"status": "engine thread not running"}, 503)
         return {"status": "ok"}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         if not state["ready"] or not loop.alive():
             return AsciiJSON({"status": "not ready"}, 503)
         return {"status": "ready", "model": settings.model_name}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [{"id": settings.model_name, "object": "model", "created": 0,
                                             "owned_by": "tandem", "max_model_len": llm.max_seq_len}]}
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def metrics():
         return PlainTextResponse(generate_latest(m.REGISTRY).decode(), media_type=CONTENT_TYPE_LATEST)
 
@@ -187,7 +187,8 @@ def create_app(llm: LLM, settings: ServerSettings,
             raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
 
     # ---- generation --------------------------------------------------------------------
-    def check(req) -> None:
+    def check(req, prompts: int = 1) -> None:
+        """Everything a generation request is checked for before it starts (`prompts`: how many it sends)."""
         try:
             req.check_text_fields()
         except ValueError as e:
@@ -199,16 +200,18 @@ def create_app(llm: LLM, settings: ServerSettings,
             raise ApiError(503, "the server is shutting down", "server_error")
         if not loop.alive():
             raise ApiError(503, "the engine is not running; the server is restarting", "server_error")
-        if req.candidates() > max(settings.max_queued, 1):
-            field = "best_of" if req.best_of else "n"
-            raise ApiError(400, f"{field}={req.candidates()}: each candidate is a request of its own and this server "
-                                f"runs at most {settings.max_queued} (--max-queued); ask for fewer", param=field)
-        if loop.load() + req.candidates() > settings.max_queued:
+        wanted = prompts * req.candidates()
+        if wanted > max(settings.max_queued, 1):
+            field = "prompt" if prompts > 1 else "best_of" if req.best_of else "n"
+            raise ApiError(400, f"{prompts} prompt(s) x {req.candidates()} candidate(s): each is a request of its own "
+                                f"and this server runs at most {settings.max_queued} (--max-queued); ask for fewer",
+                           param=field)
+        if loop.load() + wanted > settings.max_queued:
             raise ApiError(429, f"too many requests in flight ({settings.max_queued}); retry shortly",
                            "rate_limit_error", headers={"Retry-After": "1"})
 
-    async def start(prompt, req, grammar=None) -> list[tuple[str, asyncio.Queue]]:
-        """The request's engine requests, one per candidate (n, or best_of), started."""
+    async def start(prompt, req, grammar=None) -> tuple[list[int], list[tuple[str, asyncio.Queue]]]:
+        """The prompt's token ids and its engine requests, one per candidate (n, or best_of), started."""
         try:
             params = req.sampling_params(settings.default_max_tokens)
             if grammar is not None:   # tool_choice required / named: the call's grammar
@@ -226,7 +229,7 @@ def create_app(llm: LLM, settings: ServerSettings,
                 for rid, _ in started:
                     loop.abort(rid)
                 raise
-            return started
+            return checked.ids, started
         except ValueError as e:
             raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
         except EngineError as e:
@@ -234,9 +237,19 @@ def create_app(llm: LLM, settings: ServerSettings,
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
-        check(req)
-        started = await start(req.prompt, req)
-        return await respond(request, started, req, chat=False)
+        prompts = req.prompts()
+        check(req, len(prompts))
+        ids, started = [], []
+        try:
+            for prompt in prompts:      # prompt p's candidates, then p + 1's
+                prompt_ids, candidates = await start(prompt, req)
+                ids.append(prompt_ids)
+                started += candidates
+        except BaseException:
+            for rid, _ in started:
+                loop.abort(rid)
+            raise
+        return await respond(request, started, req, chat=False, prompts=prompts, prompt_ids=ids)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
@@ -255,11 +268,12 @@ def create_app(llm: LLM, settings: ServerSettings,
         except ValueError as e:
             raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
         answers = [AnswerParser(formats, prompt, tools, parse_tools=choice != "none") for _ in range(req.candidates())]
-        started = await start(prompt, req, grammar)
-        return await respond(request, started, req, chat=True, answers=answers)
+        ids, started = await start(prompt, req, grammar)
+        return await respond(request, started, req, chat=True, answers=answers, prompts=[prompt], prompt_ids=[ids])
 
     async def respond(request: Request, started: list[tuple[str, asyncio.Queue]], req, chat: bool,
-                      answers: list[AnswerParser] | None = None):
+                      prompts: list, prompt_ids: list[list[int]], answers: list[AnswerParser] | None = None):
+        """The response of every prompt's candidates (`started`, prompt by prompt), whole or streamed."""
         created, rids = int(time.time()), [rid for rid, _ in started]
         outs = [out for _, out in started]
         if req.stream:
@@ -267,7 +281,8 @@ def create_app(llm: LLM, settings: ServerSettings,
                 for i in indices:
                     loop.abort(rids[i])
             return StreamingResponse(responses.chunks(rids[0], created, req, chat, outs, answers, EngineError,
-                                                      unfinished), media_type="text/event-stream")
+                                                      unfinished, prompts, prompt_ids),
+                                     media_type="text/event-stream")
         gone = asyncio.create_task(_client_gone(request))
         everything = asyncio.ensure_future(asyncio.gather(*(collect(out, EngineError) for out in outs)))
         try:
@@ -288,7 +303,8 @@ def create_app(llm: LLM, settings: ServerSettings,
             raise
         finally:
             gone.cancel()
-        return responses.whole(rids[0], created, req, chat, results, answers, best(results, req.n))
+        return responses.whole(rids[0], created, req, chat, results, answers,
+                               best(results, req.n, len(results) // len(prompts)), prompts)
 
     return app
 

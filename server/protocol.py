@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator
 
 from tandem.pipeline.request_checks import INT64_MAX, INT64_MIN, RequestError, check_text
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
@@ -32,6 +32,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False   # vLLM's: every chunk carries its choice's usage so far
 
 
 class RelaxedAcceptanceBody(BaseModel):
@@ -77,6 +78,7 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
     n: Int(1) = 1
     best_of: Int(1) | None = None
     ignore_eos: StrictBool = False
+    return_token_ids: StrictBool = False     # vLLM's: prompt_token_ids and each choice's token_ids
     speculative: StrictBool = True
     spec_k: Int(1, 8) | None = None
     relaxed_acceptance: RelaxedAcceptanceBody | None = None
@@ -170,11 +172,37 @@ def unknown_field(body: BaseModel, path: str = "") -> str | None:
     return None
 
 
+PROMPT_FORMS = "a string, a list of token ids, a list of strings or a list of token-id lists"
+
+
 class CompletionRequest(_Common):
-    prompt: StrictStr | list[StrictInt]    # ids are range-checked against the vocabulary (400)
+    # one prompt or several (each its own n choices); ids are range-checked against the vocabulary (400)
+    prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]]
     echo: StrictBool = False
     logprobs: Int(0, MAX_LOGPROBS) | None = None
     suffix: StrictStr | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_form(cls, value):
+        """One message for every malformed prompt (pydantic's would name one union member)."""
+        def ids(x) -> bool:
+            return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+        if isinstance(value, str) or ids(value):
+            return value
+        if isinstance(value, list) and value and (all(isinstance(p, str) for p in value)
+                                                  or all(ids(p) for p in value)):
+            return value
+        if value == []:
+            raise ValueError(f"prompt is empty: send {PROMPT_FORMS}")
+        raise ValueError(f"prompt must be {PROMPT_FORMS}, none of them empty")
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt the request sends."""
+        if isinstance(self.prompt, str) or isinstance(self.prompt[0], int):
+            return [self.prompt]
+        return list(self.prompt)
 
     def logprobs_asked(self) -> int | None:
         return self.logprobs
@@ -193,8 +221,10 @@ class CompletionRequest(_Common):
 
     def check_text_fields(self) -> None:
         super().check_text_fields()
-        if isinstance(self.prompt, str):
-            check_text(self.prompt, "prompt")
+        several = len(self.prompts()) > 1 or isinstance(self.prompt, list) and isinstance(self.prompt[0], str)
+        for i, prompt in enumerate(self.prompts()):
+            if isinstance(prompt, str):
+                check_text(prompt, f"prompt[{i}]" if several else "prompt")
 
 
 class ContentPart(BaseModel):

@@ -32,7 +32,8 @@ def uvicorn_config(app, host: str, port: int) -> uvicorn.Config:
     the app's shutdown, which waits for the engine loop to drain."""
     settings = app.state.settings
     return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60,
-                          http=guarded_protocol(settings.max_header_bytes, settings.header_timeout_s))
+                          http=guarded_protocol(settings.max_header_bytes, settings.header_timeout_s),
+                          h11_max_incomplete_event_size=2 * settings.max_header_bytes)   # (h11's own: ours first)
 
 
 def serve(engine_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, settings: ServerSettings | None = None,

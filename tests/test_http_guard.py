@@ -16,10 +16,19 @@ from .test_server import Live
 TIMEOUT_S = 1.0
 
 
-@pytest.fixture(scope="module")
-def live(engine_dirs):
-    with Live(engine_dirs["qwen3_5_mtp3"], max_header_bytes=32 << 10, header_timeout_s=TIMEOUT_S) as server:
-        yield server
+@pytest.fixture(scope="module", params=["httptools", "h11"])
+def live(engine_dirs, request):
+    """A live server over each of uvicorn's HTTP parsers (h11: what a runtime-only install has)."""
+    from tandem.server import http_guard
+
+    real = http_guard.guarded_protocol
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(http_guard, "guarded_protocol", lambda *a: real(*a, prefer=request.param))
+        mp.setattr("tandem.server.serve.guarded_protocol", http_guard.guarded_protocol)
+        with Live(engine_dirs["qwen3_5_mtp3"], max_header_bytes=32 << 10, header_timeout_s=TIMEOUT_S) as server:
+            base = server.server.config.http_protocol_class.__mro__[1].__name__
+            assert base == {"httptools": "HttpToolsProtocol", "h11": "H11Protocol"}[request.param]
+            yield server
 
 
 def _answer(sock: socket.socket, wait_s: float = 10.0) -> bytes:

@@ -95,3 +95,100 @@ def test_candidate_seeds_wrap_into_int64():
     seeds = [p.seed for p in candidate_params(params, 3, 3)]
     assert seeds == [INT64 - 2, INT64 - 1, -INT64]
     assert all(p.logprobs == 0 for p in candidate_params(SamplingParams(), 1, 2))   # best_of ranks by them
+
+
+PROMPTS = [[5, 17, 33], [9, 120, 77, 301], "def f(x):"]
+
+
+@pytest.fixture(scope="module")
+def plain(engine_dirs):
+    return LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False))
+
+
+def test_several_prompts_each_get_their_choices(client, plain):
+    """A list of prompts (token-id lists, or strings) is answered as vLLM answers it: prompt p's n
+    choices at indices p * n .. p * n + n - 1, each the prompt's own answer, echo per prompt, usage
+    over every prompt; streamed the same."""
+    want = [r.text for r in plain.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))]
+    for prompts in (PROMPTS[:2], [PROMPTS[2], "class A:"]):
+        r = client.completions.create(model="tiny", prompt=prompts, max_tokens=6, n=2, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert [c.index for c in r.choices] == [0, 1, 2, 3]
+        lens = [len(p) if isinstance(p, list) else len(plain.tokenizer.encode(p).ids) for p in prompts]
+        assert r.usage.prompt_tokens == sum(lens) and r.usage.completion_tokens == 4 * 6
+        answers = [plain.generate([p], SamplingParams(max_tokens=6, ignore_eos=True))[0].text for p in prompts]
+        assert [c.text for c in r.choices] == [answers[0], answers[0], answers[1], answers[1]]
+    r = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=6, echo=True, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert [c.text for c in r.choices] == [plain.tokenizer.decode(p) + w for p, w in zip(PROMPTS[:2], want[:2])]
+    streamed = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=6, temperature=0, stream=True,
+                                         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    texts, last = {0: "", 1: ""}, None
+    for chunk in streamed:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+        last = chunk
+    assert texts == {0: want[0], 1: want[1]} and last.usage.prompt_tokens == 7
+    best = client.completions.create(model="tiny", prompt=PROMPTS[:2], max_tokens=4, n=1, best_of=2, temperature=0,
+                                     extra_body={"ignore_eos": True})
+    assert [c.index for c in best.choices] == [0, 1] and best.usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize("prompt", [[], [[]], [[1, 2], "x"], [1, "x"], [[1], [True]]])
+def test_malformed_prompt_lists_are_400s_saying_what_a_prompt_may_be(live, prompt):
+    r = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": prompt}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "a list of token-id lists" in r.json()["error"]["message"]
+
+
+def test_return_token_ids_whole_and_streamed(client, plain):
+    """vLLM's return_token_ids: prompt_token_ids and each choice's token_ids (completions: in the choice;
+    chat: beside the choices); streamed, the prompt's with a choice's first chunk and each chunk's own
+    new tokens, which join to the answer's."""
+    want = plain.generate([PROMPT], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    extra = {"ignore_eos": True, "return_token_ids": True}
+    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, extra_body=extra)
+    choice = r.choices[0].model_extra
+    assert choice["prompt_token_ids"] == PROMPT and choice["token_ids"] == want.token_ids
+    chunks = [c.choices[0].model_extra for c in client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=8, temperature=0, stream=True, extra_body=extra) if c.choices]
+    assert chunks[0]["prompt_token_ids"] == PROMPT and all("prompt_token_ids" not in c for c in chunks[1:])
+    assert [t for c in chunks for t in c["token_ids"]] == want.token_ids
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                          extra_body=extra)
+    ids = chat.model_extra["prompt_token_ids"]
+    assert ids == plain.tokenizer.encode(plain_chat_prompt(plain, messages)).ids
+    answer = chat.choices[0].model_extra["token_ids"]
+    assert len(answer) == 5 and plain.tokenizer.decode(answer) == chat.choices[0].message.content
+    events = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                                 stream=True, extra_body=extra))
+    assert events[0].model_extra["prompt_token_ids"] == ids
+    assert [t for e in events if e.choices for t in e.choices[0].model_extra.get("token_ids") or []] == answer
+
+
+def plain_chat_prompt(llm, messages) -> str:
+    from tandem.server.chat_template import ChatTemplate
+
+    return ChatTemplate.from_engine_dir(llm.engine_dir).render(messages)
+
+
+def test_continuous_usage_stats_on_every_chunk(client):
+    """stream_options.continuous_usage_stats: every chunk carries its choice's usage so far; the counts
+    grow to the final usage."""
+    for chat in (False, True):
+        kw = dict(model="tiny", max_tokens=12, temperature=0, stream=True,
+                  stream_options={"include_usage": True, "continuous_usage_stats": True},
+                  extra_body={"ignore_eos": True})
+        events = list(client.chat.completions.create(messages=[{"role": "user", "content": "hi"}], **kw) if chat
+                      else client.completions.create(prompt=PROMPT, **kw))
+        counts = [e.usage.completion_tokens for e in events if e.choices]
+        assert all(e.usage is not None for e in events) and counts == sorted(counts)
+        assert counts[-1] == events[-1].usage.completion_tokens == 12
+        assert {e.usage.prompt_tokens for e in events} == {events[-1].usage.prompt_tokens}
+
+
+def test_head_on_the_get_endpoints(live):
+    for path in ("/health", "/ready", "/v1/models", "/metrics"):
+        r = httpx.head(f"{live.url}{path}", timeout=10)
+        assert r.status_code == 200 and r.content == b"", path
