@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from tandem.pipeline import logprobs
+from tandem.pipeline.logits_processors import process_rows
 from tandem.pipeline.sampler import HostSampler, uniforms
 from tandem.pipeline.sequence import Sequence
 
@@ -38,22 +39,30 @@ def append_token(sampler: HostSampler, seq: Sequence, logits: np.ndarray) -> int
 
 
 def next_tokens(sampler: HostSampler, seqs: list[Sequence], logits: np.ndarray) -> list[int]:
-    """next_token for each sequence's row of logits [n, V]: greedy rows by one argmax over the batch,
-    sampled rows without rules drawn together (sampler.rows), rows with rules one at a time."""
-    free = [b for b, s in enumerate(seqs) if s.rules is None and not s.params.greedy]
+    """next_token for each sequence's row of logits [n, V]: the rows with rules processed together
+    (process_rows), then greedy rows by one argmax over the batch and sampled rows drawn together
+    (sampler.rows): the same tokens as one row at a time."""
+    ruled = [b for b, s in enumerate(seqs) if s.rules is not None]
+    if ruled:
+        logits = logits.astype(np.float32, copy=True)
+        logits[ruled] = process_rows([seqs[b].rules for b in ruled], [seqs[b].output_ids() for b in ruled],
+                                     logits[ruled])
+    sampled = [b for b, s in enumerate(seqs) if not s.params.greedy]
     tokens = np.argmax(logits, axis=-1)
-    if free:
-        u = uniforms([seqs[b].seed for b in free], np.array([len(seqs[b].tokens) for b in free]))
-        tokens[free] = sampler.rows(logits[free], [seqs[b].params for b in free], u)
-    return [t if s.rules is None else next_token(sampler, s, row)
-            for s, t, row in zip(seqs, tokens.tolist(), logits)]
+    if sampled:
+        u = uniforms([seqs[b].seed for b in sampled], np.array([len(seqs[b].tokens) for b in sampled]))
+        tokens[sampled] = sampler.rows(logits[sampled], [seqs[b].params for b in sampled], u)
+    return tokens.tolist()
 
 
 def append_tokens(sampler: HostSampler, seqs: list[Sequence], logits: np.ndarray) -> list[int]:
-    """next_tokens, appended to each sequence (with their logprobs, where asked)."""
+    """next_tokens, appended to each sequence (with their logprobs, where asked: all in one pass)."""
     out = next_tokens(sampler, seqs, logits)
-    for seq, token, row in zip(seqs, out, logits):
+    asked = [b for b, s in enumerate(seqs) if s.logprobs is not None]
+    if asked:
+        scored = logprobs.from_rows(logits[asked], [out[b] for b in asked], [seqs[b].params.logprobs for b in asked])
+        for b, entry in zip(asked, scored):
+            seqs[b].logprobs.append(entry)
+    for seq, token in zip(seqs, out):
         seq.tokens.append(token)
-        if seq.logprobs is not None:
-            seq.logprobs.append(logprobs.from_logits(row, token, seq.params.logprobs))
     return out

@@ -27,6 +27,7 @@ from tandem.pipeline.grammar import allowed_tokens
 from tandem.pipeline.sampling_params import SamplingParams
 
 EDIT_VALUES = 3      # (bias, scale, post) per edited token
+NO_EDIT = np.array([0.0, 1.0, 0.0], np.float32)
 
 
 def clear_bits(row: np.ndarray, ids: np.ndarray) -> None:
@@ -67,19 +68,48 @@ class Processors:
         if self.rep != 1.0:
             self.seen[prompt] = True
             ids.update(prompt)
-        self.ids = np.array(sorted(ids), np.int64)        # the edit list (sorted, unique)
+        # the edit list (unique; in the order tokens joined it): a buffer that grows, ids its filled part
+        self._ids = np.zeros(max(64, 2 * len(ids)), np.int64)
+        self._ids[: len(ids)] = sorted(ids)
+        self.ids = self._ids[: len(ids)]
+        self.listed = np.zeros(vocab_size, bool)
+        self.listed[self.ids] = True
+        # every token's (bias, scale, post) after the synced output, kept current for the tokens it adds,
+        # so the row after it (the host's, a verify row's first) is one gather of the edit list
+        self.values = np.zeros((vocab_size, EDIT_VALUES), np.float32)
+        self.values[:, 0], self.values[:, 1] = self.bias, 1.0
+        if self.rep != 1.0:
+            self.values[self.seen, 1] = np.float32(self.rep)
         self.consumed = 0
 
     def sync(self, output: list[int]) -> None:
-        """Count output[consumed:] (committed tokens only: the engine syncs before each use)."""
+        """Count output[consumed:] (committed tokens only: the engine syncs before each use). Token by
+        token, as scalars: a step adds one token or a few, where array operations cost more."""
         new = output[self.consumed :]
         if not new:
             return
         self.consumed = len(output)
-        if self.penalised:
-            np.add.at(self.counts, new, 1)
-            self.seen[new] = True
-            self.ids = np.union1d(self.ids, new)
+        if not self.penalised:
+            return
+        f, p, rep = np.float32(self.freq), np.float32(self.pres), np.float32(self.rep)
+        for t in new:
+            count = self.counts[t] + 1
+            self.counts[t], self.seen[t] = count, True
+            # the values _scale_post gives, as float32 scalars (the same operations, the same bits)
+            self.values[t, 1] = rep if self.rep != 1.0 else np.float32(1.0)
+            self.values[t, 2] = -(f * np.float32(count) + p * np.float32(count > 0))
+            if not self.listed[t]:
+                self.listed[t] = True
+                n = len(self.ids)
+                if n == len(self._ids):
+                    self._ids = np.concatenate([self._ids, np.zeros(n, np.int64)])
+                self._ids[n] = t
+                self.ids = self._ids[: n + 1]
+
+    def _scale_post(self, counts: np.ndarray, seen: np.ndarray) -> tuple:
+        """The repetition scale and the post term of tokens with these counts (float32) and seen flags."""
+        scale = np.where(seen, np.float32(self.rep), np.float32(1.0)) if self.rep != 1.0 else np.float32(1.0)
+        return scale, -(np.float32(self.freq) * counts + np.float32(self.pres) * (counts > 0))
 
     def masks(self, output: list[int]) -> bool:
         """Whether any mask applies to the row after `output` (else mask_row changes nothing)."""
@@ -101,35 +131,44 @@ class Processors:
 
     def row_edits(self, extra: Seq[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The edit list of the row after the synced output + extra: ids [N] int64, values [N, 3] float32."""
-        ids = self.ids if not (extra and self.penalised) else np.union1d(self.ids, extra)
+        if not (extra and self.penalised):
+            return self.ids, self.values[self.ids]
+        ids = np.union1d(self.ids, extra)
         counts = self.counts[ids].astype(np.float32)
         seen = self.seen[ids]
-        if extra and self.penalised:
-            at = np.searchsorted(ids, np.asarray(extra, np.int64))
-            np.add.at(counts, at, 1)
-            seen[at] = True
+        at = np.searchsorted(ids, np.asarray(extra, np.int64))
+        np.add.at(counts, at, 1)
+        seen[at] = True
         values = np.empty((len(ids), EDIT_VALUES), np.float32)
         values[:, 0] = self.bias[ids]
-        values[:, 1] = np.where(seen, np.float32(self.rep), np.float32(1.0)) if self.rep != 1.0 else 1.0
-        values[:, 2] = -(np.float32(self.freq) * counts + np.float32(self.pres) * (counts > 0))
+        values[:, 1], values[:, 2] = self._scale_post(counts, seen)
         return ids, values
 
 
 def apply_edits(logits: np.ndarray, ids: np.ndarray, values: np.ndarray) -> np.ndarray:
     """The edited copy of one row of logits [V] (float32), in the verify graph's order of operations."""
     out = logits.astype(np.float32, copy=True)
-    x = out[ids] + values[:, 0]
-    x = np.where(x > 0, x / values[:, 1], x * values[:, 1])
-    out[ids] = x + values[:, 2]
+    _edit_in_place(out[None], ids[None], values[None])
     return out
+
+
+def _edit_in_place(rows: np.ndarray, ids: np.ndarray, values: np.ndarray) -> None:
+    """rows [n, V] float32 edited in place by ids [n, N] and values [n, N, 3] (pad_edits' layout)."""
+    at = np.arange(len(rows))[:, None]
+    x = rows[at, ids] + values[..., 0]
+    x = np.where(x > 0, x / values[..., 1], x * values[..., 1])
+    rows[at, ids] = x + values[..., 2]
 
 
 def pad_edits(rows: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray]:
     """Per-row edit lists -> ids [R, N] and values [R, N, 3], N the longest; a shorter row repeats its
     first entry (a duplicate write of the same value), an empty one edits token 0 by nothing."""
     n = max(1, max(len(ids) for ids, _ in rows))
+    if len(rows) == 1 and len(rows[0][0]) == n:
+        return rows[0][0][None], rows[0][1][None]
     ids = np.zeros((len(rows), n), np.int64)
-    values = np.tile(np.array([0.0, 1.0, 0.0], np.float32), (len(rows), n, 1))
+    values = np.empty((len(rows), n, EDIT_VALUES), np.float32)
+    values[:] = NO_EDIT
     for r, (i, v) in enumerate(rows):
         if len(i):
             ids[r], values[r] = i[0], v[0]
@@ -183,12 +222,28 @@ class TokenRules:
         return row
 
     def process(self, logits: np.ndarray, output: list[int]) -> np.ndarray:
-        """One row of logits [V] after every rule, for the token after `output`: edited, then masked
-        (-inf where forbidden). A copy."""
-        if self.edits:
-            self.processors.sync(output)
-            logits = apply_edits(logits, *self.processors.row_edits())
-        if self.matcher is None and not self.processors.masks(output):
-            return logits if self.edits else logits.astype(np.float32)     # (apply_edits made a copy)
-        keep = allowed_tokens(self.next_mask(output, []), self.vocab_size)
-        return np.where(keep[: len(logits)], logits, -np.inf).astype(np.float32)
+        """One row of logits [V] after every rule, for the token after `output` (process_rows)."""
+        return process_rows([self], [output], logits[None])[0]
+
+
+def process_rows(rules: list[TokenRules], outputs: list[list[int]], logits: np.ndarray) -> np.ndarray:
+    """Rows of logits [n, V] after each row's rules, for the token after its output: edited (every
+    row's edit list at once, in the verify graph's float32 order), then masked (-inf where forbidden,
+    only in rows that have a mask now). A float32 copy."""
+    out = logits.astype(np.float32, copy=True)
+    edited = [i for i, r in enumerate(rules) if r.edits]
+    if edited:
+        for i in edited:
+            rules[i].processors.sync(outputs[i])
+        ids, values = pad_edits([rules[i].processors.row_edits() for i in edited])
+        if len(edited) == len(rules):
+            _edit_in_place(out, ids, values)
+        else:
+            part = out[edited]
+            _edit_in_place(part, ids, values)
+            out[edited] = part
+    for i, (r, output) in enumerate(zip(rules, outputs)):
+        if r.matcher is not None or r.processors.masks(output):
+            keep = allowed_tokens(r.next_mask(output, []), r.vocab_size)
+            out[i, ~keep[: out.shape[1]]] = -np.inf
+    return out

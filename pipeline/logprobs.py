@@ -38,6 +38,28 @@ def from_logits(logits: np.ndarray, token: int, n: int, rank: bool = False) -> T
     return TokenLogprob(int(token), float(x[token] - lse), top, int((x > x[token]).sum()) + 1 if rank else None)
 
 
+def from_rows(logits: np.ndarray, tokens: list[int], ns: list[int]) -> list[TokenLogprob]:
+    """from_logits for rows of logits [n, V] (row i: its token and top ns[i]) in one pass: the same
+    numbers, row by row."""
+    x = logits if logits.dtype == np.float32 else logits.astype(np.float32)
+    m = x.max(axis=1, keepdims=True)
+    lse = (m[:, 0] + np.log(np.exp(x - m, dtype=np.float32).sum(axis=1, dtype=np.float32))).astype(np.float32)
+    top = max(ns)
+    best = None
+    if top:
+        v = x.shape[1]
+        best = np.argpartition(x, v - top, axis=1)[:, v - top :] if top < v else np.tile(np.arange(v), (len(x), 1))
+    out = []
+    for i, (token, n) in enumerate(zip(tokens, ns)):
+        pairs = ()
+        if n:
+            ids = best[i]
+            ids = ids[np.lexsort((ids, -x[i, ids]))][:n]     # descending, lower id first among equals (as TopK)
+            pairs = tuple(zip(ids.tolist(), (x[i, ids] - lse[i]).tolist()))
+        out.append(TokenLogprob(int(token), float(x[i, token] - lse[i]), pairs))
+    return out
+
+
 def from_verify(out: dict[str, np.ndarray], tokens: list[int], n: int) -> list[TokenLogprob]:
     """Rows 0..len(tokens)-1 of one sequence's verify outputs, the tokens they emitted."""
     lp, top, ids = out[c.TOKEN_LOGPROBS], out[c.TOP_LOGPROBS], out[c.TOP_LOGPROB_IDS]
