@@ -1,7 +1,7 @@
 """Structured outputs under speculative decoding: tokens/s and accept length with and without a JSON
 schema, speculation on and off, and the share of a run the host's grammar work takes.
 
-    .venv/bin/python bench/structured_outputs.py ENGINE_DIR [--batch 1 8] [--tokens 64] [--passes 3]
+    .venv/bin/python bench/structured_outputs.py ENGINE_DIR [--batch 1 8] [--tokens 64] [--passes 3] [--adaptive]
 
 For each batch size, `batch` code prompts (the shipped model's kind of text) are generated with
 max_tokens `--tokens`, greedy, in four setups: no schema / a nested JSON schema, speculation off /
@@ -56,8 +56,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--adaptive", action="store_true",
+                        help="the engine's default width policy (without it: every round drafts k, forced)")
     args = parser.parse_args()
-    llm = LLM(args.engine_dir, EngineConfig(adaptive_width=False))
+    llm = LLM(args.engine_dir, EngineConfig(adaptive_width=args.adaptive))
     print(f"{machine()}; {args.engine_dir}; {args.tokens} tokens, medians of {args.passes} round-robin passes")
     print("batch | schema | speculation | tokens/s | accept length | grammar share")
     for batch in args.batch:

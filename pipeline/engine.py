@@ -201,11 +201,13 @@ class Engine:
         for width in sorted({len(d) + 1 for d in drafts.values()}):
             group = [s for s in seqs if len(drafts[s.request_id]) + 1 == width]
             sampling = any(not s.params.greedy for s in group)
-            # a grammar request's drafts come from the heads under its masks: the multi-call round
-            # (a unified round drafts the next round's tokens inside the graph, before the host knows them)
-            grammar = any(s.shaped for s in group)
+            # a grammar request's drafts come from the heads under its masks, and a request with logprobs
+            # reads them from the verify graph: the multi-call round (a unified round drafts the next
+            # round's tokens inside the graph, before the host knows them, and reports no logprobs).
+            # Logits processors alone ride the unified round: its verify applies their masks and edits
+            multi = any(s.logprobs is not None or s.rules is not None and s.rules.matcher is not None for s in group)
             if self.unified and self.synthetic_acceptance is None and self.unified.serves(width, sampling) \
-                    and not grammar:
+                    and not multi:
                 with self._phase("round"):
                     self.unified.run(group, self._verify_rows(group, drafts, width, masks), drafts, width, sampling)
             else:

@@ -60,7 +60,7 @@ def append_tokens(sampler: HostSampler, seqs: list[Sequence], logits: np.ndarray
     out = next_tokens(sampler, seqs, logits)
     asked = [b for b, s in enumerate(seqs) if s.logprobs is not None]
     if asked:
-        scored = logprobs.from_rows(logits[asked], [out[b] for b in asked], [seqs[b].params.logprobs for b in asked])
+        scored = sampler.logprobs(logits[asked], [out[b] for b in asked], [seqs[b].params.logprobs for b in asked])
         for b, entry in zip(asked, scored):
             seqs[b].logprobs.append(entry)
     for seq, token in zip(seqs, out):

@@ -32,10 +32,21 @@ def from_logits(logits: np.ndarray, token: int, n: int, rank: bool = False) -> T
     lse = m + np.float32(np.log(np.exp(x - m, dtype=np.float32).sum(dtype=np.float32)))
     top = ()
     if n:
-        best = np.argpartition(x, len(x) - n)[len(x) - n :] if n < len(x) else np.arange(len(x))
-        best = best[np.lexsort((best, -x[best]))]     # descending, lower id first among equals (as TopK)
+        best = _top(x, n)
         top = tuple(zip(best.tolist(), (x[best] - lse).tolist()))
     return TokenLogprob(int(token), float(x[token] - lse), top, int((x > x[token]).sum()) + 1 if rank else None)
+
+
+def _top(x: np.ndarray, n: int, kth: float | None = None) -> np.ndarray:
+    """The ids of the n largest of x [V], most likely first, the lower id first among equals (as ONNX
+    TopK); `kth`: the n-th largest value, where the caller has it."""
+    if n >= len(x):
+        best = np.arange(len(x))
+    else:
+        if kth is None:
+            kth = np.partition(x, len(x) - n)[len(x) - n]
+        best = np.flatnonzero(x >= kth)      # every tie at the n-th value: the lower ids win below
+    return best[np.lexsort((best, -x[best]))][:n]
 
 
 def from_rows(logits: np.ndarray, tokens: list[int], ns: list[int]) -> list[TokenLogprob]:
@@ -44,17 +55,13 @@ def from_rows(logits: np.ndarray, tokens: list[int], ns: list[int]) -> list[Toke
     x = logits if logits.dtype == np.float32 else logits.astype(np.float32)
     m = x.max(axis=1, keepdims=True)
     lse = (m[:, 0] + np.log(np.exp(x - m, dtype=np.float32).sum(axis=1, dtype=np.float32))).astype(np.float32)
-    top = max(ns)
-    best = None
-    if top:
-        v = x.shape[1]
-        best = np.argpartition(x, v - top, axis=1)[:, v - top :] if top < v else np.tile(np.arange(v), (len(x), 1))
+    top, v = max(ns), x.shape[1]
+    kth = np.partition(x, v - top, axis=1)[:, v - top] if 0 < top < v else None
     out = []
     for i, (token, n) in enumerate(zip(tokens, ns)):
         pairs = ()
         if n:
-            ids = best[i]
-            ids = ids[np.lexsort((ids, -x[i, ids]))][:n]     # descending, lower id first among equals (as TopK)
+            ids = _top(x[i], n, None if kth is None or n != top else kth[i])
             pairs = tuple(zip(ids.tolist(), (x[i, ids] - lse[i]).tolist()))
         out.append(TokenLogprob(int(token), float(x[i, token] - lse[i]), pairs))
     return out

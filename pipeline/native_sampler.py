@@ -30,6 +30,14 @@ class NativeSampler:
                        ctypes.c_void_p]
         self._fn = fn
         self._grow(8)
+        try:        # logprobs came later: a library from before them samples, and numpy scores
+            lp = ctypes.CDLL(str(library)).tandem_logprobs_rows
+            lp.restype = None
+            lp.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                           ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            self._logprobs = lp
+        except AttributeError:
+            self._logprobs = None
 
     def _grow(self, rows: int) -> None:
         # kept between calls with their addresses: numpy's .ctypes.data costs 1.5-2.5 us an array
@@ -57,6 +65,22 @@ class NativeSampler:
         self._fn(ctypes.addressof(ctypes.c_char.from_buffer(logits)), n, vocab, *self._at,
                  None if probs is None else probs.ctypes.data)
         return self._tokens[:n].copy()
+
+
+    def logprobs(self, logits: np.ndarray, tokens: list[int], n: int) -> tuple | None:
+        """For rows of logits [rows, V]: (token_lp [rows] float32, top_ids [rows, n], top_lp [rows, n]),
+        the log-softmax at each row's token and its n most likely; None where the library has none."""
+        if self._logprobs is None:
+            return None
+        if logits.dtype != np.float32 or logits.strides[1] != 4:
+            logits = np.ascontiguousarray(logits, np.float32)
+        rows, vocab = logits.shape
+        tokens = np.asarray(tokens, np.int64)
+        token_lp, top_ids, top_lp = np.empty(rows, np.float32), np.empty((rows, n), np.int64), np.empty((rows, n),
+                                                                                                     np.float32)
+        self._logprobs(logits.ctypes.data, rows, vocab, logits.strides[0] // 4, tokens.ctypes.data, n,
+                       token_lp.ctypes.data, top_ids.ctypes.data, top_lp.ctypes.data)
+        return token_lp, top_ids, top_lp
 
 
 def _writable_float32(logits: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ import threading
 
 import numpy as np
 
+from tandem.pipeline.logprobs import TokenLogprob, from_rows
 from tandem.pipeline.sampling_params import SamplingParams
 
 
@@ -97,6 +98,16 @@ class HostSampler:
         if sampled:
             tokens[sampled] = self.native.sample(logits[sampled], [params[i] for i in sampled], np.asarray(u)[sampled])
         return tokens
+
+    def logprobs(self, logits: np.ndarray, tokens: list[int], ns: list[int]) -> list:
+        """A pipeline.logprobs.TokenLogprob for each row of logits [rows, V]: its token's raw
+        log-probability and its ns[i] most likely (the native library's where it has them, else numpy's)."""
+        got = self.native.logprobs(logits, tokens, max(ns)) if self.native is not None else None
+        if got is None:
+            return from_rows(logits, tokens, ns)
+        token_lp, top_ids, top_lp = got
+        return [TokenLogprob(int(t), float(token_lp[i]), tuple(zip(top_ids[i, :n].tolist(), top_lp[i, :n].tolist())))
+                for i, (t, n) in enumerate(zip(tokens, ns))]
 
     def one(self, logits: np.ndarray, params: SamplingParams, u: float) -> int:
         """The token for one row of logits [V], decided by the uniform of the position it fills."""

@@ -34,8 +34,8 @@ from tandem.engines.backends.onnxruntime_optimized import cpu_signature
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCES = ("gated_deltanet.cc", "conv_gated_deltanet.cc", "paged_attention.cc", "norm_rope.cc", "rotary_tables.cc",
-           "matmul_nbits.cc", "matmul_nbits_avx512.cc", "matmul_f32.cc", "row_ops.cc", "sampler.cc", "decode_burst.cc",
-           "kernel_times.cc", "register.cc")
+           "matmul_nbits.cc", "matmul_nbits_avx512.cc", "matmul_f32.cc", "row_ops.cc", "sampler.cc", "logprobs.cc",
+           "decode_burst.cc", "kernel_times.cc", "register.cc")
 HEADERS = ("ort_abi.h", "kernel_common.h", "gated_deltanet.h", "matmul_nbits.h", "row_ops.h")
 # what the int4 / int8 matmul kernel's fast path (matmul_nbits_avx512.cc) needs, as /proc/cpuinfo names them
 _VNNI_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}

@@ -134,3 +134,29 @@ def test_the_pipeline_draws_with_the_engine_dirs_native_sampler(engine_dirs, mon
     others = [replace(params, seed=s, max_tokens=9 + s) for s in range(5)]
     together = llm.generate([[5, 9, 77, 120], *[[3 + s, 40] for s in range(5)]], [params, *others])
     assert together[0].token_ids == alone
+
+
+@pytest.mark.parametrize("form", ["fast", "portable"])
+def test_native_logprobs_are_numpys_to_rounding(native, monkeypatch, form):
+    """tandem_logprobs_rows: each row's token logprob and its top n (most likely first, the lower id
+    first among equals, as TopK) are numpy's from_rows to float32 rounding; strided rows (a bucket's
+    logits) read in place; rows with ties and -inf logits too."""
+    from tandem.pipeline.logprobs import from_rows
+
+    if form == "portable":
+        monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1")    # the library reads it at each call
+    rng = np.random.default_rng(3)
+    logits = np.stack([lm_like_logits(rng, 4096, 1.5) for _ in range(6)]).astype(np.float32)
+    logits[1, :50] = logits[1, 4000]                     # ties at the top
+    logits[2, ::3] = -np.inf                             # masked-out logits
+    padded = np.zeros((6, 5000), np.float32)
+    padded[:, :4096] = logits
+    tokens = [int(t) for t in rng.integers(0, 4096, 6)]
+    tokens[2] = 1
+    for rows, n in ((logits, 5), (padded[:, :4096], 20), (logits, 0)):
+        token_lp, top_ids, top_lp = native.logprobs(rows, tokens, n)
+        want = from_rows(logits, tokens, [n] * 6)
+        np.testing.assert_allclose(token_lp, [w.logprob for w in want], rtol=0, atol=2e-6)
+        for i, w in enumerate(want):
+            assert top_ids[i].tolist() == [t for t, _ in w.top]
+            np.testing.assert_allclose(top_lp[i], [v for _, v in w.top], rtol=0, atol=2e-6)
