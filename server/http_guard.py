@@ -12,8 +12,10 @@ installed, else h11, as uvicorn's "auto" picks) so that:
         |       timer fires first           -> 408 and close
         '-- head complete: timer off; the body and the response as uvicorn does them
 
-A count is of whole reads taken while a head is open, plus each header's own bytes as the parser
-hands it over, so a head is refused within one read of the limit. The request body's own limit
+Under h11 a head is what arrives between requests up to its blank line, counted before h11 buffers
+it. httptools parses as it goes: there a head is measured two ways and the larger counts, the reads
+that end with it still open (a read that completes it may carry a body too, so it is not counted
+whole) and what the parser hands over (the url and each header). The request body's own limit
 stays in the ASGI guard (server/limits.py).
 """
 
@@ -23,35 +25,46 @@ import json
 
 from tandem.server.protocol import error_body
 
+HEAD_END = b"\r\n\r\n"
 REASONS = {408: b"Request Timeout", 431: b"Request Header Fields Too Large"}
 DRAIN_S, DRAIN_BYTES = 2.0, 16 << 20     # after a refusal: how long, and how much, is read and dropped
 
 
 def _base_protocol(prefer: str = "httptools"):
-    """uvicorn's protocol class and a function telling whether a request head is being read:
-    httptools' where it is installed and preferred, else h11's."""
+    """uvicorn's protocol class, and whether its parser reports a head's pieces as it parses them
+    (httptools' callbacks; h11 hands over a whole head at once)."""
     try:
         if prefer != "httptools":
             raise ImportError(prefer)
         import httptools  # noqa: F401
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
-        import h11
         from uvicorn.protocols.http.h11_impl import H11Protocol
 
-        return H11Protocol, lambda self: self.conn.their_state is h11.IDLE
-    return HttpToolsProtocol, lambda self: self._head_open
+        return H11Protocol, False
+    return HttpToolsProtocol, True
 
 
 def guarded_protocol(max_header_bytes: int, header_timeout_s: float, prefer: str = "httptools"):
     """A uvicorn HTTP protocol class (pass as uvicorn.Config(http=...)) enforcing both limits, over
     httptools (where installed) or h11 (`prefer="h11"`, or without httptools)."""
-    base, reading_head = _base_protocol(prefer)
+    base, callbacks = _base_protocol(prefer)
+
+    def reading_head(self) -> bool:
+        if callbacks:
+            return self._head_open
+        import h11
+
+        return self.conn.their_state is h11.IDLE    # between requests: what comes is a head
 
     class GuardedProtocol(base):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
-            self._head_open, self._head_bytes, self._refused, self._dropped = True, 0, False, 0
+            self._head_open, self._refused, self._dropped = True, False, 0
+            # the head's size two ways: the reads taken while it was open (a read that ends it is left to
+            # the parser's count), and what the parser handed over (httptools: url and headers)
+            self._read_bytes = self._parsed_bytes = 0
+            self._tail = b""            # h11: the last bytes of the head so far (its end may straddle two reads)
             self._too_big = False       # a head over the limit, refused once the parser has returned
             self._head_timer = self.loop.call_later(header_timeout_s, self._head_too_slow)
 
@@ -61,10 +74,16 @@ def guarded_protocol(max_header_bytes: int, header_timeout_s: float, prefer: str
                 if self._dropped > DRAIN_BYTES:
                     self.transport.close()
                 return
-            if reading_head(self):
-                self._count(len(data))
+            if not callbacks and reading_head(self):     # h11: the head's bytes in this read, before h11 buffers them
+                end = (self._tail + data).find(HEAD_END)
+                self._read_bytes += len(data) if end < 0 else end + len(HEAD_END) - len(self._tail)
+                self._tail = (self._tail + data)[-(len(HEAD_END) - 1):] if end < 0 else b""
+                self._too_big |= self._read_bytes > max_header_bytes
             if not self._too_big:
                 super().data_received(data)
+            if callbacks and not self._refused and reading_head(self):    # the head goes on past this read
+                self._read_bytes += len(data)
+                self._too_big |= self._read_bytes > max_header_bytes
             if self._too_big:
                 return self._refuse(431, f"the request's headers exceed {max_header_bytes} bytes; send smaller "
                                          "headers (the server's --max-header-bytes)")
@@ -75,19 +94,20 @@ def guarded_protocol(max_header_bytes: int, header_timeout_s: float, prefer: str
                     self._head_timer = self.loop.call_later(header_timeout_s, self._head_too_slow)
             else:
                 self._cancel_head_timer()
-                self._head_bytes = 0
+                self._read_bytes = self._parsed_bytes = 0
+                self._tail = b""
 
         # httptools' callbacks (h11 has none: its state says where a head is)
         def on_message_begin(self) -> None:
             super().on_message_begin()
-            self._head_open, self._head_bytes = True, 0
+            self._head_open, self._parsed_bytes = True, 0
 
         def on_url(self, url: bytes) -> None:
-            self._count(len(url))
+            self._parsed(len(url))
             super().on_url(url)
 
         def on_header(self, name: bytes, value: bytes) -> None:
-            self._count(len(name) + len(value) + 4)      # "name: value\r\n"
+            self._parsed(len(name) + len(value) + 4)      # "name: value\r\n"
             super().on_header(name, value)
 
         def on_headers_complete(self) -> None:
@@ -107,9 +127,9 @@ def guarded_protocol(max_header_bytes: int, header_timeout_s: float, prefer: str
             self._cancel_head_timer()
             super().connection_lost(exc)
 
-        def _count(self, size: int) -> None:
-            self._head_bytes += size
-            self._too_big |= self._head_bytes > max_header_bytes
+        def _parsed(self, size: int) -> None:
+            self._parsed_bytes += size
+            self._too_big |= self._parsed_bytes > max_header_bytes
 
         def _cancel_head_timer(self) -> None:
             if getattr(self, "_head_timer", None) is not None:

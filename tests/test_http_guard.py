@@ -99,3 +99,14 @@ def test_keep_alive_requests_each_get_their_own_head_budget(live):
             assert r.status_code == 200
             time.sleep(TIMEOUT_S * 1.2)
         assert h.post("/v1/completions", json={"model": "tiny", "prompt": [5, 6], "max_tokens": 2}).status_code == 200
+
+
+def test_a_body_sent_with_its_head_is_not_counted_as_head(live):
+    """A 200 KiB body in the same writes as its head (more than the head limit): the head is small,
+    so the request is answered by the endpoint (here a 400: the prompt is longer than the engines take)."""
+    body = json.dumps({"model": "tiny", "prompt": "x" * (200 << 10), "max_tokens": 2}).encode()
+    with _connect(live) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body)
+        status, answer = _status(_answer(s))
+    assert status == 400 and "prompt" in answer["error"]["message"]
