@@ -54,8 +54,9 @@ RELAXED_TOPK, RELAXED_DELTA, RELAXED_ROWS = "relaxed_topk", "relaxed_delta", "re
 # the runtime binds it only where an engine has it and runs grammar requests without speculation where the verify
 # engines lack it (heads without it draft unmasked)
 TOKEN_BITMASK = "token_bitmask"
-# logits processors (pipeline/logits_processors.py): sparse edits of each verify row's logits, and min-p for sampled
-# rows; optional verify inputs as the two above (engines without them run processed requests without speculation)
+# logits processors (pipeline/logits_processors.py): sparse edits of each verify row's logits (and of an MTP head's
+# last row: its draft), and min-p for sampled rows; optional inputs as the two above (verify engines without them run
+# processed requests without speculation; heads without them draft unedited)
 LOGIT_EDIT_IDS, LOGIT_EDITS, MIN_P_LOG = "logit_edit_ids", "logit_edits", "min_p_log"
 WANT_LOGPROBS = "want_logprobs"    # verify: 1 where a row reports logprobs (optional, as the ones above)
 TOKEN_LOGPROBS, TOP_LOGPROBS, TOP_LOGPROB_IDS = "token_logprobs", "top_logprobs", "top_logprob_ids"
@@ -256,6 +257,9 @@ def mtp_head_io(desc: ModelDescription, head: int, dtype: str = "float32") -> tu
            TensorSpec(LAST_ROW, "int64", ("batch",), "the row whose draft and hidden to return"),
            TensorSpec(TOKEN_BITMASK, "int32", ("batch", "rows", mask_words(desc.vocab_size)),
                       "grammar mask of each row; the draft is the best token last_row's allows (all ones: off)"),
+           TensorSpec(LOGIT_EDIT_IDS, "int64", ("batch", "rows", "edits"), "tokens whose logit row i edits"),
+           TensorSpec(LOGIT_EDITS, "float32", ("batch", "rows", "edits", 3),
+                      "(bias, scale, post) per edited token: the draft is last_row's edited argmax"),
            *kv_in]
     outs = [TensorSpec(DRAFT_TOKEN, "int64", ("batch",), "greedy draft at last_row"),
             TensorSpec(DRAFT_PROB, "float32", ("batch",), "the head's probability of that draft"),

@@ -275,7 +275,8 @@ def verify_body(b: GraphBuilder, desc: ModelDescription, w: Weights, sampling: b
 def mtp_head(desc: ModelDescription, w: Weights, head: int) -> onnx.ModelProto:
     ins, outs = c.mtp_head_io(desc, head, w.dtype)
     b = GraphBuilder()
-    run = head_pass(b, desc, w, head, c.INPUT_IDS, c.HIDDEN_IN, c.LAST_ROW, bitmask=c.TOKEN_BITMASK)
+    run = head_pass(b, desc, w, head, c.INPUT_IDS, c.HIDDEN_IN, c.LAST_ROW, bitmask=c.TOKEN_BITMASK,
+                    edits=acceptance.Edits(c.LOGIT_EDIT_IDS, c.LOGIT_EDITS))
     produced = {c.DRAFT_TOKEN: run.draft, c.DRAFT_PROB: run.prob, c.HIDDEN_OUT: run.hidden_last,
                 **head_rows_outputs(desc, head, run.rows)}
     if run.hidden_rows is not None:
@@ -306,12 +307,15 @@ class HeadPass:
 
 
 def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, ids: str, hidden: str,
-              last_row: str, selected: str | None = None, bitmask: str | None = None) -> HeadPass:
+              last_row: str, selected: str | None = None, bitmask: str | None = None,
+              edits: acceptance.Edits | None = None) -> HeadPass:
     """Head `head` over rows (ids [B, R], hidden [B, R, H]) at positions context_lens + r, on top
     of its committed pool (contract names key_pool.mtp{j}, the page group's block table).
     `selected` [B, R, K]: the positions a sparse-MLA head attends, its indexer skipped (index share).
     `bitmask` [B, R, words]: grammar masks; the draft is the best token last_row's mask allows, its
-    probability the masked softmax's (a batch of all-ones masks runs the plain branch)."""
+    probability the masked softmax's (a batch of all-ones masks runs the plain branch). `edits`
+    ([B, R, N] ids, [B, R, N, 3] values): logits processors' edits, last_row's applied before the mask
+    (with `bitmask` only: one If decides both)."""
     layer_name = c.mtp_layer_name(head)
     layer = desc.mtp.layers[head]
     p = f"mtp.layers.{head}."
@@ -343,10 +347,11 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
         if bitmask is None:
             draft, prob = _greedy_draft(b, logits)
         else:
-            mask_last = b.op("GatherND", bitmask, b.unsqueeze(last_row, [1]), batch_dims=1)     # [B, words]
+            at_last = lambda x: b.unsqueeze(b.op("GatherND", x, b.unsqueeze(last_row, [1]), batch_dims=1), [1])  # noqa: E731
             draft, prob = acceptance.under_grammar(
-                b, b.unsqueeze(logits, [1]), b.unsqueeze(mask_last, [1]),
-                lambda g, lg, _: _greedy_draft(g, g.squeeze(lg, [1])), (TensorProto.INT64, TensorProto.FLOAT))
+                b, b.unsqueeze(logits, [1]), at_last(bitmask),                        # [B, 1, V], [B, 1, words]
+                lambda g, lg, _: _greedy_draft(g, g.squeeze(lg, [1])), (TensorProto.INT64, TensorProto.FLOAT),
+                edits=None if edits is None else acceptance.Edits(at_last(edits.ids), at_last(edits.values)))
     return HeadPass(draft, prob, g_last, g if every_row else None, rows, picked)
 
 

@@ -389,7 +389,9 @@ class Engine:
                 context = s.head_committed - (step if self.by_previous_head else 0)
                 rows.append(Rows(ids=drafts[s.request_id][step - n :], context=context + step - n,
                                  pages=s.table.pages, hidden=np.stack(chains[s.request_id][-n:]),
-                                 bitmask=_last_row_mask(grammar.get(s.request_id), n)))
+                                 bitmask=_last_row_mask(grammar.get(s.request_id), n),
+                                 edits=s.rules.head_edits(s.output_ids(), drafts[s.request_id], n)
+                                 if s.rules is not None else None))
             for seq, out, r in zip(active, self.runner.head(head, rows).rows(), rows):
                 if out[c.DRAFT_PROB] >= seq.params.p_min:
                     drafts[seq.request_id].append(int(out[c.DRAFT_TOKEN]))
@@ -486,9 +488,12 @@ class Engine:
                     batch.append((s, ids, h, s.head_committed))
             if not batch:
                 continue
-            rows = [Rows(ids=ids, context=first, pages=s.table.pages, hidden=h,
-                         bitmask=_last_row_mask(s.rules.next_mask(s.output_ids(), []), len(ids))
-                         if j == 0 and s.rules is not None else None) for s, ids, h, first in batch]
+            rows = []
+            for s, ids, h, first in batch:
+                ruled = j == 0 and s.rules is not None    # head 0 drafts d_1 under the rules
+                rows.append(Rows(ids=ids, context=first, pages=s.table.pages, hidden=h,
+                                 bitmask=_last_row_mask(s.rules.next_mask(s.output_ids(), []), len(ids)) if ruled
+                                 else None, edits=s.rules.head_edits(s.output_ids(), [], len(ids)) if ruled else None))
             outs = self.runner.head(j, rows)
             layer = c.mtp_layer_name(j)
             self.pools.write_rows([layer], outs.arrays, np.arange(len(batch)), np.array([len(r.ids) for r in rows]),

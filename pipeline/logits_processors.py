@@ -208,6 +208,15 @@ class TokenRules:
         self.processors.sync(output)
         return pad_edits([self.processors.row_edits(drafts[:i]) for i in range(len(drafts) + 1)])
 
+    def head_edits(self, output: list[int], drafts: list[int], rows: int) -> tuple[np.ndarray, np.ndarray] | None:
+        """A head call's edits over its `rows` rows, for the draft after output + drafts: every row that
+        token's list (the head reads last_row's only); None: none."""
+        if not self.edits:
+            return None
+        self.processors.sync(output)
+        ids, values = self.processors.row_edits(drafts)
+        return np.broadcast_to(ids, (rows, len(ids))), np.broadcast_to(values, (rows, *values.shape))
+
     def next_mask(self, output: list[int], drafts: list[int]) -> np.ndarray | None:
         """The mask [words] of the token after output + drafts (a head's draft), None where the
         grammar refuses a draft (nothing drafted after it can be kept)."""

@@ -43,7 +43,7 @@ class Rows:
     relaxed_delta: float = 0.0
     relaxed_rows: list[int] | None = None  # 1 where row i may relax
     bitmask: np.ndarray | None = None      # verify, heads: grammar masks [n, words] (pipeline/grammar.py); None: all
-    edits: tuple[np.ndarray, np.ndarray] | None = None  # verify: logit edits, ids [n, N] and values [n, N, 3]
+    edits: tuple[np.ndarray, np.ndarray] | None = None  # verify, heads: logit edits, ids [n, N], values [n, N, 3]
     min_p_log: float = -np.inf             # verify, sampled rows: log(min_p) (-inf: off)
     logprobs: bool = False                 # verify: report the rows' log-probabilities
 
@@ -218,7 +218,8 @@ class ModelRunner:
             # the edit lists' length, rounded up to a power of two (one binding per bucket of it)
             edits = _pow2(max((r.edits[0].shape[1] for r in part if r.edits is not None), default=1))
             binding = self._binding(graph, batch, width, pages, fixed, edits)
-            if any(r.edits is not None for r in part) and c.LOGIT_EDIT_IDS not in binding.inputs:
+            if (not graph.is_head and c.LOGIT_EDIT_IDS not in binding.inputs   # (a head without them drafts unedited)
+                    and any(r.edits is not None for r in part)):
                 raise ValueError(f"{graph.name}: logit edits for an engine built before them; rebuild the engine dir "
                                  "(`tandem build-engines`), or run these requests without speculation")
             if (graph != TARGET_STEP and not graph.is_head and c.TOKEN_BITMASK not in binding.inputs

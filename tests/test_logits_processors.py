@@ -143,3 +143,14 @@ def test_sampled_with_min_p_and_penalties_speculative_equals_plain(engine_dirs, 
     assert [got[i] for i in range(len(PROMPTS))] == want
     if drafter == "oracle":
         assert all(s.metrics.accepted == s.metrics.drafted > 0 for s in llm.test_sequences)
+
+
+def test_the_heads_draft_under_the_edits_in_multi_call_rounds(engine_dirs):
+    """A bias that makes one token every answer: the heads draft under the same edits (multi-call
+    rounds: the re-anchor's head 0 and each draft step), so every draft is that token and accepted;
+    drafting ignorant of the bias would propose the heads' own argmax and be rejected."""
+    p = replace(BASE, logit_bias=((77, 60.0),))
+    llm = LLM(engine_dirs[KIND], EngineConfig(adaptive_width=False, spec_k=3, round="multi"))
+    out = llm.generate(PROMPTS[:2], p)
+    assert all(set(r.token_ids) == {77} for r in out)
+    assert all(r.metrics.drafted > 0 and r.metrics.accepted == r.metrics.drafted for r in out)

@@ -350,6 +350,38 @@ def test_a_head_drafts_the_best_token_its_last_rows_mask_allows(tiny_root):
     assert only.tolist() == [7, 8] and np.allclose(p_only, 1.0)
 
 
+def test_a_head_drafts_the_argmax_of_its_last_rows_edited_logits(tiny_root):
+    """Logits processors' edits reach the MTP head too: its draft is the argmax of last_row's logits
+    after its edit list (a bias can move it to any token; a ban of the free draft moves it away), its
+    probability the edited softmax's; identity edits leave the free draft."""
+    from tandem.export.graphs import mtp_head
+    from tandem.export.layers import Weights
+
+    ckpt = open_checkpoint(tiny_root / "qwen3_5_mtp1")
+    desc = ckpt.description
+    head = session(mtp_head(desc, Weights(ckpt), 0))
+    rng = np.random.default_rng(5)
+    feeds = {c.INPUT_IDS: rng.integers(0, desc.vocab_size, (2, 3)), c.LAST_ROW: np.array([2, 1]),
+             c.HIDDEN_IN: rng.standard_normal((2, 3, desc.hidden_size)).astype(np.float32)}
+
+    def draft(ids, values):
+        out = PagedState(desc, 2, kv_layers=[c.mtp_layer_name(0)]).run(
+            head, {**feeds, c.LOGIT_EDIT_IDS: np.asarray(ids, np.int64), c.LOGIT_EDITS: np.asarray(values, np.float32)})
+        return out[c.DRAFT_TOKEN].tolist(), out[c.DRAFT_PROB]
+
+    identity = np.tile(np.float32([0.0, 1.0, 0.0]), (2, 3, 2, 1))
+    free, _ = draft(np.zeros((2, 3, 2)), identity)
+    biased = identity.copy()
+    biased[0, 2, 0] = [100.0, 1.0, 0.0]             # sequence 0, its last row: token 11 biased up
+    biased[1, 1, 1] = [-100.0, 1.0, 0.0]            # sequence 1, its last row: its free draft banned
+    biased[0, 0, 0] = biased[1, 2, 0] = [100.0, 1.0, 0.0]   # rows other than last_row: not read
+    ids = np.zeros((2, 3, 2), np.int64)
+    ids[0, :, 0], ids[1, :, 1], ids[1, 2, 0] = 11, free[1], 5
+    got, prob = draft(ids, biased)
+    assert got[0] == 11 and prob[0] == pytest.approx(1.0, abs=1e-6)
+    assert got[1] != free[1] and got[1] != 5
+
+
 def test_every_draft_of_a_grammar_request_is_one_its_grammar_allows(shipped, monkeypatch):
     """Under a schema the heads draft under the request's masks, so every draft reaching the verify
     step is allowed where it stands (the grammar's forced-token replacement is not needed)."""
