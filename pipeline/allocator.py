@@ -56,10 +56,20 @@ class FreeList:
         self.lowest_first = lowest_first
         self._freed: list[int] = []     # a stack: the end is handed out next (lowest_first: a min-heap)
         self._fresh = 1                 # items >= this were never handed out
+        # holders of an item beyond the one that allocated it (the prefix cache, sequences that hit it):
+        # free() drops one holder, and the item goes back only when none is left
+        self.shared: dict[int, int] = {}
+        self.cache_holds: dict[int, int] = {}   # of an item's holders, the prefix cache's entries
+        self.num_idle = 0                       # items only the cache holds: free to take back (evict)
 
     @property
     def num_free(self) -> int:
         return len(self._freed) + self.size - self._fresh
+
+    @property
+    def available(self) -> int:
+        """Free items and those only the prefix cache holds (it gives them back when asked)."""
+        return self.num_free + self.num_idle
 
     @property
     def ever_used(self) -> int:
@@ -82,12 +92,52 @@ class FreeList:
             self._fresh += n - reused
         return out
 
-    def free(self, items: list[int]) -> None:
+    def retain(self, items, cache: bool = False) -> None:
+        """One more holder of each of `items` (allocated ones): each free() drops one. `cache`: the
+        holder is a prefix-cache entry (it counts toward num_idle)."""
+        for item in items:
+            idle = self._idle(item)
+            self.shared[item] = self.shared.get(item, 0) + 1
+            if cache:
+                self.cache_holds[item] = self.cache_holds.get(item, 0) + 1
+            self.num_idle += self._idle(item) - idle
+
+    def _idle(self, item: int) -> bool:
+        held = self.cache_holds.get(item, 0)
+        return held > 0 and held == 1 + self.shared.get(item, 0)
+
+    def free(self, items: list[int], cache: bool = False) -> None:
+        """Drop one holder of each of `items`; those with none left are free again. `cache`: the
+        holder was a prefix-cache entry."""
+        if self.shared:
+            items = self._unshared(items, cache)
         if self.lowest_first:
             for item in items:
                 heapq.heappush(self._freed, item)
         else:
             self._freed.extend(reversed(items))   # items[0] on top: a table comes back in its order
+
+
+    def _unshared(self, items: list[int], cache: bool) -> list[int]:
+        """Of `items`, those whose last holder lets go; the others lose a holder."""
+        out = []
+        for item in items:
+            idle = self._idle(item)
+            held = self.shared.get(item, 0)
+            if held > 1:
+                self.shared[item] = held - 1
+            elif held == 1:
+                del self.shared[item]
+            else:
+                out.append(item)
+            if cache:
+                left = self.cache_holds[item] - 1
+                if left:
+                    self.cache_holds[item] = left
+                else:
+                    del self.cache_holds[item]
+            self.num_idle += self._idle(item) - idle
+        return out
 
 
 class BlockTable:
@@ -172,6 +222,10 @@ class PageTables:
     def capacity(self) -> int:
         return len(self.pages) * self.page_size
 
+    def touch(self) -> None:
+        """A new version after the tables were set from outside (a prefix cache hit)."""
+        self.version = next(_versions)
+
     def held(self) -> dict[int | None, int]:
         """Pages this sequence holds per group."""
         return {w: t.held for w, t in self.groups.items()}
@@ -219,4 +273,6 @@ class PageGroups:
         return PageTables(page_size, tuple(self.lists))
 
     def in_use(self) -> dict[int | None, int]:
-        return {w: fl.size - 1 - fl.num_free for w, fl in self.lists.items()}
+        """Pages sequences hold, per group (a page only the prefix cache holds is not in use: it goes
+        back when needed)."""
+        return {w: fl.size - 1 - fl.num_free - fl.num_idle for w, fl in self.lists.items()}

@@ -37,6 +37,7 @@ from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
 from tandem.pipeline.multi_step_decode import MultiStepDecode
 from tandem.pipeline.outputs import EngineStats, StepOutput
 from tandem.pipeline.pools import Pools
+from tandem.pipeline.prefix_cache import PrefixCache
 from tandem.pipeline.relaxed import RelaxedRows
 from tandem.pipeline.sampler import HostSampler, clamped_temperature, min_p_log, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
@@ -102,6 +103,7 @@ class Engine:
         self.waits_for: set[tuple[GraphKind, int]] = set()   # round engines opening from the start (_open_width)
         self._open: set[tuple[GraphKind, int]] = set()       # round engines known to be open (_open_width)
         self.stats = EngineStats()
+        self.prefix_cache: PrefixCache | None = None   # LLM sets it when prefix caching is on
         self.relaxed = RelaxedRows()   # relaxed acceptance: LLM sets the engine's default and <think> markers
         self.trace: list[tuple[str, float, float]] | None = None  # (phase, start, end) when profiling
 
@@ -174,6 +176,10 @@ class Engine:
         spec = [(s, a, b, o) for (s, a, b), o in zip(work, outs.rows()) if s.speculative]
         if spec:  # re-anchor the heads over this chunk: row i pairs tokens[i+1] with h_i
             self._reanchor([(s, s.tokens[a + 1 : b + 1], o[c.HIDDEN][: b - a]) for s, a, b, o in spec])
+        if self.prefix_cache is not None:   # the prompt's last page-aligned chunk end leaves an entry there
+            for s, _, b in work:
+                if self.prefix_cache.marks(b, s.prefill_target, self.scheduler.prefill_chunk):
+                    self._keep_prefix(s, s.tokens[: b + 1])
         return [s for s, _, _ in work]
 
     # ---- decode rounds -----------------------------------------------------------------
@@ -512,6 +518,16 @@ class Engine:
         for seq, ids, _ in work:
             seq.head_committed += len(ids)
 
+    # ---- the prefix cache (pipeline/prefix_cache.py) ---------------------------------------
+    def _keep_prefix(self, seq: Sequence, key: list[int], catch_up: bool = False) -> None:
+        """Leave an entry for the prefix key[:-1] the sequence has run (its states are after it): its
+        pages, a snapshot of its states and, where it drafts, its heads' rows (caught up first)."""
+        if catch_up and seq.speculative and seq in self._lagging:
+            self._catch_up([seq])
+        heads = seq.head_committed if seq.speculative and seq.head_committed >= len(key) - 1 else 0
+        self.prefix_cache.make(key, {w: t.pages for w, t in seq.table.groups.items()}, seq.params.cache_salt,
+                               heads, seq.carries if heads else {}, lambda row: self.pools.snapshot(seq.slot, row))
+
     # ---- outputs -----------------------------------------------------------------------
     def forget(self, seq: Sequence) -> None:
         """Drop what the engine keeps for a sequence that ended (finished or aborted)."""
@@ -539,6 +555,8 @@ class Engine:
             reason = "stop"
         seq.emitted = start + len(kept)
         if reason is not None:
+            if self.prefix_cache is not None and seq.committed <= seq.emitted:   # (no state past what it emits)
+                self._keep_prefix(seq, seq.tokens[: seq.committed + 1], catch_up=True)
             del seq.tokens[start + len(kept) :]
             if seq.logprobs is not None:
                 del seq.logprobs[seq.num_generated :]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,7 @@ from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.multi_step_decode import MultiStepDecode
 from tandem.pipeline.outputs import StepOutput
 from tandem.pipeline.pools import Pools, plan_pools
+from tandem.pipeline.prefix_cache import PrefixCache
 from tandem.pipeline.relaxed import RelaxedRows, think_markers
 from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_sampling, check_text, check_token_ids
 from tandem.pipeline.sampler import HostSampler
@@ -72,6 +74,10 @@ class EngineConfig:
     decode_burst: int = DEFAULT_STEPS      # plain decoding (greedy or sampled) without a multi-step graph: up to
                                            # this many target steps per engine step, back to back (1: one) ...
     decode_burst_ms: float = DEFAULT_BUDGET_MS  # ... within about this time (pipeline/decode_burst.py)
+    prefix_cache: bool = True              # resume prompts from earlier requests' pages and states
+                                           # (pipeline/prefix_cache.py)
+    prefix_snapshot_mb: float = 64.0       # memory for the cache's recurrent-state snapshots, beside the budget
+                                           # (models with Gated DeltaNet or conv states: one snapshot an entry)
     round: str = "unified"                 # "unified": one engine call per round where the engine dir has the
                                            # round graph (its head mode and widths); "multi": verify, re-anchor
                                            # and draft calls
@@ -86,6 +92,8 @@ class EngineConfig:
                              f"{self.decode_burst!r}")
         if not self.decode_burst_ms > 0:
             raise ValueError(f"decode_burst_ms must be > 0 (a burst's time budget), got {self.decode_burst_ms!r}")
+        if not (self.prefix_snapshot_mb >= 0 and math.isfinite(self.prefix_snapshot_mb)):
+            raise ValueError(f"prefix_snapshot_mb must be a number of MiB >= 0, got {self.prefix_snapshot_mb!r}")
         if self.round not in ("unified", "multi"):
             raise ValueError(f"round must be 'unified' or 'multi', got {self.round!r}")
         if self.mtp_mode not in (None, "chained", "reused"):
@@ -152,7 +160,10 @@ class LLM:
         files = {kind.engine_key(e["rows"]): e["file"] for kind, e in kinds}
         runner = backend.Runner(self.engine_dir, sorted(set(files.values())), threads=config.threads,
                                 device=config.device)
-        self.pools = Pools(self.desc, sizes, self.page_size, self.mtp_layers, self.dtype, memory=runner.memory)
+        snapshots = int(config.prefix_snapshot_mb * 2**20 // sizes.slot_bytes) if config.prefix_cache and \
+            sizes.slot_bytes else 0
+        self.pools = Pools(self.desc, sizes, self.page_size, self.mtp_layers, self.dtype, memory=runner.memory,
+                           snapshots=snapshots)
         max_pages = -(-self.max_seq_len // self.page_size)
         self.runner = ModelRunner(self.desc, runner, self.pools, files, batch_sizes, max_pages, self.mtp_layers,
                                   self.dtype)
@@ -163,13 +174,17 @@ class LLM:
         self.pages = next(iter(self.page_groups.lists.values()))   # full attention's, when the model has it
         self.slots = FreeList(sizes.num_slots, "state slot", lowest_first=True)
         # heads' contexts may trail the target's by up to one row per head (previous-head anchoring)
+        self.prefix_cache = PrefixCache(self.page_size, self.page_groups.lists, snapshots,
+                                        json.dumps([m["fingerprint"], m["model"]], sort_keys=True),
+                                        stateful=bool(self.pools.states)) if config.prefix_cache else None
         self.scheduler = Scheduler(self.page_groups, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"],
-                                   head_lag=self.mtp_layers)
+                                   head_lag=self.mtp_layers, prefix_cache=self.prefix_cache)
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
                              chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
                              width_per_batch=self.width_per_batch, width_control=self._width_control(batch_sizes),
                              unified=self._unified_round([kind for kind, _ in kinds]),
                              decode=self._decode_graph([kind for kind, _ in kinds]), sampler=self.sampler)
+        self.engine.prefix_cache = self.prefix_cache
         self.engine.relaxed = RelaxedRows(config.relaxed_acceptance, think_markers(self.tokenizer),
                                           str(self.engine_dir / "tokenizer.json"))
         self.grammars = Grammars(self.engine_dir / "tokenizer.json", self.desc.vocab_size, self.desc.eos_token_ids)
@@ -352,6 +367,11 @@ class LLM:
             pieces = self._token_bytes_with_special
         return IncrementalDetokenizer(self.tokenizer, params.stop, pieces, params.skip_special_tokens,
                                       params.spaces_between_special_tokens)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (vLLM's reset_prefix_cache): their pages and snapshot rows go back."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
 
     def pages_held(self) -> dict[str, int]:
         """KV pages in use per page group, under the group's block-table name (`block_tables`,

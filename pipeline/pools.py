@@ -96,8 +96,10 @@ class Pools:
     `layer` is the contract's layer id (trunk index, or mtp_layer_name(j) for head j)."""
 
     def __init__(self, desc: ModelDescription, sizes: PoolSizes, page_size: int, mtp_layers: int,
-                 dtype: str = "float32", memory=None):
-        """memory: the backend runner's memory (allocate / scatter / zero_row); host numpy by default."""
+                 dtype: str = "float32", memory=None, snapshots: int = 0):
+        """memory: the backend runner's memory (allocate / scatter / zero_row); host numpy by default.
+        snapshots: rows of the state snapshot pools (the prefix cache's recurrent states at a prefix
+        end, pipeline/prefix_cache.py), one per state pool, beside the slots."""
         self.page_size = page_size
         self.memory = memory if memory is not None else HostMemory()
         alloc = self.memory.allocate
@@ -122,6 +124,13 @@ class Pools:
                 self.states[layer] = {s.name: alloc(c.pool_input(s, layer), (sizes.num_slots, *s.shape),
                                                     s.dtype_for(dtype)) for s in cache.states}
         self.trunk_paged = [layer for layer, cache in self._specs.items() if cache.paged and not cache.head]
+        # snapshot row r of every state pool, and the pairs that copy between it and the slots
+        self.snapshots = snapshots if self.states else 0
+        self._snap_pairs = [(rows_view(alloc(f"snapshot.{c.pool_input(s, layer)}", (snapshots, *s.shape),
+                                             pools[s.name].dtype), 1), rows_view(pools[s.name], 1))
+                            for layer, pools in self.states.items() for s in self._specs[layer].states
+                            if self.snapshots]
+        self._page_pairs: dict[int | None, list] = {}   # window -> (pool, pool) [rows, row] views of its group
 
     def memory_bytes(self) -> int:
         """Bytes of every pool together."""
@@ -236,6 +245,31 @@ class Pools:
                 (rows_view(pools[s.name], 1), rows_view(outputs[c.pool_output(s, layer)], 1))
                 for layer, pools in self.states.items() for s in self._specs[layer].states]))
         self.memory.scatter_many(pairs[1], np.asarray(slots, np.int64), np.asarray(batch_rows, np.int64))
+
+    @property
+    def snapshot_pools(self) -> int:
+        """Allocations the snapshot rows take (one per state pool; none without snapshots)."""
+        return len(self._snap_pairs)
+
+    def snapshot(self, slot: int, row: int) -> None:
+        """Snapshot row `row` <- every state pool's slot `slot` (the states after a prefix)."""
+        self.memory.scatter_many([(snap, pool) for snap, pool in self._snap_pairs], np.array([row], np.int64),
+                                 np.array([slot], np.int64))
+
+    def restore(self, row: int, slot: int) -> None:
+        """Every state pool's slot `slot` <- snapshot row `row`."""
+        self.memory.scatter_many([(pool, snap) for snap, pool in self._snap_pairs], np.array([slot], np.int64),
+                                 np.array([row], np.int64))
+
+    def copy_page_rows(self, window: int | None, src_page: int, dst_page: int, rows: int) -> None:
+        """Positions [0, rows) of page `dst_page` <- those of `src_page`, in every paged pool of the page
+        group (target layers and heads): a shared page's written part, for a sequence that writes on."""
+        pairs = self._page_pairs.get(window)
+        if pairs is None:
+            pairs = self._page_pairs[window] = [(v, v) for layer, pools in self.paged.items()
+                                                for p in self._specs[layer].paged if p.window == window
+                                                for v in (rows_view(pools[p.name], 2),)]
+        self.memory.scatter_runs(pairs, [(dst_page * self.page_size, src_page * self.page_size, rows)])
 
     def clear_slot(self, slot: int) -> None:
         for pools in self.states.values():

@@ -69,6 +69,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True   # special tokens left out of the text (the ids keep them)
+    cache_salt: str | None = None     # prefix cache: only requests with the same salt share cached prefixes
     spaces_between_special_tokens: bool = True   # false: adjacent added tokens as their own text (detokenizer.py)
 
     def __post_init__(self):

@@ -21,6 +21,7 @@ from collections import deque
 
 from tandem.pipeline.allocator import FreeList, OutOfMemory, PageGroups
 from tandem.pipeline.pools import Pools
+from tandem.pipeline.prefix_cache import PrefixCache
 from tandem.pipeline.sequence import Sequence, Status
 
 
@@ -28,7 +29,7 @@ class Scheduler:
     """`pages`: a PageGroups (one free list per page group), or a single FreeList (full attention only)."""
 
     def __init__(self, pages: PageGroups | FreeList, slots: FreeList, pools: Pools, max_batch: int,
-                 prefill_chunk: int, head_lag: int = 0):
+                 prefill_chunk: int, head_lag: int = 0, prefix_cache: PrefixCache | None = None):
         self.groups = pages if isinstance(pages, PageGroups) else PageGroups.full_only(pages)
         self.pages = next(iter(self.groups.lists.values()))   # the first group's list (full attention if any)
         self.windowed = any(w is not None for w in self.groups.lists)
@@ -40,6 +41,7 @@ class Scheduler:
         self.released_out_of_window = 0     # window pages given back while their sequences ran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order
+        self.prefix_cache = prefix_cache    # resumes admitted sequences from earlier ones' prefixes
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -55,8 +57,19 @@ class Scheduler:
                 seq.table = self.groups.new_tables(seq.page_size)
             self.pools.clear_slot(seq.slot)          # recurrent state starts from zero
             seq.status, seq.prefilled = Status.PREFILL, 0
-            seq.committed = seq.head_committed = 0
+            seq.committed = seq.head_committed = seq.cached_tokens = 0
+            self._resume(seq)
             self.running.append(seq)
+
+    def _resume(self, seq: Sequence) -> None:
+        """Continue from the longest cached prefix of its tokens, where there is one (pipeline/prefix_cache.py).
+        A request with prompt logprobs computes its whole prompt (they come from its rows)."""
+        cache = self.prefix_cache
+        if cache is None or seq.params.prompt_logprobs is not None:
+            return
+        entry = cache.lookup(seq.tokens, seq.prefill_target - 1, seq.params.cache_salt, seq.speculative)
+        if entry is not None:
+            cache.resume(seq, entry, self.pools)
 
     def prefill_batch(self) -> list[tuple[Sequence, int, int]]:
         """(sequence, start, end) of the next prompt chunk for up to max_batch prefilling sequences."""
@@ -92,6 +105,8 @@ class Scheduler:
                 seq.table.ensure(positions, self.groups.lists)
                 return True
             except OutOfMemory:
+                if self.prefix_cache is not None and self.prefix_cache.evict():   # cached prefixes go first
+                    continue
                 victims = [s for s in self.running if s is not seq and s.status != Status.FINISHED]
                 if not victims:  # alone and still out of pages: the sequence outgrew the whole pool
                     self.finish(seq, "length")

@@ -94,6 +94,7 @@ class Sequence:
     stop_ids: frozenset[int] | None = None   # the ids that end it (ending_ids, on its first output)
     logprobs: list | None = None    # params.logprobs: a pipeline.logprobs.TokenLogprob per generated token
     prompt_logprobs: list | None = None   # params.prompt_logprobs: one per prompt token after the first
+    cached_tokens: int = 0      # positions its last admission resumed from the prefix cache
 
     def __post_init__(self):
         if not self.tokens:

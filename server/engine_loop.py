@@ -126,7 +126,7 @@ class EngineLoop:
         accurate to within the step in progress."""
         sched = self.llm.scheduler
         return {"running": len(sched.running), "waiting": len(sched.waiting) + self._commands.qsize(),
-                "kv_pages_free": sum(pages.num_free for pages in self.llm.page_groups.lists.values())}
+                "kv_pages_free": sum(pages.available for pages in self.llm.page_groups.lists.values())}
 
     def fail_everything(self, message: str) -> None:
         """After the thread ended: every queued and live request gets the error (the thread no

@@ -77,7 +77,7 @@ def test_tensorrt_engine_dirs_serve_through_the_runner_like_onnxruntime(engine_d
     assert [r.token_ids for r in llm.generate(PROMPTS, GREEDY)] == want
     assert _device_pools(llm) == _device_pools(ort_llm)            # device commits == host commits, bitwise
     bindings = llm.runner.runner._bindings
-    pools = sum(len(d) for d in (*llm.pools.paged.values(), *llm.pools.states.values()))
+    pools = sum(len(d) for d in (*llm.pools.paged.values(), *llm.pools.states.values())) + llm.pools.snapshot_pools
     assert cuda.mallocs == pools + len(bindings) + 1                # + the commit index staging
     for b in bindings.values():                                     # plain once, captured, replayed after
         assert b.replay.log[:2] == ["run", "capture"] or b.replay.log == ["run"]

@@ -18,7 +18,7 @@ def llm(engine_dirs):
 
 
 def _idle(llm: LLM) -> bool:
-    return not llm.scheduler.has_work() and llm.pages.num_free == llm.pages.size - 1
+    return not llm.scheduler.has_work() and llm.pages.available == llm.pages.size - 1
 
 
 BAD = [

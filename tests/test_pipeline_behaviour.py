@@ -72,8 +72,10 @@ def test_no_page_or_slot_leaks_after_many_requests_and_aborts(engine_dirs):
         if not llm.scheduler.has_work():
             break
         llm.step()
-    assert llm.pages.num_free == pages0 and llm.slots.num_free == slots0
+    assert llm.pages.available == pages0 and llm.slots.num_free == slots0   # (free, or held by the prefix cache)
     assert all(s.finish_reason is not None for s in live)
+    llm.reset_prefix_cache()
+    assert llm.pages.num_free == pages0 and llm.prefix_cache.rows.num_free == llm.prefix_cache.rows.size - 1
 
 
 def test_rejection_sampling_preserves_the_target_distribution(engine_dirs):

@@ -134,4 +134,4 @@ def test_the_engine_survived_the_fuzzing(fuzz_server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
     loop = fuzz_server.app.state.engine_loop
     assert loop.idle() and not loop.llm.scheduler.has_work()
-    assert loop.llm.pages.num_free == loop.llm.pages.size - 1
+    assert loop.llm.pages.available == loop.llm.pages.size - 1

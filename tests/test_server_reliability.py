@@ -209,7 +209,7 @@ def test_a_request_that_makes_steps_raise_fails_alone(live, monkeypatch):
         if not llm.scheduler.has_work():
             break
         time.sleep(0.02)
-    assert not llm.scheduler.has_work() and llm.pages.num_free == llm.pages.size - 1
+    assert not llm.scheduler.has_work() and llm.pages.available == llm.pages.size - 1
     assert httpx.get(f"{live.url}/ready").status_code == 200
 
 
@@ -244,7 +244,7 @@ def test_a_non_streamed_request_is_aborted_when_its_client_hangs_up(live, monkey
             break
         time.sleep(0.05)
     assert not llm.scheduler.running and not llm.scheduler.waiting
-    assert llm.pages.num_free == llm.pages.size - 1
+    assert llm.pages.available == llm.pages.size - 1
     assert live.metrics()['tandem_requests_total{"status": "aborted"}'] == before + 1
 
 
