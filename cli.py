@@ -143,7 +143,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   allow_extra_fields=args.allow_extra_fields, max_header_bytes=args.max_header_bytes,
                                   header_timeout_s=args.header_timeout)
         config = EngineConfig(memory_budget_bytes=int(args.memory_budget_mb * 2**20), mtp_mode=args.mtp_mode,
-                              threads=args.threads)
+                              threads=args.threads, prefix_cache=not args.no_prefix_cache,
+                              prefix_snapshot_mb=args.prefix_snapshot_mb)
         if args.ray:
             status = _serve_ray(args, settings, config)
         else:
@@ -320,6 +321,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-mb", type=float, default=512, help="KV pages + state slots (MiB)")
     p.add_argument("--mtp-mode", choices=["chained", "reused"], default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="recompute every prompt (default: resume from cached prefixes of earlier requests)")
+    p.add_argument("--prefix-snapshot-mb", type=float, default=64.0,
+                   help="MiB for the prefix cache's recurrent-state snapshots, beside the budget (default 64)")
     p.add_argument("--openapi", action="store_true", help="serve /docs, /redoc and /openapi.json (off by default)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed event after the first (default 1); more cost less host work per token")

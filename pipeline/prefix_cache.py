@@ -18,7 +18,10 @@ A hit at admission (Scheduler.admit): the longest entry whose key the prompt sta
 the prefill's last position - 1 (the prefill still runs a row: the first token comes from its
 logits). The sequence's tables take the entry's full pages (one more holder each), a fresh page for
 the partly written one (its written rows copied), SCRATCH below a window; its slot takes the
-snapshot; prefill and the heads go on from p, as after a prefill that had stopped there.
+snapshot; prefill and the heads go on from p, as after a prefill that had stopped there. An entry
+whose request ran without drafting (its own choice, or the width controller's verdict that drafting
+cannot pay) has no head rows: a request resuming from it runs without drafting too (the same output;
+the heads could only catch up by recomputing the whole prefix).
 
 Entries are found through the chain hash of their full pages (the request's cache_salt and the
 engine dir's fingerprint at its root) and confirmed token by token. The least recently used entry
@@ -55,6 +58,11 @@ class Entry:
     def length(self) -> int:
         """p: the positions it restores."""
         return len(self.key) - 1
+
+    @property
+    def heads(self) -> bool:
+        """Whether the heads' rows [0, p) are in its pages (its request drafted up to p)."""
+        return self.head_committed >= self.length
 
 
 @dataclass
@@ -96,9 +104,9 @@ class PrefixCache:
         return out
 
     # ---- lookup ----------------------------------------------------------------------------
-    def lookup(self, tokens: list[int], longest: int, salt: str | None, heads: bool) -> Entry | None:
+    def lookup(self, tokens: list[int], longest: int, salt: str | None) -> Entry | None:
         """The entry to resume from: the longest whose key `tokens` starts with and that restores at
-        most `longest` positions; with `heads`, one whose head rows are valid."""
+        most `longest` positions (of two as long, one with the heads' rows)."""
         self.stats.queries += longest + 1 if longest >= 0 else 0
         if longest < 1 or not self.entries:
             return None
@@ -107,8 +115,8 @@ class PrefixCache:
             best = None
             for i in self.index.get(chain[full], ()):
                 e = self.entries[i]
-                if (e.length <= longest and (not heads or e.head_committed >= e.length)
-                        and (best is None or e.length > best.length) and tuple(tokens[: len(e.key)]) == e.key):
+                if (e.length <= longest and (best is None or (e.length, e.heads) > (best.length, best.heads))
+                        and tuple(tokens[: len(e.key)]) == e.key):
                     best = e
             if best is not None:
                 self.entries.move_to_end(best.id)
@@ -207,6 +215,8 @@ class PrefixCache:
             pools.restore(entry.snapshot, seq.slot)
         seq.prefilled = seq.committed = p
         seq.head_committed = min(entry.head_committed, p)
+        if not entry.heads:     # its request ran without drafting: so does this one (the heads have no rows)
+            seq.speculative = False
         seq.carries = {j: h.copy() for j, h in entry.carries.items()}
         seq.cached_tokens = p
         return True

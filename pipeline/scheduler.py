@@ -67,7 +67,7 @@ class Scheduler:
         cache = self.prefix_cache
         if cache is None or seq.params.prompt_logprobs is not None:
             return
-        entry = cache.lookup(seq.tokens, seq.prefill_target - 1, seq.params.cache_salt, seq.speculative)
+        entry = cache.lookup(seq.tokens, seq.prefill_target - 1, seq.params.cache_salt)
         if entry is not None:
             cache.resume(seq, entry, self.pools)
 

@@ -71,6 +71,7 @@ class EngineLoop:
         self._stop = threading.Event()
         self._live: dict[str, _Request] = {}
         self._last_token: dict[str, float] = {}
+        self._prefix_seen = (0, 0)     # prefix cache queries and hits already counted in the metrics
         self._thread = threading.Thread(target=self._run, name="tandem-engine", daemon=True)
         # a decode burst (several target steps a step) ends once a command waits: it is taken after one step
         llm.interrupt_bursts_when(self.commands_waiting)
@@ -299,6 +300,14 @@ class EngineLoop:
             m.KV_PAGES_BY_GROUP.labels(group=table.partition(".")[2] or "full").set(n)
         for i, rate in enumerate(self.llm.engine.stats.acceptance_per_position()):
             m.ACCEPTANCE.labels(position=str(i + 1)).set(rate)
+        if (cache := self.llm.prefix_cache) is not None:   # its counters advance by what this step added
+            queries, hits = cache.stats.queries - self._prefix_seen[0], cache.stats.hits - self._prefix_seen[1]
+            if queries or hits:
+                self._prefix_seen = (cache.stats.queries, cache.stats.hits)
+                m.PREFIX_QUERIES.inc(queries)
+                m.PREFIX_HITS.inc(hits)
+                self.vllm.prefix_cache(queries, hits)
+            m.PREFIX_ENTRIES.set(len(cache.entries))
         pages = sum(fl.size - 1 for fl in self.llm.page_groups.lists.values())   # (each list's scratch page left out)
         self.vllm.gauges(len(sched.running), len(sched.waiting) + self._commands.qsize(),
                          sum(held.values()) / pages if pages else 0.0)

@@ -23,6 +23,10 @@ ACCEPTANCE = Gauge("tandem_spec_acceptance_rate", "Draft acceptance rate by draf
                    registry=REGISTRY)
 KV_PAGES_IN_USE = Gauge("tandem_kv_pages_in_use", "KV cache pages allocated to sequences, all page groups",
                         registry=REGISTRY)
+PREFIX_QUERIES = Counter("tandem_prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                         registry=REGISTRY)
+PREFIX_HITS = Counter("tandem_prefix_cache_hits", "Prompt tokens the prefix cache restored", registry=REGISTRY)
+PREFIX_ENTRIES = Gauge("tandem_prefix_cache_entries", "Cached prefixes held", registry=REGISTRY)
 KV_PAGES_BY_GROUP = Gauge("tandem_kv_pages_in_use_by_group", "KV cache pages allocated to sequences, per page group "
                           "(full attention, or a sliding window whose pages are released as they leave it)",
                           ["group"], registry=REGISTRY)
@@ -53,6 +57,10 @@ VLLM_REQUEST_PROMPT = Histogram("vllm:request_prompt_tokens", "Prompt tokens per
                                 registry=REGISTRY, buckets=(1, 8, 32, 128, 512, 1024, 2048, 4096, 8192, 16384, 32768))
 VLLM_REQUEST_GENERATION = Histogram("vllm:request_generation_tokens", "Generated tokens per finished request",
                                     _VLLM, registry=REGISTRY, buckets=(1, 8, 32, 128, 512, 1024, 2048, 4096, 8192))
+VLLM_PREFIX_QUERIES = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", _VLLM,
+                              registry=REGISTRY)
+VLLM_PREFIX_HITS = Counter("vllm:prefix_cache_hits", "Prompt tokens the prefix cache restored", _VLLM,
+                           registry=REGISTRY)
 VLLM_DRAFTS = Counter("vllm:spec_decode_num_drafts", "Verify rounds (each checks one draft sequence)", _VLLM,
                       registry=REGISTRY)
 VLLM_DRAFT_TOKENS = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified", _VLLM, registry=REGISTRY)
@@ -105,6 +113,11 @@ class VllmSeries:
 
     def forget(self, request_id: str) -> None:
         self._spec.pop(request_id, None)
+
+    def prefix_cache(self, queries: int, hits: int) -> None:
+        """Tokens looked up and restored since the last call."""
+        VLLM_PREFIX_QUERIES.labels(**self.labels).inc(queries)
+        VLLM_PREFIX_HITS.labels(**self.labels).inc(hits)
 
     def gauges(self, running: int, waiting: int, kv_usage: float) -> None:
         VLLM_RUNNING.labels(**self.labels).set(running)

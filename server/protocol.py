@@ -83,6 +83,7 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
     spec_k: Int(1, 8) | None = None
     relaxed_acceptance: RelaxedAcceptanceBody | None = None
     user: StrictStr | None = None
+    cache_salt: StrictStr | None = Field(default=None, min_length=1)   # vLLM's: shares cached prefixes only alike
 
     def length_asked(self) -> int | None:
         return self.max_tokens
@@ -110,7 +111,7 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
                               allowed_token_ids=tuple(self.allowed_token_ids) if self.allowed_token_ids else None,
                               logprobs=self.logprobs_asked(), prompt_logprobs=self.prompt_logprobs_asked(),
                               include_stop_str_in_output=self.include_stop_str_in_output,
-                              skip_special_tokens=self.skip_special_tokens,
+                              skip_special_tokens=self.skip_special_tokens, cache_salt=self.cache_salt,
                               spaces_between_special_tokens=self.spaces_between_special_tokens)
 
     def prompt_logprobs_asked(self) -> int | None:
@@ -150,6 +151,8 @@ class _Common(StructuredFields):   # response_format and guided_* (server/struct
             check_text(key, "logit_bias")
         if self.user is not None:
             check_text(self.user, "user")
+        if self.cache_salt is not None:
+            check_text(self.cache_salt, "cache_salt")
 
     @property
     def include_usage(self) -> bool:

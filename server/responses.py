@@ -99,7 +99,8 @@ class Responses:
         rounds = sum(s.metrics.rounds for s in seqs)
         committed = sum(s.metrics.accepted + s.metrics.rounds for s in seqs)
         return {**usage([len(s.prompt) for s in seqs[::per_prompt]], sum(s.num_generated for s in seqs)),
-                "prompt_tokens_details": {"cached_tokens": 0},     # (no prefix cache: every prompt is computed)
+                # the prompt tokens the prefix cache restored (each prompt's first candidate: one prompt, once)
+                "prompt_tokens_details": {"cached_tokens": sum(s.cached_tokens for s in seqs[::per_prompt])},
                 "speculative": {"accept_length": round(committed / rounds, 3) if rounds else 0.0,
                                 "verify_steps": rounds}}
 

@@ -62,13 +62,12 @@ def test_lookup_takes_the_longest_entry_the_prompt_starts_with():
     tokens = list(range(100, 116))
     cache.make(tokens[:7], {None: pages}, None, 6, {}, lambda row: None)     # prefix of 6
     cache.make(tokens[:12], {None: pages}, None, 0, {}, lambda row: None)    # prefix of 11, no heads
-    assert cache.lookup(tokens, 15, None, heads=False).length == 11
-    assert cache.lookup(tokens, 15, None, heads=True).length == 6          # only the one with head rows
-    assert cache.lookup(tokens, 10, None, heads=False).length == 6         # at most `longest`
-    assert cache.lookup([1] + tokens, 15, None, heads=False) is None
-    assert cache.lookup(tokens[:6] + [7] * 10, 15, None, heads=False) is None   # key goes one token past
-    assert cache.lookup(tokens, 15, "salt", heads=False) is None            # another salt shares nothing
-    assert cache.stats.hits == 11 + 6 + 6
+    assert cache.lookup(tokens, 15, None).length == 11 and not cache.lookup(tokens, 15, None).heads
+    assert cache.lookup(tokens, 10, None).length == 6 and cache.lookup(tokens, 10, None).heads   # at most `longest`
+    assert cache.lookup([1] + tokens, 15, None) is None
+    assert cache.lookup(tokens[:6] + [7] * 10, 15, None) is None         # the key goes one token past
+    assert cache.lookup(tokens, 15, "salt") is None                      # another salt shares nothing
+    assert cache.stats.hits == 11 + 11 + 6 + 6
 
 
 def test_entries_hold_pages_and_rows_and_eviction_gives_them_back():
@@ -192,3 +191,37 @@ def test_prompt_logprobs_and_salts_and_the_switch(families):
     llm.generate([STARTS[0] * 3 + [5]], SamplingParams(max_tokens=2))
     assert llm.prefix_cache.stats.hits > hits
     assert LLM(families["qwen3_5_mtp3"], EngineConfig(prefix_cache=False)).prefix_cache is None
+
+
+def test_the_server_reports_cached_tokens_and_vllms_counters(engine_dirs):
+    """usage.prompt_tokens_details.cached_tokens tells what the second turn of a chat reused; another
+    cache_salt reuses nothing; /metrics counts the tokens looked up and restored under vLLM's names."""
+    import httpx
+
+    from .test_server import Live
+
+    def hits(live) -> float:
+        return live.metrics().get('vllm:prefix_cache_hits_total{"model_name": "tiny"}', 0.0)
+
+    with Live(engine_dirs["qwen3_5_mtp3"]) as live:
+        messages = [{"role": "user", "content": "def add(a, b): return a + b. Now write sub, mul and div."}]
+        body = {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        first = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=60).json()
+        before = hits(live)
+        messages = [*messages, first["choices"][0]["message"], {"role": "user", "content": "and mod"}]
+        second = httpx.post(f"{live.url}/v1/chat/completions", json={**body, "messages": messages}, timeout=60).json()
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        # (a random model's answer need not tokenize back to its tokens: at least the first prompt's pages)
+        assert first["usage"]["prompt_tokens"] // 8 * 8 <= cached < second["usage"]["prompt_tokens"]
+        assert hits(live) - before == cached
+        ids = list(range(40, 70))             # token ids: the next turn resends the answer's own tokens
+        one = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 9,
+                                                            "return_token_ids": True, "ignore_eos": True}).json()
+        answer = one["choices"][0]["token_ids"]
+        two = httpx.post(f"{live.url}/v1/completions", json={"model": "tiny", "prompt": ids + answer + [5, 6],
+                                                            "max_tokens": 2}).json()
+        assert two["usage"]["prompt_tokens_details"]["cached_tokens"] == len(ids) + len(answer) - 1
+        salted = httpx.post(f"{live.url}/v1/chat/completions", json={**body, "messages": messages,
+                                                                     "cache_salt": "tenant-b"}, timeout=60).json()
+        assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert salted["choices"][0]["message"] == second["choices"][0]["message"]
