@@ -176,9 +176,9 @@ class Engine:
         spec = [(s, a, b, o) for (s, a, b), o in zip(work, outs.rows()) if s.speculative]
         if spec:  # re-anchor the heads over this chunk: row i pairs tokens[i+1] with h_i
             self._reanchor([(s, s.tokens[a + 1 : b + 1], o[c.HIDDEN][: b - a]) for s, a, b, o in spec])
-        if self.prefix_cache is not None:   # the prompt's last page-aligned chunk end leaves an entry there
+        if self.prefix_cache is not None:   # a chunk that stopped at the cache's mark leaves an entry there
             for s, _, b in work:
-                if self.prefix_cache.marks(b, s.prefill_target, self.scheduler.prefill_chunk):
+                if b == self.prefix_cache.mark(s):
                     self._keep_prefix(s, s.tokens[: b + 1])
         return [s for s, _, _ in work]
 

@@ -176,7 +176,8 @@ class LLM:
         # heads' contexts may trail the target's by up to one row per head (previous-head anchoring)
         self.prefix_cache = PrefixCache(self.page_size, self.page_groups.lists, snapshots,
                                         json.dumps([m["fingerprint"], m["model"]], sort_keys=True),
-                                        stateful=bool(self.pools.states)) if config.prefix_cache else None
+                                        stateful=bool(self.pools.states), prefill_chunk=rt["prefill_chunk"]
+                                        ) if config.prefix_cache else None
         self.scheduler = Scheduler(self.page_groups, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"],
                                    head_lag=self.mtp_layers, prefix_cache=self.prefix_cache)
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,

@@ -215,6 +215,8 @@ class TokenRules:
             return None
         self.processors.sync(output)
         ids, values = self.processors.row_edits(drafts)
+        if not len(ids):        # (penalties before any output: nothing to edit yet)
+            return None
         return np.broadcast_to(ids, (rows, len(ids))), np.broadcast_to(values, (rows, *values.shape))
 
     def next_mask(self, output: list[int], drafts: list[int]) -> np.ndarray | None:

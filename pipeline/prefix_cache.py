@@ -3,8 +3,8 @@ from that earlier request's pages and recurrent states instead of recomputing th
 
 Plain Python over page ids, token ids and snapshot rows; the pools do the copies (pipeline/pools.py).
 
-    entry (prefix p of tokens t_0 .. t_p)     made at a prompt's last page-aligned chunk end, and
-                                              when a request finishes
+    entry (prefix p of tokens t_0 .. t_p)     made before a prompt's last token, and when a request
+                                              finishes
         pages   the full-attention and window groups' pages of positions [0, p) (held: refcounts in
                 the groups' free lists), the last one partly written where p is not page-aligned
         state   a snapshot row: every recurrent (Gated DeltaNet) and conv state after t_0 .. t_{p-1}
@@ -25,10 +25,10 @@ the heads could only catch up by recomputing the whole prefix).
 
 Entries are found through the chain hash of their full pages (the request's cache_salt and the
 engine dir's fingerprint at its root) and confirmed token by token. The least recently used entry
-goes first when pages, snapshot rows or entries run short (evict). An entry is made where a
-prompt's prefill ends its last chunk before the prompt's end, if that is a page boundary (a repeated
-long prompt, another answer to the same question), and when a request finishes (at all it ran and
-emitted: the next turn of a chat resends it).
+goes first when pages, snapshot rows or entries run short (evict). An entry is made before a prompt's
+last token (the prefill stops a chunk there: the next turn of a chat resends the prompt, whatever the
+answer after it tokenizes to; a prompt within one chunk leaves none) and when a request finishes (at
+all it ran and emitted: where the answer tokenizes back to its tokens, the next turn resends it too).
 """
 
 from __future__ import annotations
@@ -75,10 +75,10 @@ class CacheStats:
 
 class PrefixCache:
     def __init__(self, page_size: int, lists: dict[int | None, FreeList], snapshots: int, fingerprint: str,
-                 stateful: bool):
+                 stateful: bool, prefill_chunk: int = 1):
         """lists: each page group's free list (window None: full attention); snapshots: rows of the
         snapshot pools (a model with states caches nothing without one); fingerprint: the engine dir's."""
-        self.page_size, self.lists = page_size, lists
+        self.page_size, self.lists, self.prefill_chunk = page_size, lists, prefill_chunk
         self.stateful = stateful
         self.rows = FreeList(snapshots + 1, "state snapshot") if stateful and snapshots else None
         self.root = hashlib.blake2b(fingerprint.encode(), digest_size=16).digest()
@@ -177,12 +177,6 @@ class PrefixCache:
         return True
 
     # ---- resuming ---------------------------------------------------------------------------
-    def marks(self, end: int, prefill_target: int, chunk: int) -> bool:
-        """Whether a prefill chunk ending at `end` leaves an entry: the last chunk end before the prompt's
-        last position, where it is a page boundary (a prompt within one chunk leaves none: recomputing it
-        costs that one chunk, and a chunk cut short for an entry would cost every prompt a call)."""
-        return (self.enabled and 0 < end < prefill_target <= end + chunk and end % self.page_size == 0)
-
     def resume(self, seq, entry: Entry, pools) -> bool:
         """Set a just-admitted sequence (empty tables, its slot cleared) to continue from `entry`: its
         tables hold the entry's pages (a fresh copy of the partly written one), its slot the snapshot,
@@ -228,6 +222,15 @@ class PrefixCache:
         if keep is not None and next(iter(self.entries)) == keep.id:
             self.entries.move_to_end(keep.id)
         return self.evict()
+
+    def mark(self, seq) -> int:
+        """Where a fresh prompt's prefill stops a chunk and leaves an entry: before its last token, so
+        that the entry is the whole prompt (t_0 .. t_{L-1}: the next turn of a chat resends it, whatever
+        the answer after it tokenizes to); 0 (none) for a prompt within one chunk, whose recomputing
+        costs that one call anyway."""
+        if not self.enabled or seq.num_generated or len(seq.prompt) <= self.prefill_chunk:
+            return 0
+        return len(seq.prompt) - 1
 
     def clear(self) -> None:
         while self.evict():

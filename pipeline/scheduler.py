@@ -77,6 +77,8 @@ class Scheduler:
         for seq in [s for s in self.running if s.status == Status.PREFILL][: self.max_batch]:
             start = seq.prefilled
             end = min(seq.prefill_target, start + self.prefill_chunk)
+            if self.prefix_cache is not None and start < (mark := self.prefix_cache.mark(seq)) < end:
+                end = mark      # the chunk stops where the prefix cache keeps an entry (Engine._keep_prefix)
             # a later sequence's reservation may have preempted this one: a waiting one holds no pages
             if seq.status == Status.PREFILL and self._reserve(seq, end):
                 out.append((seq, start, end))

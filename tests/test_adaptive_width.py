@@ -23,6 +23,9 @@ KIND = "qwen3_5_mtp3"
 PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3]]
 LONG = SamplingParams(max_tokens=96, ignore_eos=True)
 COST = {1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9}     # ms per round at each width: a plain step, then drafting
+# the width sequences below follow the batch's rounds from its first step: no prefix cache, whose
+# entry before a prompt's last token splits that prompt's prefill (one step more for the longer prompt)
+NO_CACHE = EngineConfig(prefix_cache=False)
 
 
 def simulate(ctl: WidthController, rounds: int, accepted_at, batch: int = 1, cost=COST) -> list[int]:
@@ -196,7 +199,7 @@ class ModeledCost(WidthController):
 
 def test_wrong_heads_turn_drafting_off_and_probe_again(engine_dirs, plain, monkeypatch, widths):
     install_drafter(monkeypatch, "wrong")
-    llm = LLM(engine_dirs[KIND])
+    llm = LLM(engine_dirs[KIND], NO_CACHE)
     llm.engine.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8])
     assert generate(llm, PROMPTS) == plain
     off_from = widths.index(1)
@@ -317,7 +320,7 @@ def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
 
 def test_oracle_climbs_from_off_to_the_widest_built_width(engine_dirs, plain, monkeypatch, widths):
     install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
-    llm = LLM(engine_dirs[KIND])
+    llm = LLM(engine_dirs[KIND], NO_CACHE)
     top = max(llm.verify_widths)
     llm.engine.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8], start={8: 1})
     assert generate(llm, PROMPTS) == plain

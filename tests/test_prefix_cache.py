@@ -225,3 +225,17 @@ def test_the_server_reports_cached_tokens_and_vllms_counters(engine_dirs):
                                                                      "cache_salt": "tenant-b"}, timeout=60).json()
         assert salted["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert salted["choices"][0]["message"] == second["choices"][0]["message"]
+
+
+def test_a_prefix_cached_without_drafting_resumes_without_drafting(families):
+    """A request that ran plain leaves no head rows: a drafting request resuming from it runs plain,
+    with the answer it has without the cache."""
+    prompt = STARTS[0] * 3
+    base = LLM(families["qwen3_5_mtp3"], EngineConfig(prefix_cache=False))
+    llm = LLM(families["qwen3_5_mtp3"])
+    first = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, speculative=False))[0]
+    seq = llm.add_request(prompt + first.token_ids + [5], PARAMS)
+    while seq.finish_reason is None:
+        llm.step()
+    assert seq.cached_tokens == len(prompt) + 7 and not seq.speculative
+    assert seq.output_ids() == base.generate([prompt + first.token_ids + [5]], PARAMS)[0].token_ids
