@@ -131,6 +131,7 @@ class Pools:
                             for layer, pools in self.states.items() for s in self._specs[layer].states
                             if self.snapshots]
         self._page_pairs: dict[int | None, list] = {}   # window -> (pool, pool) [rows, row] views of its group
+        self.snapshot_bytes = sum(snap[0].nbytes for snap, _ in self._snap_pairs)   # one snapshot row
 
     def memory_bytes(self) -> int:
         """Bytes of every pool together."""

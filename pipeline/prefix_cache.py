@@ -144,7 +144,7 @@ class PrefixCache:
                 pass
             if not self.rows.num_free:
                 return None
-            row = self.rows.allocate(1)[0]
+            row = self.rows.allocate(1)[0] - 1        # (the free list's items start at 1)
             take_snapshot(row)
         while len(self.entries) >= MAX_ENTRIES and self.evict():
             pass
@@ -172,7 +172,7 @@ class PrefixCache:
         for w, table in entry.pages.items():
             self.lists[w].free([page for page in table if page != SCRATCH], cache=True)
         if entry.snapshot is not None:
-            self.rows.free([entry.snapshot])
+            self.rows.free([entry.snapshot + 1])
         self.stats.evicted += 1
         return True
 

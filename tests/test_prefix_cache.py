@@ -139,15 +139,17 @@ def test_answers_after_a_hit_are_the_answers_after_a_miss(families, kind, specul
 
 
 def test_a_hit_survives_preemption_and_sampling(families):
-    """A pool too small for every conversation at once: sequences are preempted (and resumed, from the
-    cache too) and the sampled answers, seeded, are still the ones without a cache."""
-    config = dict(memory_budget_bytes=1 << 18, max_num_seqs=8)
+    """A pool too small for every conversation at once and room for three snapshots: sequences are
+    preempted (and resumed, from the cache too), entries evicted, and the sampled answers, seeded, are
+    still the ones without a cache."""
+    one = LLM(families["qwen3_5_mtp3"]).pools.snapshot_bytes
+    config = dict(memory_budget_bytes=1 << 18, max_num_seqs=8, prefix_snapshot_mb=3.5 * one / 2**20)
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3)
     base = LLM(families["qwen3_5_mtp3"], EngineConfig(prefix_cache=False, **config))
     want = converse(base, STARTS * 2, 3, params)
     llm = LLM(families["qwen3_5_mtp3"], EngineConfig(**config))
     got = converse(llm, STARTS * 2, 3, params)
-    assert got == want
+    assert got == want and llm.pools.snapshots == 3
     assert llm.prefix_cache.stats.hits > 0 and llm.prefix_cache.stats.evicted > 0
 
 
