@@ -241,3 +241,25 @@ def test_a_prefix_cached_without_drafting_resumes_without_drafting(families):
         llm.step()
     assert seq.cached_tokens == len(prompt) + 7 and not seq.speculative
     assert seq.output_ids() == base.generate([prompt + first.token_ids + [5]], PARAMS)[0].token_ids
+
+
+def test_a_full_cache_keeps_admitting_and_memory_stays_flat(families):
+    """A small pool that the cache fills within a few conversations: new requests still run (the least
+    recently used entries go), and RSS after warm-up stays flat over hundreds of multi-turn requests."""
+    from .test_memory_flat import _rss
+
+    llm = LLM(families["qwen3_5_mtp3"], EngineConfig(memory_budget_bytes=1 << 20, adaptive_width=False))
+    rng = np.random.default_rng(1)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def conversations(n: int) -> None:
+        for _ in range(n):
+            starts = [[int(t) for t in rng.integers(3, 300, 24)] for _ in range(4)]
+            assert all(len(turn) == 8 for conv in converse(llm, starts, 3, params) for turn in conv)
+
+    conversations(10)                                   # warm-up: the pool and the snapshot pool fill
+    before = _rss()
+    evicted = llm.prefix_cache.stats.evicted
+    conversations(25)                                   # 300 more requests
+    assert llm.prefix_cache.stats.evicted > evicted and llm.prefix_cache.stats.hits > 0
+    assert _rss() - before < 4 << 20
