@@ -58,8 +58,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--chats", type=int, default=3)
+    parser.add_argument("--plain", action="store_true", help="no drafting (both LLMs)")
     args = parser.parse_args()
-    llms = {on: LLM(args.engine_dir, EngineConfig(prefix_cache=on)) for on in (True, False)}
+    llms = {on: LLM(args.engine_dir, EngineConfig(prefix_cache=on, speculative=not args.plain)) for on in (True, False)}
     for llm in llms.values():
         wait_for_engines(llm)
     template = ChatTemplate.from_engine_dir(args.engine_dir)

@@ -232,7 +232,9 @@ class Engine:
     def round_k(self, seq: Sequence, batch: int) -> int:
         """Drafts this round: the request's (or global) k, else the width the controller picked this
         round (adaptive), else the verify width the manifest (or `tandem profile`) chose for this
-        batch size, minus one."""
+        batch size, minus one; no more than the sequence's token budget leaves after the round's own
+        token, where the narrower round's engine is open or opening (a round past the budget computes
+        and commits tokens that are dropped, and leaves the prefix cache no entry at the answer's end)."""
         if seq.k_fixed or (self._width is None and not self.width_per_batch):
             k = seq.k
         elif self._width is not None:
@@ -240,7 +242,13 @@ class Engine:
         else:
             bucket = next((b for b in self.width_per_batch if b >= batch), max(self.width_per_batch))
             k = min(seq.k, self.width_per_batch[bucket] - 1)
-        return min(k, self.mtp_layers) if self.chained else k
+        k = min(k, self.mtp_layers) if self.chained else k
+        left = max(0, seq.params.max_tokens - seq.num_generated - 1)
+        if left < k:
+            engine = self.round_engine(left + 1, not seq.params.greedy)
+            if left == 0 or engine in self._open or engine in self.waits_for:
+                k = left
+        return k
 
     # ---- adaptive width (pipeline/width_control.py) --------------------------------------
     def _adaptive_round(self, seqs: list[Sequence]) -> None:

@@ -173,11 +173,11 @@ class LLM:
         self.page_groups = PageGroups(sizes.pages())    # one free list per page group (window None: full)
         self.pages = next(iter(self.page_groups.lists.values()))   # full attention's, when the model has it
         self.slots = FreeList(sizes.num_slots, "state slot", lowest_first=True)
-        # heads' contexts may trail the target's by up to one row per head (previous-head anchoring)
         self.prefix_cache = PrefixCache(self.page_size, self.page_groups.lists, snapshots,
                                         json.dumps([m["fingerprint"], m["model"]], sort_keys=True),
                                         stateful=bool(self.pools.states), prefill_chunk=rt["prefill_chunk"]
                                         ) if config.prefix_cache else None
+        # heads' contexts may trail the target's by up to one row per head (previous-head anchoring)
         self.scheduler = Scheduler(self.page_groups, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"],
                                    head_lag=self.mtp_layers, prefix_cache=self.prefix_cache)
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
@@ -208,6 +208,8 @@ class LLM:
         drafts = min(self.spec_k, self.mtp_layers) if chained else self.spec_k
         first += [(GraphKind.mtp_head(j), 1) for j in (range(drafts) if chained else [0])]
         widths = [self.width_per_batch.get(1, drafts + 1), *sorted(set(self.width_per_batch.values()))]
+        # and the narrower ones, which a greedy request's last rounds take where its budget leaves fewer drafts
+        widths += [w for w in sorted(self.verify_widths) if w <= max(widths)]
         first += [self.engine.round_engine(w, sampling=False) for w in dict.fromkeys(widths) if w > 1]
         return first
 

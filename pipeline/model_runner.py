@@ -218,7 +218,8 @@ class ModelRunner:
             # the edit lists' length, rounded up to a power of two (one binding per bucket of it)
             edits = _pow2(max((r.edits[0].shape[1] for r in part if r.edits is not None), default=1))
             binding = self._binding(graph, batch, width, pages, fixed, edits)
-            if (not graph.is_head and c.LOGIT_EDIT_IDS not in binding.inputs   # (a head without them drafts unedited)
+            # (a head without them drafts unedited; the target step's logits are edited on the host)
+            if (graph != TARGET_STEP and not graph.is_head and c.LOGIT_EDIT_IDS not in binding.inputs
                     and any(r.edits is not None for r in part)):
                 raise ValueError(f"{graph.name}: logit edits for an engine built before them; rebuild the engine dir "
                                  "(`tandem build-engines`), or run these requests without speculation")

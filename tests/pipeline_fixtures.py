@@ -46,7 +46,7 @@ def install_drafter(monkeypatch, kind: str, reference: dict[str, list[int]] | No
     def draft(self: Engine, seqs):
         out = {}
         for s in seqs:
-            k = s.k
+            k = self.round_k(s, len(seqs))      # as many as the engine's drafter would take
             ref = (reference or {}).get(s.request_id, [])
             start = s.num_generated          # drafts predict tokens after the pending one
             truth = ref[start : start + k] + [0] * k
@@ -100,15 +100,23 @@ def after_one_round(monkeypatch, engine_dir, prompt, plain_tokens, n_right: int,
     return spec, seq, base, other
 
 
+def round_drafts(tokens: list[int], prompts, max_tokens: int, k: int) -> int:
+    """Drafts a round takes at this point of a request (`tokens`: its tokens, the pending one last):
+    k, but no more than its token budget leaves after the round's own token (Engine.round_k)."""
+    prompt = max((p for p in prompts if list(tokens[: len(p)]) == list(p)), key=len)
+    return min(k, max(0, max_tokens - (len(tokens) - len(prompt)) - 1))
+
+
 def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
     """Wrap Engine._draft (the real drafter still runs): every round's (tokens when it drafted,
-    ending with the pending token; its drafts), per sequence."""
+    ending with the pending token; its drafts), per sequence that drafted (a sequence whose budget
+    leaves it no draft takes a plain step)."""
     rounds = []
     real = Engine._draft
 
     def draft(self, seqs):
         out = real(self, seqs)
-        rounds.extend((list(s.tokens), out[s.request_id]) for s in seqs)
+        rounds.extend((list(s.tokens), out[s.request_id]) for s in seqs if out[s.request_id])
         return out
 
     monkeypatch.setattr(Engine, "_draft", draft)

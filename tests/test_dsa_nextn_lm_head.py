@@ -22,7 +22,7 @@ from tandem.testing.dsa_reference import NextNReference, load_target
 from tandem.testing.tiny_checkpoints import write_safetensors, write_tiny_checkpoint
 
 from .conftest import read_all
-from .pipeline_fixtures import record_drafts
+from .pipeline_fixtures import record_drafts, round_drafts
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -73,7 +73,7 @@ def test_drafts_equal_the_reference_with_the_chosen_head(heads, monkeypatch, kin
     rounds = record_drafts(monkeypatch)
     LLM(engines, EngineConfig(round="multi", adaptive_width=False)).generate(
         [PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
-    assert len(rounds) >= 4 and {len(d) for _, d in rounds} == {2}
+    assert len(rounds) >= 4 and all(len(d) == round_drafts(t, [PROMPT], 12, 2) for t, d in rounds)
     for tokens, drafts in rounds:
         assert chosen.drafts(tokens[:-1], len(drafts)) == (tokens[-1], drafts), len(tokens)
     assert any(other.drafts(tokens[:-1], len(drafts))[1] != drafts for tokens, drafts in rounds)

@@ -263,3 +263,27 @@ def test_a_full_cache_keeps_admitting_and_memory_stays_flat(families):
     conversations(25)                                   # 300 more requests
     assert llm.prefix_cache.stats.evicted > evicted and llm.prefix_cache.stats.hits > 0
     assert _rss() - before < 4 << 20
+
+
+def test_drafting_stops_at_the_budget_so_the_answer_is_cached_to_its_end(families, monkeypatch):
+    """A round drafts no more than the request's budget leaves (Engine.round_k): with drafts that are
+    always right, nothing is committed past the last token it emits, so the entry at its end holds
+    the whole answer and the next turn, which resends it, resumes after it."""
+    from .pipeline_fixtures import install_drafter
+
+    prompt = STARTS[0] * 2
+    ref = LLM(families["qwen3_5_mtp3"], EngineConfig(prefix_cache=False)).generate(
+        [prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
+    install_drafter(monkeypatch, "oracle", {"a": ref})
+    llm = LLM(families["qwen3_5_mtp3"], EngineConfig(adaptive_width=False, spec_k=3))
+    for max_tokens in (5, 6, 7, 9):
+        seq = llm.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id="a")
+        while seq.finish_reason is None:
+            llm.step()
+        assert seq.output_ids() == ref[:max_tokens] and seq.metrics.accepted > 0
+        assert seq.committed == len(prompt) + max_tokens - 1       # nothing past the budget
+        nxt = llm.add_request(prompt + ref[:max_tokens] + [5], SamplingParams(max_tokens=1), request_id="b")
+        while nxt.finish_reason is None:
+            llm.step()
+        assert nxt.cached_tokens == len(prompt) + max_tokens - 1, max_tokens
+        llm.reset_prefix_cache()

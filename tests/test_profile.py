@@ -27,7 +27,7 @@ def test_profile_writes_report_html_trace_and_tuned_widths(engine_copy, tmp_path
         {"category": "code_python", "prompt": "class A:"}]))
     out = tmp_path / "report"
     assert main(["profile", str(engine_copy), "--out", str(out), "--prompts", str(prompts), "--batch-sizes", "1,2",
-                 "--max-tokens", "4", "--quiet"]) == 0
+                 "--max-tokens", "6", "--quiet"]) == 0
     report = json.loads((out / "report.json").read_text())
     for key in ("device", "backend", "versions", "latency", "runs", "speedup", "aggregate", "tuning"):
         assert key in report
@@ -41,7 +41,7 @@ def test_profile_writes_report_html_trace_and_tuned_widths(engine_copy, tmp_path
     assert {"draft", "round"} <= set(on["phases_ms_per_round"])   # one-call rounds (first drafts: draft calls)
     assert len(on["acceptance_per_position"]) == 3 and set(on["per_category"]) == {"code_python", "qa_factual"}
     agg = report["aggregate"]
-    assert agg["n_requests"] == 6 and agg["total_predicted"] == 24 and agg["total_draft"] > 0
+    assert agg["n_requests"] == 6 and agg["total_predicted"] == 36 and agg["total_draft"] > 0
     assert set(report["tuning"]) == {"1", "2"}
     trace = json.loads((out / "trace.json").read_text())["traceEvents"]
     assert trace and {e["name"] for e in trace} >= {"prefill", "draft", "round"}

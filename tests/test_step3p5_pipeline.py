@@ -20,6 +20,7 @@ from .pipeline_fixtures import (
     install_drafter,
     record_drafts,
     record_logits,
+    round_drafts,
     run,
     tiny_engines,
 )
@@ -70,13 +71,14 @@ def test_drafts_of_every_round_equal_the_nextn_reference_with_own_heads(step, ta
     nextn = ref.NextNReference(target, folder)
     rounds = record_drafts(monkeypatch)
     llm = LLM(engines, EngineConfig(spec_k=k))
-    llm.generate([PROMPTS[0], PROMPTS[3]], SamplingParams(max_tokens=20 if k == 3 else 10, ignore_eos=True))
+    max_tokens = 20 if k == 3 else 10
+    llm.generate([PROMPTS[0], PROMPTS[3]], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     assert len(rounds) >= 6
     for tokens, drafts in rounds:
         expected = nextn.drafts(tokens[:-1], len(drafts), own_head=True)
         assert expected.next_token == tokens[-1]
         assert drafts == expected.tokens, (len(tokens), drafts, expected.tokens)
-    assert {len(d) for _, d in rounds} == {k}
+    assert all(len(d) == round_drafts(t, [PROMPTS[0], PROMPTS[3]], max_tokens, k) for t, d in rounds)
 
 
 def test_drafts_equal_transformers_generate_use_mtp_rounds(step, monkeypatch):
@@ -92,8 +94,9 @@ def test_drafts_equal_transformers_generate_use_mtp_rounds(step, monkeypatch):
     ours = {tuple(t): d for t, d in rounds}
     common = [r for r in theirs if tuple(r.committed) in ours]
     assert len(common) >= len(theirs) - 1 >= 4      # transformers' last round may be cut by max_new_tokens
-    for r in common:
-        assert ours[tuple(r.committed)] == r.drafts
+    for r in common:   # (where its budget is short, a round of ours drafts fewer)
+        drafts = ours[tuple(r.committed)]
+        assert drafts == r.drafts[: len(drafts)] and len(drafts) == round_drafts(r.committed, [PROMPTS[0]], 24, 3)
 
 
 @pytest.mark.parametrize("drafter", ["wrong", "oracle", "random", "prefix:1", "prefix:2", "heads"])

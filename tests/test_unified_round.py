@@ -97,7 +97,10 @@ def _lockstep(path, params, prompts, check, monkeypatch, drafter=None):
     assert _round_calls(llms[1]) == 0 and "verify_greedy" not in llms[0].runner.calls
     # one call per decode step; head calls only re-anchor prefills, draft a new sequence's first round
     # and a round wider than the last one's drafts (the batch shrank)
-    assert _round_calls(llms[0]) == llms[0].engine.stats.rounds
+    # (where a sequence's budget leaves it fewer drafts than the others', its round is a call of its own
+    # width, or a plain step where it leaves none)
+    rounds = llms[0].engine.stats.rounds
+    assert rounds - len(prompts) <= _round_calls(llms[0]) <= rounds + len(prompts)
     heads = [sum(n for name, n in llm.runner.calls.items() if name.startswith("mtp_head")) for llm in llms]
     assert 3 * heads[0] < heads[1]
     return seqs
