@@ -65,6 +65,9 @@ class EngineConfig:
     relaxed_acceptance: RelaxedAcceptance | None = None  # default for greedy requests (off: exact); pipeline/relaxed.py
     adaptive_width: bool = True            # pick the verify width per batch size at run time (1: drafting off)
                                            # from observed acceptance and round times; False: tuned/global only
+    spec_policy: str | None = None         # the two above in one word (`tandem serve --spec-policy`): "adaptive"
+                                           # (both on), "fixed" (the tuned or global width every round), "off"
+                                           # (no drafting); a request's own spec_k or speculative wins over it
     threads: int | None = None
     device: str | None = None              # None: the backend's own (onnxruntime: "cpu", tensorrt: "cuda");
                                            # "cuda" with onnxruntime engines: its CUDA provider and CUDA graphs
@@ -94,6 +97,15 @@ class EngineConfig:
             raise ValueError(f"decode_burst_ms must be > 0 (a burst's time budget), got {self.decode_burst_ms!r}")
         if not (self.prefix_snapshot_mb >= 0 and math.isfinite(self.prefix_snapshot_mb)):
             raise ValueError(f"prefix_snapshot_mb must be a number of MiB >= 0, got {self.prefix_snapshot_mb!r}")
+        if self.spec_policy is not None:
+            if self.spec_policy not in ("adaptive", "fixed", "off"):
+                raise ValueError(f"spec_policy must be adaptive, fixed or off, got {self.spec_policy!r}")
+            if self.spec_policy != "off" and not self.speculative or self.spec_policy == "adaptive" and \
+                    not self.adaptive_width:
+                raise ValueError(f"spec_policy={self.spec_policy!r} contradicts speculative={self.speculative}, "
+                                 f"adaptive_width={self.adaptive_width}: set one or the other")
+            object.__setattr__(self, "speculative", self.spec_policy != "off")
+            object.__setattr__(self, "adaptive_width", self.adaptive_width and self.spec_policy == "adaptive")
         if self.round not in ("unified", "multi"):
             raise ValueError(f"round must be 'unified' or 'multi', got {self.round!r}")
         if self.mtp_mode not in (None, "chained", "reused"):
@@ -277,6 +289,9 @@ class LLM:
         check_sampling(params)
         self.engine.relaxed.check(params)
         ids = self.encode(prompt)
+        if params.k is not None and params.speculative and not self.config.speculative:
+            raise RequestError("spec_k", f"spec_k={params.k}: this server does not draft (speculation off: "
+                                         "`--spec-policy off`); drop spec_k")
         k_fixed = params.k is not None or self.config.spec_k is not None
         k = params.k if params.k is not None else self.spec_k
         speculative = bool(self.config.speculative and params.speculative and self.mtp_layers and k)

@@ -42,6 +42,7 @@ class WidthPolicy:
     decay: float = 0.9          # acceptance counts are multiplied by this each observed round
     samples: int = 8            # round times kept per width (their least is the cost)
     min_samples: int = 2        # a width counts as measured with this many kept round times
+    rejudge_rounds: int = 256   # engine rounds a probes' verdict of off holds for new requests (Engine.step)
 
     def __post_init__(self):
         if not 1 <= self.probe_every <= self.probe_max:
@@ -50,6 +51,8 @@ class WidthPolicy:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
         if not 1 <= self.min_samples <= self.samples:
             raise ValueError(f"need 1 <= min_samples <= samples, got {self.min_samples}, {self.samples}")
+        if self.rejudge_rounds < 1:
+            raise ValueError(f"rejudge_rounds must be >= 1, got {self.rejudge_rounds}")
 
 
 @dataclass(frozen=True)

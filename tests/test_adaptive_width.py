@@ -252,7 +252,7 @@ def test_a_request_k_wins_over_a_hopeless_verdict(engine_dirs, plain, monkeypatc
         assert s.metrics.drafted_per_position[1] >= s.metrics.rounds - 1
 
 
-def judged_off(engine_dirs, monkeypatch):
+def judged_off(engine_dirs, monkeypatch, rejudge_rounds: int = 256):
     """Heads always wrong, rounds that would pay at full acceptance (buckets 1 and 4: a late request
     joins the bucket of the two running ones): PROMPTS decode until their sequences flip to plain
     or one finishes -> (llm, controller, sequences)."""
@@ -260,7 +260,8 @@ def judged_off(engine_dirs, monkeypatch):
     # one token an off round: the verdict comes after a number of rounds, before 96 tokens are out
     llm = LLM(engine_dirs[KIND], EngineConfig(decode_burst=1))
     llm.engine.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 4],
-                                                 policy=WidthPolicy(probe_every=2, probe_max=8))
+                                                 policy=WidthPolicy(probe_every=2, probe_max=8,
+                                                                    rejudge_rounds=rejudge_rounds))
     seqs = [llm.add_request(p, LONG, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
     while any(s.speculative for s in seqs) and all(s.finish_reason is None for s in seqs):
         llm.step()
@@ -307,6 +308,28 @@ def test_a_busy_engine_probes_again_once_the_judged_sequences_have_left(engine_d
         llm.step()
     assert {i: s.output_ids() for i, s in enumerate(seqs)} == plain
     assert late.output_ids() == plain[0] and fresh.output_ids() == plain[1][:8]
+
+def test_a_verdict_of_off_holds_new_requests_for_a_bounded_number_of_rounds(engine_dirs, plain, monkeypatch):
+    """Under continuous load (the judged sequences still run) a verdict of off holds for new requests
+    at most rejudge_rounds engine rounds: one arriving before skips the heads, one arriving after has
+    them and is probed again, so a workload that turns good gets drafting back within the bound."""
+    llm, ctl, seqs = judged_off(engine_dirs, monkeypatch, rejudge_rounds=12)
+    since = llm.engine.stats.rounds
+    early = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), request_id="early")
+    while early.finish_reason is None:
+        llm.step()
+    assert not early.speculative and llm.engine.stats.rounds - since < 12
+    while llm.engine.stats.rounds - since < 12:
+        llm.step()
+    heads = llm.runner.calls.get("mtp_head_0", 0)
+    late = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True), request_id="late")
+    llm.step()                                                      # its prefill
+    assert all(s.finish_reason is None for s in seqs)              # (the judged ones still run)
+    assert late.speculative and llm.runner.calls.get("mtp_head_0", 0) > heads
+    while any(s.finish_reason is None for s in [*seqs, late]):
+        llm.step()
+    assert {i: s.output_ids() for i, s in enumerate(seqs)} == plain and late.output_ids() == plain[1][:8]
+
 
 def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
     # width 2 at 1.9 steps could pay; width 2 at 2.5 bounds an unmeasured width 3 below 3 steps
@@ -450,3 +473,19 @@ def test_a_fixed_k_is_respected(engine_dirs, plain, monkeypatch, widths):
         # k each round but where the budget leaves fewer: 2, 1, then none (the last token a plain step)
         d = m.drafted_per_position
         assert d == [d[0], d[0] - 1, d[0] - 2] and d[0] == m.rounds and m.rounds + m.accepted + 2 >= len(s.output_ids())
+
+
+def test_spec_policy_names_the_two_switches(engine_dirs):
+    """EngineConfig.spec_policy (`tandem serve --spec-policy`): adaptive, fixed (the tuned width, no
+    controller), off (no drafting: a request's spec_k is refused, not ignored); contradictions refused."""
+    assert LLM(engine_dirs[KIND], EngineConfig(spec_policy="adaptive")).engine.width_control is not None
+    fixed = LLM(engine_dirs[KIND], EngineConfig(spec_policy="fixed"))
+    assert fixed.engine.width_control is None and fixed.config.speculative
+    off = LLM(engine_dirs[KIND], EngineConfig(spec_policy="off"))
+    assert [r.metrics.rounds for r in off.generate(PROMPTS, SamplingParams(max_tokens=8))] == [0, 0]
+    with pytest.raises(ValueError, match="spec_k"):
+        off.add_request(PROMPTS[0], SamplingParams(max_tokens=8, k=2))
+    for bad in (dict(spec_policy="sometimes"), dict(spec_policy="adaptive", adaptive_width=False),
+                dict(spec_policy="fixed", speculative=False)):
+        with pytest.raises(ValueError, match="spec_policy"):
+            EngineConfig(**bad)
