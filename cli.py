@@ -144,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   header_timeout_s=args.header_timeout)
         config = EngineConfig(memory_budget_bytes=int(args.memory_budget_mb * 2**20), mtp_mode=args.mtp_mode,
                               threads=args.threads, prefix_cache=not args.no_prefix_cache, spec_policy=args.spec_policy,
+                              verify=not args.no_verify,
                               prefix_snapshot_mb=args.prefix_snapshot_mb)
         if args.ray:
             status = _serve_ray(args, settings, config)
@@ -321,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget-mb", type=float, default=512, help="KV pages + state slots (MiB)")
     p.add_argument("--mtp-mode", choices=["chained", "reused"], default=None)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-verify", action="store_true",
+                   help="check the engine files' sizes only, not their sha256 (default: hashed on first load and "
+                        "after a file changed)")
     p.add_argument("--spec-policy", choices=["adaptive", "fixed", "off"], default="adaptive",
                    help="drafting: adaptive (the width per batch size from what rounds gain, default), fixed (the "
                         "engine dir's tuned width every round), off (a request's spec_k is then a 400); a "

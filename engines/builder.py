@@ -39,6 +39,7 @@ from tandem.engines.manifest import (
     family_chat_formats,
     file_sha256,
     read_manifest,
+    signed,
     write_manifest,
 )
 from tandem.engines.options import BuildOptions, OptionsError
@@ -170,7 +171,7 @@ def _refresh_fingerprint(out: Path, previous: dict, fp: dict) -> None:
     never sees half a manifest); an engine directory that is not writable keeps the old ones."""
     tmp = out / f".tandem-{MANIFEST}.tmp"
     try:
-        tmp.write_text(json.dumps({**previous, "fingerprint": fp}, indent=2, sort_keys=True) + "\n")
+        tmp.write_text(json.dumps(signed({**previous, "fingerprint": fp}), indent=2, sort_keys=True) + "\n")
         os.replace(tmp, out / MANIFEST)
     except OSError:
         with contextlib.suppress(OSError):

@@ -1,8 +1,13 @@
 """Load-time check of an engine directory against its manifest.json.
 
-    every file the manifest names: exists, is a file, has the recorded size   (always: one stat each)
+    the manifest itself: its own sha256 (engines/manifest.py read_manifest)   (always)
+    every file in the directory: one the manifest names, or tandem's own
+        (the verification cache, runtime_settings.json)                     (always: one listing)
+    every file the manifest names: exists, is a regular file (not a link),
+        has the recorded size                                                (always: one lstat each)
     its sha256 equals the recorded one                                        (first load, and again for
-                                                                               a file whose stat changed)
+                                                                               a file whose stat changed;
+                                                                               not with verify=False)
 
 What a load verified is cached per file as (size, mtime_ns, ctime_ns, sha256): a file whose stat
 still matches its entry, and whose entry's sha256 is the manifest's, is not read again. The cache
@@ -10,7 +15,9 @@ is `.tandem-verified.json` inside the engine directory when it is writable (it g
 directory goes and disappears with it), else a file in the user's cache folder keyed by the
 directory's resolved path (read-only mounts, shared installs). docs/pipeline.md says what the
 cache can and cannot detect. Files the manifest does not name (runtime_settings.json, the cache
-itself) are not checked here. No torch, no ONNX Runtime: stat, hashlib and json only.
+itself) are allowed; any other file is refused (a file the runtime would read without a record: one
+copied in, or one whose entry was taken out of the manifest). No torch, no ONNX Runtime: stat,
+hashlib and json only.
 """
 
 from __future__ import annotations
@@ -53,25 +60,29 @@ class Verification:
     cache: Path | None         # where the verified stats are kept (None: nowhere writable)
 
 
-def verify_engine_dir(engine_dir: str | Path, manifest: dict) -> Verification:
+def verify_engine_dir(engine_dir: str | Path, manifest: dict, hashes: bool = True) -> Verification:
     """Refuse (ManifestError naming each file and what differs) an engine directory whose files
-    are not the ones its manifest records."""
+    are not the ones its manifest records. `hashes` False: sizes only (`--no-verify`)."""
     engine_dir = Path(engine_dir)
     recorded: dict[str, str] = manifest["files"]
     sizes: dict[str, int] = manifest.get("file_sizes", {})  # absent in manifests written before sizes were kept
     stats: dict[str, FileStat] = {}
-    problems = []
+    problems = [f"{name}: not a file the manifest records (copied in, or its entry taken out of the manifest)"
+                for name in sorted(_unrecorded(engine_dir, recorded))]
     for name in sorted(recorded):
         path = engine_dir / name
         try:
-            st = path.stat()
+            st = path.lstat()
         except FileNotFoundError:
             problems.append(f"{name}: missing")
             continue
         except OSError as e:
             problems.append(f"{name}: cannot be read ({e.strerror})")
             continue
-        if not stat.S_ISREG(st.st_mode):
+        if stat.S_ISLNK(st.st_mode):
+            problems.append(f"{name}: a symbolic link (an engine directory holds its own files: copy it with "
+                            "`cp -rL`, which copies what links point to)")
+        elif not stat.S_ISREG(st.st_mode):
             problems.append(f"{name}: not a regular file")
         elif name in sizes and st.st_size != sizes[name]:
             problems.append(f"{name}: size differs ({st.st_size:,} bytes, the manifest records {sizes[name]:,})")
@@ -80,6 +91,8 @@ def verify_engine_dir(engine_dir: str | Path, manifest: dict) -> Verification:
     if problems:
         raise _refusal(engine_dir, problems)
 
+    if not hashes:
+        return Verification(len(recorded), (), None)
     in_dir, per_user = engine_dir / CACHE_FILE, user_cache_file(engine_dir)
     cached = [_read_cache(in_dir), _read_cache(per_user)]
     entries = {n: _entry(st, recorded[n]) for n, st in stats.items()}
@@ -98,6 +111,20 @@ def verify_engine_dir(engine_dir: str | Path, manifest: dict) -> Verification:
     else:
         where = in_dir if all(cached[0].get(n) == e for n, e in entries.items()) else per_user
     return Verification(len(recorded), tuple(stale), where)
+
+
+# what tandem itself writes into a built engine directory besides the files the manifest records
+TANDEM_EXTRAS = (MANIFEST, CACHE_FILE, "runtime_settings.json")
+
+
+def _unrecorded(engine_dir: Path, recorded: dict) -> list[str]:
+    """Files and folders of the directory that are neither recorded nor tandem's own (its hidden
+    files: the verification cache and a build's marker; `tandem profile`'s runtime_settings.json)."""
+    try:
+        names = [p.name for p in engine_dir.iterdir()]
+    except OSError:
+        return []           # (the recorded files' own checks say what is wrong)
+    return [n for n in names if n not in recorded and n not in TANDEM_EXTRAS and not n.startswith(".tandem-")]
 
 
 def user_cache_file(engine_dir: Path) -> Path:

@@ -4,6 +4,7 @@ The pipeline reads only this file and the files it names."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from tandem.graph_kinds import GraphKind
 MANIFEST = "manifest.json"
 FORMAT = "tandem-engines"
 FORMAT_VERSION = 1
+DIGEST = "manifest_sha256"     # the manifest's own hash: of its canonical JSON without this key
 # files copied from the checkpoint: the runtime needs them and never reads the checkpoint
 CHECKPOINT_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                     "special_tokens_map.json", "chat_template.jinja")
@@ -43,8 +45,31 @@ def read_manifest(engine_dir: Path) -> dict:
     if data.get("format_version") != FORMAT_VERSION:
         raise ManifestError(f"{path}: manifest format {data.get('format_version')} but this tandem reads "
                             f"{FORMAT_VERSION}; rebuild the engine directory with this version.")
+    if digest_ok(data) is False:
+        raise ManifestError(f"{path} was edited after the build (its own sha256 no longer matches it): the files it "
+                            f"names may not be the ones built. Rebuild the engine directory with `tandem "
+                            f"build-engines MODEL_DIR --out {engine_dir}`.")
     _check_shape(path, data)
     return data
+
+
+def digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON, its own DIGEST left out."""
+    text = json.dumps({k: v for k, v in manifest.items() if k != DIGEST}, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def signed(manifest: dict) -> dict:
+    """The manifest with its own DIGEST (as write_manifest writes it)."""
+    manifest = {k: v for k, v in manifest.items() if k != DIGEST}
+    return {**manifest, DIGEST: digest(manifest)}
+
+
+def digest_ok(manifest: dict) -> bool | None:
+    """Whether the manifest is as tandem wrote it; None for one written before manifests had a digest."""
+    if DIGEST not in manifest:
+        return None
+    return manifest[DIGEST] == digest(manifest)
 
 
 def _check_shape(path: Path, data: dict) -> None:
@@ -94,9 +119,10 @@ def chat_formats(manifest: dict) -> dict:
 
 
 def write_manifest(folder: Path, manifest: dict) -> None:
-    """Also records each named file's size next to its sha256: a load checks sizes with a stat."""
+    """Also records each named file's size next to its sha256 (a load checks sizes with a stat) and the
+    manifest's own sha256 (a manifest edited by hand is refused: engines/integrity.py)."""
     sizes = {name: (Path(folder) / name).stat().st_size for name in manifest.get("files", {})}
-    text = json.dumps({**manifest, "file_sizes": sizes}, indent=2, sort_keys=True)
+    text = json.dumps(signed({**manifest, "file_sizes": sizes}), indent=2, sort_keys=True)
     (Path(folder) / MANIFEST).write_text(text + "\n")
 
 

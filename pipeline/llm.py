@@ -77,6 +77,8 @@ class EngineConfig:
     decode_burst: int = DEFAULT_STEPS      # plain decoding (greedy or sampled) without a multi-step graph: up to
                                            # this many target steps per engine step, back to back (1: one) ...
     decode_burst_ms: float = DEFAULT_BUDGET_MS  # ... within about this time (pipeline/decode_burst.py)
+    verify: bool = True                    # load: hash the engine files against the manifest (first load, and
+                                           # after a file changed); False: sizes only (engines/integrity.py)
     prefix_cache: bool = True              # resume prompts from earlier requests' pages and states
                                            # (pipeline/prefix_cache.py)
     prefix_snapshot_mb: float = 64.0       # memory for the cache's recurrent-state snapshots, beside the budget
@@ -140,7 +142,8 @@ class LLM:
             raise ManifestError(f"{self.engine_dir} was built for graph contract {m.get('contract_version')}, but this "
                                 f"tandem speaks contract {contract.CONTRACT_VERSION}; rebuild it with `tandem "
                                 f"build-engines MODEL_DIR --out {engine_dir}`")
-        self.verification = verify_engine_dir(self.engine_dir, m)  # before any file the manifest names is read
+        # before any file the manifest names is read
+        self.verification = verify_engine_dir(self.engine_dir, m, hashes=config.verify)
         try:
             self.desc = description_from_dict(m["description"])
         except (KeyError, TypeError, ValueError) as e:

@@ -15,7 +15,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tandem.engines import integrity
-from tandem.engines.manifest import ManifestError, read_manifest
+from tandem.engines.manifest import ManifestError, read_manifest, signed
 from tandem.export.exporter import file_sha256
 from tandem.pipeline.llm import LLM
 from tandem.server.chat_template import ChatTemplate, ChatTemplateError
@@ -177,7 +177,7 @@ def test_tokenizer_that_does_not_load_is_refused_naming_it(engines):
     manifest = json.loads((engines / "manifest.json").read_text())
     manifest["files"]["tokenizer.json"] = file_sha256(path)
     manifest["file_sizes"]["tokenizer.json"] = path.stat().st_size
-    (engines / "manifest.json").write_text(json.dumps(manifest))
+    (engines / "manifest.json").write_text(json.dumps(signed(manifest)))
     with pytest.raises(ManifestError, match=f"{path} cannot be loaded"):
         LLM(engines)
 
@@ -196,7 +196,7 @@ def test_damaged_manifest_is_refused_naming_it(engines, change):
         del m["files"][m["engines"][0]["file"]]
     else:
         m["file_sizes"]["config.json"] = "848"
-    path.write_text(json.dumps(m))
+    path.write_text(json.dumps(signed(m) if isinstance(m, dict) else m))   # (written so, not edited after)
     with pytest.raises(ManifestError, match=f"{path} is (damaged|not a tandem engine manifest)"):
         LLM(engines)
 
@@ -219,6 +219,62 @@ def test_engine_dir_of_another_graph_contract_is_refused(engines):
     path = engines / "manifest.json"
     m = json.loads(path.read_text())
     m["contract_version"] -= 1
-    path.write_text(json.dumps(m))
+    path.write_text(json.dumps(signed(m)))
     with pytest.raises(ManifestError, match=f"graph contract {m['contract_version']}.*{REBUILD}"):
         LLM(engines)
+
+
+def _weights(engines: Path) -> str:
+    """The largest file the manifest records (the weights)."""
+    files = read_manifest(engines)["files"]
+    return max(files, key=lambda n: (engines / n).stat().st_size)
+
+
+def test_a_file_taken_out_of_the_manifest_is_refused(engines):
+    """Removing a file's entry cannot get a corrupted file served: by hand, the manifest's own sha256
+    no longer matches; written so (signed), the file is one the manifest does not record."""
+    path, name = engines / "manifest.json", _weights(engines)
+    with open(engines / name, "r+b") as f:              # corrupted in place, same size
+        f.seek(100)
+        f.write(b"\xff" * 16)
+    m = json.loads(path.read_text())
+    del m["files"][name], m["file_sizes"][name]
+    path.write_text(json.dumps(m))
+    with pytest.raises(ManifestError, match="edited after the build"):
+        LLM(engines)
+    path.write_text(json.dumps(signed(m)))
+    with pytest.raises(ManifestError, match=f"{name}: not a file the manifest records.*{REBUILD}"):
+        LLM(engines)
+
+
+def test_a_file_copied_into_the_dir_is_refused_and_tandems_own_are_not(engines):
+    (engines / "runtime_settings.json").write_text("{}")      # `tandem profile`'s
+    (engines / "extra.onnx").write_bytes(b"x")
+    with pytest.raises(ManifestError, match=r"extra\.onnx: not a file the manifest records"):
+        LLM(engines)
+    (engines / "extra.onnx").unlink()
+    integrity.verify_engine_dir(engines, read_manifest(engines))
+
+
+def test_a_symlinked_weights_file_is_refused_saying_how_to_copy(engines, tmp_path):
+    name = _weights(engines)
+    target = tmp_path / "elsewhere.bin"
+    shutil.move(engines / name, target)
+    (engines / name).symlink_to(target)
+    with pytest.raises(ManifestError, match=f"{name}: a symbolic link.*cp -rL"):
+        LLM(engines)
+
+
+def test_no_verify_checks_sizes_only(engines):
+    """verify=False (`--no-verify`): a same-size change passes, a size change does not."""
+    from tandem.pipeline.llm import EngineConfig
+
+    path = engines / "generation_config.json"
+    text = path.read_text()
+    path.write_text(text.replace(" ", "\t", 1) if " " in text else text)
+    assert LLM(engines, EngineConfig(verify=False)).verification.hashed == ()
+    with pytest.raises(ManifestError, match="content differs"):
+        LLM(engines)
+    path.write_text(text + " ")
+    with pytest.raises(ManifestError, match="size differs"):
+        LLM(engines, EngineConfig(verify=False))

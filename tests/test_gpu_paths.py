@@ -21,6 +21,7 @@ from tandem.engines.backends.cuda_memory import DeviceArray, pinned_view
 from tandem.engines.backends.memory import Replay, plan_buffers
 from tandem.engines.backends.onnxruntime_device import DeviceRunner
 from tandem.engines.backends.tensorrt_runner import Runner
+from tandem.engines.manifest import signed
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
@@ -35,7 +36,7 @@ GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, k=3)   # a fixed width: 
 def _tensorrt_dir(src, dst):
     shutil.copytree(src, dst)
     manifest = json.loads((dst / "manifest.json").read_text())
-    (dst / "manifest.json").write_text(json.dumps({**manifest, "backend": "tensorrt"}))
+    (dst / "manifest.json").write_text(json.dumps(signed({**manifest, "backend": "tensorrt"})))
     return dst
 
 

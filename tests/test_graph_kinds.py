@@ -9,7 +9,7 @@ import shutil
 import pytest
 
 from tandem.engines.buckets import plan
-from tandem.engines.manifest import ManifestError
+from tandem.engines.manifest import ManifestError, signed
 from tandem.engines.options import BuildOptions
 from tandem.graph_kinds import (
     TARGET_STEP,
@@ -78,7 +78,7 @@ def test_manifest_naming_an_unknown_graph_kind_is_refused(engine_dirs, tmp_path)
     shutil.copytree(engine_dirs["qwen3_5_mtp3"], path)
     m = json.loads((path / "manifest.json").read_text())
     m["engines"][-1]["graph"] = "mtp_head"
-    (path / "manifest.json").write_text(json.dumps(m))
+    (path / "manifest.json").write_text(json.dumps(signed(m)))
     last = len(m["engines"]) - 1
     with pytest.raises(ManifestError, match=rf"{path / 'manifest.json'} is damaged.*engines\[{last}\] \(a graph kind"):
         LLM(path)

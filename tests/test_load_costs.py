@@ -17,7 +17,7 @@ from tandem.engines.backends import onnxruntime_backend, onnxruntime_kernel_file
 from tandem.engines.backends.onnxruntime_optimized import OPTIMIZED_WEIGHTS, optimized_name
 from tandem.engines.buckets import plan
 from tandem.engines.builder import BuildError, build_engines
-from tandem.engines.manifest import MANIFEST, read_manifest
+from tandem.engines.manifest import MANIFEST, read_manifest, signed
 from tandem.engines.options import BuildOptions
 from tandem.engines.verification import fixed_inputs
 from tandem.export import exporter
@@ -85,14 +85,14 @@ def test_the_runner_serves_the_saved_graphs_and_generates_the_same_tokens(built,
     served = [o.token_ids for o in LLM(folder, EngineConfig(memory_budget_bytes=8 << 20)).generate(PROMPTS, params)]
     m = read_manifest(folder)
     # a manifest from another CPU: the lowered graphs, optimized at load, with a warning saying why
-    (folder / MANIFEST).write_text(json.dumps({**m, "versions": {**m["versions"], "cpu": "riscv64:"}}))
+    (folder / MANIFEST).write_text(json.dumps(signed({**m, "versions": {**m["versions"], "cpu": "riscv64:"}})))
     try:
         with caplog.at_level(logging.WARNING):
             assert onnxruntime_backend.serving_files(folder, files) == {f: f for f in files}
         assert "cpu riscv64: ->" in caplog.text and "Rebuild the engine dir" in caplog.text
         fallback = LLM(folder, EngineConfig(memory_budget_bytes=8 << 20)).generate(PROMPTS, params)
     finally:
-        (folder / MANIFEST).write_text(json.dumps(m))
+        (folder / MANIFEST).write_text(json.dumps(signed(m)))
     assert [o.token_ids for o in fallback] == served
 
 

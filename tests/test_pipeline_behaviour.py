@@ -8,6 +8,7 @@ import pytest
 
 from tandem import contract as c
 from tandem.cli import main
+from tandem.engines.manifest import signed
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
@@ -323,7 +324,7 @@ def test_engines_of_a_backend_that_cannot_run_here_are_refused_with_the_fix(engi
     path = tmp_path / "engines"
     shutil.copytree(engine_dirs["qwen3_5_mtp3"], path)
     manifest = json.loads((path / "manifest.json").read_text())
-    (path / "manifest.json").write_text(json.dumps({**manifest, "backend": "tensorrt"}))
+    (path / "manifest.json").write_text(json.dumps(signed({**manifest, "backend": "tensorrt"})))
     with pytest.raises(BackendUnavailable, match="holds TensorRT engines, which run only where.*--backend onnxruntime"):
         LLM(path)
 
