@@ -68,6 +68,8 @@ def cmd_build_engines(args: argparse.Namespace) -> int:
         return _refused(args.model_dir, e.problems)
     except (OptionsError, OutputError, BuildError, BackendUnavailable) as e:
         return _refused("build-engines", [str(e)])
+    for line in result.swept:
+        print(line)
     if result.status == "up-to-date":
         print(f"{result.engine_dir} is up to date (same input files by content, options and versions): "
               "nothing to rebuild")

@@ -25,7 +25,7 @@ from tandem.checkpoint import open_checkpoint
 from tandem.checkpoint.description import DTYPE_BYTES, description_to_dict
 from tandem.checkpoint.summary import summarize
 from tandem.engines import buckets as bucket_plan
-from tandem.engines.atomic import MARKER, check_replaceable, check_writable, staged_directory
+from tandem.engines.atomic import MARKER, check_replaceable, check_writable, staged_directory, sweep_stale
 from tandem.engines.backends import get_backend
 from tandem.engines.fingerprint import changes, digests, fingerprint, hash_inputs, input_files
 from tandem.engines.integrity import verify_engine_dir
@@ -65,6 +65,7 @@ class BuildResult:
     rebuilt: list[str] = field(default_factory=list)
     reused: list[str] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)  # why it was built: what changed since the last build
+    swept: list[str] = field(default_factory=list)    # dead builds' temporary folders cleared from --out's parent
 
 
 def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions | None = None,
@@ -80,6 +81,7 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
     backend = get_backend(options.backend)
     sources = {"checkpoint": Path(model_dir), "draft": Path(options.draft) if options.draft else None}
     check_replaceable(out, sources)
+    swept = sweep_stale(out.absolute().parent) if out.absolute().parent.is_dir() else []
     previous, no_previous = _previous_manifest(out)
     old = previous.get("fingerprint", {}) if previous else {}
     fp = fingerprint(hash_inputs(input_files(ckpt, CHECKPOINT_FILES), old), options.to_json(), backend.versions())
@@ -88,7 +90,7 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
     if not reasons:
         if fp != old:  # same contents, new stats (a copied checkpoint): record them, or every rerun hashes again
             _refresh_fingerprint(out, previous, fp)
-        return BuildResult(out, "up-to-date", time.perf_counter() - start, _dir_size(out))
+        return BuildResult(out, "up-to-date", time.perf_counter() - start, _dir_size(out), swept=swept)
 
     params = ckpt.parameter_count() + (ckpt.parameter_count(mtp=True) if desc.mtp else 0)
     check_writable(out, need_bytes=int(params * DTYPE_BYTES[options.dtype] * 1.2) + (64 << 20))
@@ -146,7 +148,7 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
                 shutil.copyfile(Path(model_dir) / name, tmp / name)
         manifest = _manifest(ckpt, options, backend, fp, records, tmp, time.perf_counter() - start)
         write_manifest(tmp, manifest)
-    return BuildResult(out, "built", time.perf_counter() - start, _dir_size(out), rebuilt, reused, reasons)
+    return BuildResult(out, "built", time.perf_counter() - start, _dir_size(out), rebuilt, reused, reasons, swept)
 
 
 def _timed_run(checker, bucket, engine: tuple[str, int], feeds) -> tuple[dict, dict, float]:

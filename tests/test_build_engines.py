@@ -137,8 +137,8 @@ def test_output_location_that_is_a_file(tiny_root, tmp_path):
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="file is not a directory"):
         build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "file" / "e", SMALL, show_progress=False)
-    with pytest.raises(OutputError, match="does not exist"):
-        build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "missing" / "e", SMALL, show_progress=False)
+    with pytest.raises(OutputError, match="file is not a directory"):
+        build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "file" / "deeper" / "e", SMALL, show_progress=False)
     with pytest.raises(OutputError, match="is not a directory"):
         build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "file", SMALL, show_progress=False)
 
