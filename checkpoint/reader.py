@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from tandem.checkpoint import validation as v
+from tandem.checkpoint.config_values import check_config_values
 from tandem.checkpoint.description import ModelDescription
 from tandem.checkpoint.errors import CheckpointError
 from tandem.checkpoint.families import FAMILIES, MODEL_TYPES
@@ -117,6 +118,9 @@ def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: 
     if not path.is_dir():
         raise CheckpointError(v.missing_path_message(str(model_dir), "model folder"))
     config = read_json(path / "config.json", "every checkpoint folder needs its config.json.")
+    value_problems = check_config_values(config, str(path / "config.json"))
+    if value_problems:
+        raise CheckpointError(value_problems)
     arch = resolve_architecture(config, path / "config.json")
     family = FAMILIES[arch]
     text_cfg = family.text_config(config, arch)
@@ -200,6 +204,9 @@ def _mtp_source(path: Path, index: TensorIndex, text_cfg: dict, draft, layout, b
     draft_cfg = {}
     if (draft_path / "config.json").exists():
         draft_cfg = read_json(draft_path / "config.json", "")
+        value_problems = check_config_values(draft_cfg, f"draft {draft_path / 'config.json'}")
+        if value_problems:
+            return None, text_cfg, value_problems
         draft_cfg = draft_cfg.get("text_config") or draft_cfg
         for key in ("hidden_size", "vocab_size"):
             if key in draft_cfg and draft_cfg[key] != text_cfg.get(key):

@@ -202,14 +202,30 @@ def check_tokenizer(folder: Path) -> list[str]:
     return problems
 
 
+_SAMPLE_CHATS = ([{"role": "user", "content": "Hello"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                  {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name a prime."}])
+
+
 def _check_template(template: str, where: str) -> list[str]:
-    """The chat template compiles in the sandboxed environment the server renders it with."""
+    """The chat template compiles in the environment the server renders it with, and renders plain
+    conversations within the server's time and size limits (chat_render.py). What the template
+    refuses on purpose (raise_exception) or fails on here is left to each request."""
     from jinja2 import TemplateSyntaxError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    from tandem.chat_render import BoundedTemplate, RenderLimit
 
     try:
-        ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
+        bounded = BoundedTemplate(template)
     except TemplateSyntaxError as e:
         return [f"{where}: the chat template does not compile (line {e.lineno}: {e.message}). "
                 "Fix the template or re-download the file."]
+    for messages in _SAMPLE_CHATS:
+        try:
+            bounded.render({"messages": messages, "add_generation_prompt": True, "tools": None})
+        except RenderLimit as e:
+            return [f"{where}: rendering a {len(messages)}-message conversation, {e}. The server would refuse "
+                    "every chat; fix the template or re-download the file."]
+        except Exception:  # noqa: S112 (the template's own refusals and failures answer each request)
+            continue
     return []

@@ -259,8 +259,8 @@ def create_app(llm: LLM, settings: ServerSettings,
         tools, choice = req.tool_dicts(), req.tool_choice_value()
         try:
             check_tools(formats.get("tool_calls"), tools, choice)
-            prompt = chat_template.render(template_messages(req.messages), req.add_generation_prompt, tools,
-                                          req.chat_template_kwargs)
+            prompt = await chat_template.render_async(template_messages(req.messages), req.add_generation_prompt,
+                                                      tools, req.chat_template_kwargs)
             grammar = tool_choice_grammar(formats["tool_calls"], tools, choice, req.parallel_tool_calls) if tools \
                 else None
         except ChatTemplateError as e:

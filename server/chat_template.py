@@ -1,30 +1,25 @@
-"""Renders the checkpoint's chat template (tokenizer_config.json) the way transformers does:
-a sandboxed jinja2 environment with trim_blocks / lstrip_blocks, `raise_exception`, and a
-`tojson` that keeps non-ASCII text."""
+"""The checkpoint's chat template (tokenizer_config.json or chat_template.jinja) as the server
+renders it: transformers' environment, within time and size limits (chat_render.py); whatever
+goes wrong in a render is a ChatTemplateError (a 400 that says what and what to do)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from tandem.chat_render import BoundedTemplate, RenderLimit
 
 
 class ChatTemplateError(ValueError):
     pass
 
 
-def _raise(message: str):
-    raise TemplateError(message)
-
-
 class ChatTemplate:
     def __init__(self, template: str, special: dict[str, str | None]):
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        self.template = env.from_string(template)
+        self.template = BoundedTemplate(template)
         self.special = special
 
     @classmethod
@@ -54,11 +49,31 @@ class ChatTemplate:
     def render(self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None,
                kwargs: dict | None = None) -> str:
         """kwargs: the request's chat_template_kwargs (enable_thinking, ...), below the fixed names."""
-        try:
-            return self.template.render({**(kwargs or {}), "messages": messages, "tools": tools,
-                                         "add_generation_prompt": add_generation_prompt, **self.special})
-        except TemplateError as e:
-            raise ChatTemplateError(f"the chat template refused these messages: {e}") from e
+        with _as_refusal():
+            return self.template.render(self._context(messages, add_generation_prompt, tools, kwargs))
+
+    async def render_async(self, messages: list[dict], add_generation_prompt: bool = True,
+                           tools: list[dict] | None = None, kwargs: dict | None = None) -> str:
+        """render() off the event loop: other requests keep streaming while this one renders."""
+        with _as_refusal():
+            return await self.template.render_async(self._context(messages, add_generation_prompt, tools, kwargs))
+
+    def _context(self, messages, add_generation_prompt, tools, kwargs) -> dict:
+        return {**(kwargs or {}), "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt,
+                **self.special}
+
+
+@contextlib.contextmanager
+def _as_refusal():
+    try:
+        yield
+    except RenderLimit as e:
+        raise ChatTemplateError(str(e)) from e
+    except TemplateError as e:
+        raise ChatTemplateError(f"the chat template refused these messages: {e}") from e
+    except Exception as e:  # the template's own code failed on them (a type error, a missing key...)
+        raise ChatTemplateError(f"the chat template failed on these messages ({e}); check the messages' fields, "
+                                "or fix the template") from e
 
 
 def _token_text(token) -> str | None:
