@@ -237,7 +237,9 @@ class Engine:
         round (adaptive), else the verify width the manifest (or `tandem profile`) chose for this
         batch size, minus one; no more than the sequence's token budget leaves after the round's own
         token, where the narrower round's engine is open or opening (a round past the budget computes
-        and commits tokens that are dropped, and leaves the prefix cache no entry at the answer's end)."""
+        and commits tokens that are dropped, and leaves the prefix cache no entry at the answer's end);
+        where it is not, none when the round would write past the last position a block table holds
+        (a request may fill max_seq_len with prompt + max_tokens: rows [committed, committed + k])."""
         if seq.k_fixed or (self._width is None and not self.width_per_batch):
             k = seq.k
         elif self._width is not None:
@@ -251,6 +253,8 @@ class Engine:
             engine = self.round_engine(left + 1, not seq.params.greedy)
             if left == 0 or engine in self._open or engine in self.waits_for:
                 k = left
+            elif seq.committed + k >= self.scheduler.max_positions:
+                k = 0   # the round's last row would pass the block table's end: plain steps finish it
         return k
 
     # ---- adaptive width (pipeline/width_control.py) --------------------------------------

@@ -195,6 +195,7 @@ class LLM:
         # heads' contexts may trail the target's by up to one row per head (previous-head anchoring)
         self.scheduler = Scheduler(self.page_groups, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"],
                                    head_lag=self.mtp_layers, prefix_cache=self.prefix_cache)
+        self.scheduler.max_positions = max_pages * self.page_size
         self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
                              chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
                              width_per_batch=self.width_per_batch, width_control=self._width_control(batch_sizes),
@@ -316,16 +317,17 @@ class LLM:
         if self.config.synthetic_acceptance is not None and (params.processed or params.logprobs is not None):
             raise RequestError("logprobs" if params.logprobs is not None else "sampling", "logits processors and "
                                "logprobs cannot run with synthetic_acceptance (its tokens are not the model's)")
-        limit = self.max_seq_len - (k + 1 if speculative else 1)
-        if len(ids) + params.max_tokens > limit:
-            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) "
-                               f"exceeds the engines' limit of {limit} tokens (max_seq_len {self.max_seq_len}); "
-                               "shorten the prompt or lower max_tokens")
+        if len(ids) + params.max_tokens > self.max_seq_len:
+            raise RequestError("max_tokens", f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = "
+                               f"{len(ids) + params.max_tokens} tokens, more than the context length of "
+                               f"{self.max_seq_len} (the engines' --max-seq-len); shorten the prompt or lower "
+                               "max_tokens, or rebuild the engines with a larger --max-seq-len")
         full = self.page_groups.lists.get(None)   # window groups hold what a window needs, whatever the length
         capacity = (full.size - 1) * self.page_size if full else self.max_seq_len
-        if len(ids) + params.max_tokens + k + 1 > capacity:
-            raise RequestError("max_tokens", f"the request needs {len(ids) + params.max_tokens} positions but the KV "
-                               f"memory holds {capacity}; raise memory_budget_bytes")
+        needs = min(len(ids) + params.max_tokens + k, self.max_seq_len)   # a round's drafts may pass max_tokens
+        if needs > capacity:
+            raise RequestError("max_tokens", f"the request needs {needs} positions but the KV memory holds "
+                               f"{capacity}; raise memory_budget_bytes (serve --memory-budget-mb)")
         return CheckedRequest(ids, speculative, k if speculative else 0, k_fixed)
 
     def bad_word_ids(self, params: SamplingParams) -> list[list[int]]:

@@ -82,6 +82,7 @@ class ModelRunner:
         self.files = files                      # engine key (GraphKind.engine_key) -> engine file
         self.batch_sizes = sorted(batch_sizes)
         self.max_pages = max_pages
+        self.max_positions = max_pages * pools.page_size   # rows past it have no block-table entry
         self.trunk_kv = pools.trunk_paged
         self.fixed = {**pools.feeds(self.trunk_kv), **pools.state_feeds()}
         self.head_fixed = {j: pools.feeds([c.mtp_layer_name(j)]) for j in range(mtp_layers)}
@@ -322,6 +323,9 @@ class ModelRunner:
             buf[c.LOGIT_EDITS][..., 1] = 1.0      # every row edits token 0 by nothing
         for b, r in enumerate(part):
             n = len(r.ids)
+            if r.context + n > self.max_positions:   # (invariant: the scheduler and round_k keep rows inside)
+                raise ValueError(f"rows up to position {r.context + n - 1} passed the block tables' "
+                                 f"{self.max_positions} positions")
             ids[b, :n] = r.ids
             buf[c.CONTEXT_LENS][b] = r.context
             self._fill_table_row(buf, b, r.pages, pages, tables)

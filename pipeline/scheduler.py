@@ -38,6 +38,7 @@ class Scheduler:
         self.head_lag = head_lag            # how far the heads' contexts may trail head_committed
         self.decode_steps = 1               # most tokens a plain step takes (a burst, a multi-step graph)
         self.decode_samples = False         # and whether sampled rows take them too (a burst)
+        self.max_positions = 1 << 62        # positions a block table holds (LLM: max_pages x page_size)
         self.released_out_of_window = 0     # window pages given back while their sequences ran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []   # admission order
@@ -90,7 +91,7 @@ class Scheduler:
             # a speculative sequence: its widest round, or a burst while drafting is off (Engine._off_round)
             rows = seq.decode_rows(self.decode_steps, self.decode_samples)
             rows = max(rows, seq.k + 1) if seq.speculative else rows
-            positions = seq.committed + rows
+            positions = min(seq.committed + rows, self.max_positions)   # (Engine.round_k stays inside)
             if not self.windowed and positions <= seq.table.capacity():   # most steps: pages held already
                 out.append(seq)
             elif seq.status == Status.DECODE and self._reserve(seq, positions):

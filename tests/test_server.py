@@ -190,7 +190,7 @@ BAD = [
     ({"model": "tiny", "prompt": 7}, 400, "prompt"),
     ({"model": "nope", "prompt": "x"}, 404, "model 'nope' does not exist"),
     ({"model": "tiny", "prompt": "x", "n": 2, "best_of": 1}, 400, "best_of=1 must be >= n=2"),
-    ({"model": "tiny", "prompt": "x " * 2000, "max_tokens": 8}, 400, "exceeds the engines' limit of"),
+    ({"model": "tiny", "prompt": "x " * 2000, "max_tokens": 8}, 400, "more than the context length of"),
     ({"model": "tiny", "prompt": "x", "temperature": 9}, 400, "temperature"),
     ({"model": "tiny", "prompt": "x", "spec_k": 7}, 400, "needs verify width"),
 ]
