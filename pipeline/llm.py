@@ -274,7 +274,9 @@ class LLM:
             try:
                 ids = self.tokenizer.encode(prompt).ids
             except Exception as e:  # the tokenizers library raises TypeError/Exception without saying why
-                raise RequestError("prompt", f"prompt: the tokenizer cannot encode it ({type(e).__name__}: {e})") from e
+                why = str(e) or "no reason given"
+                raise RequestError("prompt", f"prompt: the tokenizer cannot encode this text ({why}); send plain "
+                                   "UTF-8 text, or token ids") from e
             if not ids:
                 raise RequestError("prompt", "prompt is empty: send some text or token ids")
         elif isinstance(prompt, (list, tuple, np.ndarray)):

@@ -34,6 +34,7 @@ from tandem.server.protocol import ChatRequest, CompletionRequest, error_body, j
 from tandem.server.responses import EngineFailed, Responses, best, candidate_params, collect
 from tandem.server.tokenize_api import Detokenize, TokenizeBody
 from tandem.server.tool_calls import AnswerParser, check_tools, template_messages, tool_choice_grammar
+from tandem.server.validation_errors import describe
 
 log = logging.getLogger("tandem.server")
 DISCONNECT_POLL_S = 0.1    # how often a non-streamed request checks that its client is still there
@@ -121,11 +122,9 @@ def create_app(llm: LLM, settings: ServerSettings,
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request, exc: RequestValidationError):
-        first = exc.errors()[0] if exc.errors() else {}
-        where = _field_path(first.get("loc", ()))
-        # 400 for every malformed body, as OpenAI and vLLM answer it
-        msg = first.get("msg", "invalid request").removeprefix("Value error, ")
-        return _error(400, f"{where or 'body'}: {msg}", "invalid_request_error", where or None)
+        # 400 for every malformed body, as OpenAI and vLLM answer it; the first problem, in words
+        where, message = describe(exc.errors()[0]) if exc.errors() else (None, "body: invalid request")
+        return _error(400, message, "invalid_request_error", where)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request, exc: StarletteHTTPException):
@@ -313,18 +312,3 @@ async def _client_gone(request: Request) -> None:
     """Returns once the client has disconnected."""
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
-
-
-def _field_path(loc) -> str:
-    """pydantic's error location as a field path: ('body', 'messages', 0, 'content', 'str') ->
-    'messages[0].content' (the union member tags such as 'str' or 'list[int]' dropped)."""
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        elif part != "body" and part not in _UNION_TAGS and "[" not in part and not part[:1].isupper():
-            out += f".{part}" if out else part
-    return out
-
-
-_UNION_TAGS = {"str", "int", "float", "bool", "none", "list", "dict"}

@@ -38,17 +38,17 @@ REFUSED = [
      "not a field"),
     (CHAT, _chat(tools=[{"type": "function", "function": {"name": "f", "bogus": 1}}]), "tools[0].function.bogus",
      "not a field"),
-    (CHAT, _chat(logprobs=True, top_logprobs=21), "top_logprobs", "less than or equal to 20"),
-    (COMPLETIONS, _body(logprobs=21), "logprobs", "less than or equal to 20"),
-    (COMPLETIONS, _body(prompt_logprobs=-1), "prompt_logprobs", "greater than or equal to 0"),
-    (COMPLETIONS, _body(presence_penalty=2.5), "presence_penalty", "less than or equal to 2"),
-    (COMPLETIONS, _body(frequency_penalty=-3), "frequency_penalty", "greater than or equal to -2"),
-    (COMPLETIONS, _body(repetition_penalty=0), "repetition_penalty", "greater than 0"),
-    (COMPLETIONS, _body(min_p=1.5), "min_p", "less than or equal to 1"),
-    (COMPLETIONS, _body(min_tokens=-1), "min_tokens", "greater than or equal to 0"),
-    (COMPLETIONS, _body(n=0), "n", "greater than or equal to 1"),
-    (COMPLETIONS, _body(best_of=0), "best_of", "greater than or equal to 1"),
-    (COMPLETIONS, _body(top_k=-2), "top_k", "greater than or equal to -1"),
+    (CHAT, _chat(logprobs=True, top_logprobs=21), "top_logprobs", "above the maximum, 20"),
+    (COMPLETIONS, _body(logprobs=21), "logprobs", "above the maximum, 20"),
+    (COMPLETIONS, _body(prompt_logprobs=-1), "prompt_logprobs", "below the minimum, 0"),
+    (COMPLETIONS, _body(presence_penalty=2.5), "presence_penalty", "above the maximum, 2"),
+    (COMPLETIONS, _body(frequency_penalty=-3), "frequency_penalty", "below the minimum, -2"),
+    (COMPLETIONS, _body(repetition_penalty=0), "repetition_penalty", "must be more than 0"),
+    (COMPLETIONS, _body(min_p=1.5), "min_p", "above the maximum, 1"),
+    (COMPLETIONS, _body(min_tokens=-1), "min_tokens", "below the minimum, 0"),
+    (COMPLETIONS, _body(n=0), "n", "below the minimum, 1"),
+    (COMPLETIONS, _body(best_of=0), "best_of", "below the minimum, 1"),
+    (COMPLETIONS, _body(top_k=-2), "top_k", "below the minimum, -1"),
     (COMPLETIONS, _body(suffix="tail"), "suffix", "not supported"),
     (COMPLETIONS, _body(logit_bias={"5": "high"}), "logit_bias.5", "number"),
     (COMPLETIONS, _body(logit_bias={"5": 101}), "logit_bias", "[-100, 100]"),
@@ -83,6 +83,33 @@ def test_unknown_and_out_of_range_fields_are_400s_naming_the_field(live):
     assert len(REFUSED) >= 20
     assert not failures, "\n".join(failures)
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3   # still serving
+
+
+# malformed bodies of every kind pydantic can refuse, and what the message must quote or say
+MALFORMED = [
+    (COMPLETIONS, _body(max_tokens="ten"), 'max_tokens: "ten" is not an integer; send a whole number'),
+    (COMPLETIONS, _body(max_tokens=2.5), "max_tokens: 2.5 is not an integer; send a whole number"),
+    (COMPLETIONS, _body(temperature="hot"), 'temperature: "hot" is not a number; send a number'),
+    (COMPLETIONS, _body(stream="yes"), 'stream: "yes" is not true or false; send true or false'),
+    (COMPLETIONS, _body(n=0), "n: 0 is below the minimum, 1; send a value of at least 1"),
+    (COMPLETIONS, _body(top_p=1.5), "top_p: 1.5 is above the maximum, 1; send a value of at most 1"),
+    (CHAT, _chat(messages="hello"), 'messages: "hello" is not a list; send a JSON array'),
+    (CHAT, _chat(messages=[]), "messages: it holds 0 item(s), fewer than 1; send at least 1"),
+    (CHAT, _chat(messages=[{"role": "wizard", "content": "x"}]),
+     'messages[0].role: "wizard" is not one of "system", "user", "assistant", "tool" or "developer"; send one of them'),
+    (CHAT, _chat(tools=[{"type": "function"}]), "tools[0].function: this field is required but missing; add it"),
+    (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', "NaN, which is not a JSON number"),
+]
+PYTHON_WORDS = ("Input should", "Value error", "Error:", "<class", "Field required", "NoneType", "Traceback")
+
+
+def test_every_malformed_body_is_told_what_was_wrong_and_what_to_send(live):
+    with httpx.Client(base_url=live.url, timeout=30) as h:
+        for path, body, says in MALFORMED:
+            r = h.post(path, content=body, headers={"content-type": "application/json"})
+            message = r.json()["error"]["message"]
+            assert r.status_code == 400 and says in message, (body, message)
+            assert not any(w in message for w in PYTHON_WORDS), message
 
 
 def test_allow_extra_fields_accepts_and_ignores_them(engine_dirs):
