@@ -43,8 +43,9 @@ import numpy as np
 from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP
 from tandem.pipeline import host_tokens
+from tandem.pipeline.logprobs import TokenLogprob
 from tandem.pipeline.model_runner import ModelRunner
-from tandem.pipeline.native_burst import BurstPlan, NativeBurst
+from tandem.pipeline.native_burst import EDIT_ROW_FIELDS, BurstPlan, NativeBurst
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.sampler import HostSampler, uniforms
 from tandem.pipeline.sequence import Sequence
@@ -113,6 +114,40 @@ class DecodeBurst:
             kept[2].start(stops)
         return kept[2]
 
+    def _edit_rows(self, seqs: list[Sequence], steps: int, vocab: int) -> tuple[np.ndarray, dict] | None:
+        """The native step's row fields (Processors.burst_fields, and where a request's logprobs go;
+        zeros for a free row) and the logprobs arrays by row; or None where a row needs the host's
+        step: masks (grammar, allowed ids, bad words, min_tokens not reached), a library without the
+        edited step."""
+        if not self.native.edits:
+            return None
+        rows = np.zeros((len(seqs), EDIT_ROW_FIELDS), np.int64)
+        for b, s in enumerate(seqs):
+            if s.rules is not None:
+                output = s.output_ids()
+                if not s.rules.edits_only(output):
+                    return None
+                if s.rules.processors is not None:
+                    s.rules.processors.sync(output)     # the tokens since its last use (a host step's)
+                    rows[b, :12] = s.rules.processors.burst_fields(steps)
+        asked = [b for b, s in enumerate(seqs) if s.logprobs is not None]
+        scores = {}
+        if asked:   # the raw row's scratch, then per step its token's logprob and its top N
+            top = max(seqs[b].params.logprobs for b in asked)
+            scores = {b: (np.empty(vocab, np.float32), np.empty(steps, np.float32), np.empty((steps, top), np.int64),
+                          np.empty((steps, top), np.float32)) for b in asked}
+            for b, arrays in scores.items():
+                rows[b, 12:] = [arrays[0].ctypes.data, top, *(a.ctypes.data for a in arrays[1:])]
+        return rows, scores
+
+    def _append_logprobs(self, seqs: list[Sequence], tokens: np.ndarray, made: int, scores: dict) -> None:
+        """The logprobs a native burst wrote, as TokenLogprob entries (what a host step appends)."""
+        for b, (_, token_lp, top_ids, top_lp) in scores.items():
+            n = seqs[b].params.logprobs
+            for t, lp, ids, lps in zip(tokens[:made, b].tolist(), token_lp[:made].tolist(),
+                                       top_ids[:made, :n].tolist(), top_lp[:made, :n].tolist()):
+                seqs[b].logprobs.append(TokenLogprob(t, lp, tuple(zip(ids, lps))))
+
     def _burst(self, seqs: list[Sequence], steps: int, hidden: list | None = None) -> None:
         n = len(seqs)
         stops = frozenset().union(*(s.ending_ids(self.eos_ids) for s in seqs))
@@ -134,6 +169,10 @@ class DecodeBurst:
         ids, context = inputs[c.INPUT_IDS][:n, 0], inputs[c.CONTEXT_LENS][:n]
         layers, made = self.runner.trunk_kv, 0
         plan = self._plan(outs, inputs, n, tokens, stops)
+        # greedy rows whose processors only edit (bias, penalties) or that ask for logprobs: the native
+        # step edits and counts too, and writes the logprobs of the raw rows
+        edit_rows = self._edit_rows(seqs, steps, outs.arrays[c.LOGITS].shape[-1]) \
+            if plan is not None and shaped and not sampled else None
         # numpy's commit: the burst's pool rows worked out once (None: from each call's context lengths)
         burst = None if plan is not None else self.pools.burst_destinations(layers, inputs, n, steps)
         while True:
@@ -141,6 +180,9 @@ class DecodeBurst:
                 hidden.append(outs.arrays[c.HIDDEN][:n, 0].copy())
             if plan is not None and not sampled and not shaped:   # one native call: commit, tokens, ids, context, stops
                 stopped = plan.greedy(made)
+                made += 1
+            elif edit_rows is not None:     # the same, each row's edits applied, its counts moved on
+                stopped = plan.edited(made, edit_rows[0])     # and the logprobs asked for written
                 made += 1
             else:
                 if plan is not None:
@@ -169,7 +211,11 @@ class DecodeBurst:
         self.calls += made
         self.bursts += 1
         self.native_calls += made if plan is not None else 0
+        if edit_rows is not None:
+            self._append_logprobs(seqs, tokens, made, edit_rows[1])
         for seq, new in zip(seqs, tokens[:made].T.tolist()):
             seq.committed += made
-            if not shaped:
+            if not shaped or edit_rows is not None:
                 seq.tokens += new
+            if edit_rows is not None and seq.rules is not None and seq.rules.processors is not None:
+                seq.rules.processors.burst_done(made)

@@ -74,6 +74,7 @@ class Processors:
         self.ids = self._ids[: len(ids)]
         self.listed = np.zeros(vocab_size, bool)
         self.listed[self.ids] = True
+        self._n = np.array([len(self.ids)], np.int64)   # the list's length, where native bursts read it
         # every token's (bias, scale, post) after the synced output, kept current for the tokens it adds,
         # so the row after it (the host's, a verify row's first) is one gather of the edit list
         self.values = np.zeros((vocab_size, EDIT_VALUES), np.float32)
@@ -105,6 +106,25 @@ class Processors:
                     self._ids = np.concatenate([self._ids, np.zeros(n, np.int64)])
                 self._ids[n] = t
                 self.ids = self._ids[: n + 1]
+                self._n[0] = n + 1
+
+    def burst_fields(self, steps: int) -> list[int]:
+        """This row's fields for a native decode burst (plugins/cpu/decode_burst.cc, tandem_burst_edited:
+        it edits the row's logits and moves the counts, values and edit list on as sync does), the
+        list's buffer grown first to hold `steps` more tokens. After sync; burst_done(steps made) after."""
+        n = len(self.ids)
+        if len(self._ids) < n + steps:
+            self._ids = np.concatenate([self._ids, np.zeros(n + steps, np.int64)])
+            self.ids = self._ids[:n]
+        floats = np.array([self.rep, self.freq, self.pres], np.float64).view(np.int64).tolist()
+        return [1, int(self.penalised), self._ids.ctypes.data, self._n.ctypes.data, len(self._ids),
+                self.listed.ctypes.data, self.counts.ctypes.data, self.seen.ctypes.data, self.values.ctypes.data,
+                *floats]    # (12 fields; the 13th, a raw copy's address, is the burst's)
+
+    def burst_done(self, made: int) -> None:
+        """A native burst counted `made` more output tokens."""
+        self.consumed += made
+        self.ids = self._ids[: int(self._n[0])]
 
     def _scale_post(self, counts: np.ndarray, seen: np.ndarray) -> tuple:
         """The repetition scale and the post term of tokens with these counts (float32) and seen flags."""
@@ -187,6 +207,13 @@ class TokenRules:
     @property
     def edits(self) -> bool:
         return self.processors is not None and self.processors.edits
+
+    def edits_only(self, output: list[int]) -> bool:
+        """Whether the rows after `output` (and after any tokens added to it) take edits at most, no
+        mask: no grammar, no allowed ids or bad words, min_tokens reached (it stays reached)."""
+        p = self.processors
+        return self.matcher is None and (p is None or (p.allowed is None and not len(p.bad_single)
+                                                       and not p.bad_multi and len(output) >= p.min_tokens))
 
     def draft_masks(self, output: list[int], drafts: list[int]) -> tuple[list[int], np.ndarray]:
         """Masks of the verify rows [pending, d_1..d_k] -> (drafts, masks [k + 1, words]); the grammar

@@ -24,6 +24,8 @@ import numpy as np
 
 from tandem.plugins import cpu_kernels
 
+EDIT_ROW_FIELDS = 17     # int64 fields per row of tandem_burst_edited's rows (Processors.burst_fields, logprobs)
+
 
 class NativeBurst:
     def __init__(self, library: Path):
@@ -33,6 +35,17 @@ class NativeBurst:
         self._greedy, self._commit = lib.tandem_burst_greedy, lib.tandem_burst_commit
         self._greedy.argtypes, self._commit.argtypes = [ctypes.c_void_p, ctypes.c_int64], [ctypes.c_void_p]
         self._greedy.restype = self._commit.restype = ctypes.c_int64
+        try:    # rows whose processors only edit (a library built before it: they take the numpy steps)
+            self._edited = lib.tandem_burst_edited
+            self._edited.argtypes, self._edited.restype = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p], \
+                ctypes.c_int64
+        except AttributeError:
+            self._edited = None
+
+    @property
+    def edits(self) -> bool:
+        """Whether the library runs greedy rows with edit-only processors (tandem_burst_edited)."""
+        return self._edited is not None
 
     def plan(self, copies: list[tuple[np.ndarray, np.ndarray, np.ndarray, bool]], page_size: int,
              logits: np.ndarray, tokens: np.ndarray, ids: np.ndarray, context: np.ndarray) -> BurstPlan | None:
@@ -66,7 +79,7 @@ class BurstPlan:
         self._plan, self._arrays = plan, arrays     # the arrays stay alive while their addresses are used
         self._address = plan.ctypes.data
         self._stops: tuple[frozenset, np.ndarray] = (frozenset(), np.zeros(0, np.int64))
-        self._greedy, self._commit = native._greedy, native._commit
+        self._greedy, self._commit, self._edited = native._greedy, native._commit, native._edited
 
     def start(self, stops: frozenset[int]) -> None:
         """A burst begins: the stop ids of any of its rows."""
@@ -79,6 +92,18 @@ class BurstPlan:
         """The call's commit, then its greedy tokens (into tokens[step], the ids) and context + 1;
         whether a token is a stop id."""
         result = self._greedy(self._address, step)
+        if result < 0:
+            raise _past_table()
+        return result == 1
+
+    def edited(self, step: int, rows: np.ndarray) -> bool:
+        """greedy(step) with each row's edits applied first and its penalty state moved on by its token:
+        rows int64 [n, EDIT_ROW_FIELDS] (Processors.burst_fields, then where a row's logprobs go:
+        plugins/cpu/decode_burst.cc; zeros for a plain row)."""
+        result = self._edited(self._address, step, rows.ctypes.data)
+        if result == -2:
+            raise RuntimeError("a decode burst's edit list had no room for the step's token (a bug: the burst "
+                               "reserves its steps' room first)")
         if result < 0:
             raise _past_table()
         return result == 1

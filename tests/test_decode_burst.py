@@ -179,6 +179,45 @@ def test_rows_with_rules_and_logprobs_burst_as_one_token_a_step(built, steps):
     assert llm.engine.decode.calls > 2 * llm.engine.decode.bursts > 0
 
 
+def test_greedy_rows_with_edits_only_burst_natively_as_one_token_a_step(built, monkeypatch):
+    """Greedy rows whose processors only edit (penalties, logit_bias) run the native step too
+    (tandem_burst_edited: edits applied, counts moved on in the library), beside free rows and one
+    whose min_tokens is reached partway (it takes the host's steps until then): the same tokens as
+    one token a step, the same logprobs (of the raw rows, copied before their edits), and the
+    processors' state after it is the one the host's steps leave."""
+    n = BURST * 4 + 1
+    params = [SamplingParams(max_tokens=n, ignore_eos=True),
+              SamplingParams(max_tokens=n, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0,
+                             repetition_penalty=1.8, logit_bias=((17, 2.0), (40, -3.5)), logprobs=2),
+              SamplingParams(max_tokens=n, ignore_eos=True, frequency_penalty=0.7, min_tokens=5),
+              SamplingParams(max_tokens=n, ignore_eos=True, logit_bias=((3, 9.0),)),
+              SamplingParams(max_tokens=n, ignore_eos=True, logprobs=3)]
+    prompts = (PROMPTS * 2)[: len(params)]
+
+    def run(burst: int, steps: str):
+        llm = _open(built, burst, steps)
+        seqs = [llm.add_request(p, q) for p, q in zip(prompts, params)]
+        while any(s.finish_reason is None for s in seqs):
+            llm.step()
+        ruled = [s for s in seqs if s.rules is not None]
+        for s in ruled:      # (the host counts lazily, before each use: bring both up to the end)
+            s.rules.processors.sync(s.output_ids())
+        state = [(s.rules.processors.ids.tolist(), s.rules.processors.counts.copy(), s.rules.processors.values.copy())
+                 for s in ruled]
+        return [(s.tokens, [(e.token, e.logprob, e.top) for e in s.logprobs or []]) for s in seqs], state, llm
+
+    from tandem.pipeline.native_burst import BurstPlan
+
+    edited, real = [], BurstPlan.edited
+    monkeypatch.setattr(BurstPlan, "edited", lambda self, step, rows: edited.append(step) or real(self, step, rows))
+    (expected, expected_state, _), (got, state, llm) = run(1, "native"), run(BURST, "native")
+    assert got == expected and len(edited) > llm.engine.decode.bursts   # the native edited step ran
+    for (ids, counts, values), (ids2, counts2, values2) in zip(expected_state, state):
+        assert ids == ids2 and np.array_equal(counts, counts2) and np.array_equal(values, values2)
+    numpy_steps = run(BURST, "numpy")
+    assert numpy_steps[0] == expected
+
+
 def test_sampled_rows_alone_burst(built):
     params = SamplingParams(max_tokens=BURST * 3, ignore_eos=True, temperature=1.0, seed=7)
     plain, _ = _generate(built, 1, params)

@@ -27,6 +27,23 @@
 //       r(b) = table_b[context[b] / page_size] * page_size + context[b] % page_size
 //   and for a state pool (index_width 0: the slots input) r(b) = index[b * index_stride].
 //
+// tandem_burst_edited(plan, step, rows): tandem_burst_greedy for rows whose logits processors
+// only edit (logit_bias, presence / frequency / repetition penalties: pipeline/logits_processors.py),
+// each row's edit list applied to its logits first, in the verify graph's float32 order
+//     x = logit + bias;  x = x > 0 ? x / scale : x * scale;  logit = x + post
+// and, once the row's token t is chosen, its penalty state moved on as Processors.sync moves it:
+// count(t) + 1, t seen, values[t] = (bias, rep or 1, -(freq * count + pres)), t appended to the
+// edit list if it was not on it. rows: int64 [n, kRowFields] (pipeline/native_burst.py):
+//   [0] edits (0: a plain row)  [1] penalised  [2] ids (int64 edit list)  [3] its length (an int64
+//   cell)  [4] its capacity  [5] listed (uint8 [V])  [6] counts (int32 [V])  [7] seen (uint8 [V])
+//   [8] values (float32 [V, 3])  [9..11] rep, freq, pres as float64 bit patterns; for a request
+//   with logprobs (of the raw row, before its edits, as the host reports them): [12] scratch for the
+//   raw row (float32 [V]; 0: no logprobs)  [13] N, the top entries kept  [14] token_lp (float32
+//   [steps])  [15] top_ids (int64 [steps, N])  [16] top_lp (float32 [steps, N]): step s's written by
+//   tandem_logprobs_rows (logprobs.cc), the numbers a host step's logprobs are.
+// Returns as tandem_burst_greedy, or -2 (nothing done) where an edit list is full (the burst
+// reserves room for its steps first).
+//
 // tandem_burst_commit(plan): the copies only (a burst with sampled rows draws them in Python, then
 // advances the context). Returns 0, or -1 where a position lies past its block table (the copies
 // stop there; the burst raises: the scheduler reserves a burst's pages, so this is a bug).
@@ -38,6 +55,10 @@
 #include <cstring>
 
 #include "row_ops.h"
+
+extern "C" void tandem_logprobs_rows(const float* logits, int64_t rows, int64_t vocab, int64_t stride,
+                                     const int64_t* tokens, int64_t n, float* token_lp, int64_t* top_ids,
+                                     float* top_lp);   // (logprobs.cc)
 
 namespace tandem {
 namespace {
@@ -107,6 +128,47 @@ TANDEM_AVX512F int64_t argmax_avx512(const float* x, int64_t n) {
 }
 #endif
 
+constexpr int64_t kRowFields = 17;
+
+double field_double(const int64_t* row, int64_t i) {
+  double x;
+  std::memcpy(&x, row + i, sizeof x);
+  return x;
+}
+
+// One row's edits, in place (ids are unique: the list never holds a token twice).
+void apply_edits(float* logits, const int64_t* row) {
+  const auto* ids = reinterpret_cast<const int64_t*>(row[2]);
+  const int64_t len = *reinterpret_cast<const int64_t*>(row[3]);
+  const auto* values = reinterpret_cast<const float*>(row[8]);
+  for (int64_t i = 0; i < len; ++i) {
+    const float* v = values + 3 * ids[i];
+    float x = logits[ids[i]] + v[0];
+    x = x > 0.0f ? x / v[1] : x * v[1];
+    logits[ids[i]] = x + v[2];
+  }
+}
+
+// Processors.sync for one new token (the caller checked the edit list has room for one more).
+void count_token(const int64_t* row, int64_t t) {
+  if (!row[1]) return;
+  const float rep = static_cast<float>(field_double(row, 9)), freq = static_cast<float>(field_double(row, 10)),
+              pres = static_cast<float>(field_double(row, 11));
+  auto* counts = reinterpret_cast<int32_t*>(row[6]);
+  auto* values = reinterpret_cast<float*>(row[8]);
+  const int32_t count = ++counts[t];
+  reinterpret_cast<uint8_t*>(row[7])[t] = 1;
+  values[3 * t + 1] = rep != 1.0f ? rep : 1.0f;
+  const float scaled = freq * static_cast<float>(count);
+  values[3 * t + 2] = -(scaled + pres);
+  auto* listed = reinterpret_cast<uint8_t*>(row[5]);
+  if (!listed[t]) {
+    auto* len = reinterpret_cast<int64_t*>(row[3]);
+    listed[t] = 1;
+    reinterpret_cast<int64_t*>(row[2])[(*len)++] = t;
+  }
+}
+
 }  // namespace
 }  // namespace tandem
 
@@ -131,6 +193,47 @@ extern "C" __attribute__((visibility("default"))) int64_t tandem_burst_greedy(co
   int64_t stopped = 0;
   for (int64_t b = 0; b < n; ++b) {
     const int64_t t = argmax(logits + b * plan[4], vocab);
+    tokens[b] = ids[b * plan[7]] = t;
+    context[b] += 1;
+    for (int64_t i = 0; i < plan[10]; ++i) stopped |= stops[i] == t;
+  }
+  return stopped;
+}
+
+extern "C" __attribute__((visibility("default"))) int64_t tandem_burst_edited(const int64_t* plan, int64_t step,
+                                                                             const int64_t* rows) {
+  using namespace tandem;
+  const int64_t n = plan[0], vocab = plan[3];
+  for (int64_t b = 0; b < n; ++b) {   // room for this step's token in every list, before anything moves
+    const int64_t* row = rows + b * kRowFields;
+    if (row[0] && row[1] && *reinterpret_cast<const int64_t*>(row[3]) >= row[4]) return -2;
+  }
+  if (commit(plan) < 0) return -1;
+  auto* logits = reinterpret_cast<float*>(plan[2]);
+  auto* tokens = reinterpret_cast<int64_t*>(plan[5]) + step * n;
+  auto* ids = reinterpret_cast<int64_t*>(plan[6]);
+  auto* context = reinterpret_cast<int64_t*>(plan[8]);
+  const auto* stops = reinterpret_cast<const int64_t*>(plan[9]);
+#ifdef TANDEM_AVX512F
+  const auto argmax = avx512f() ? argmax_avx512 : argmax_portable;
+#else
+  const auto argmax = argmax_portable;
+#endif
+  int64_t stopped = 0;
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t* row = rows + b * kRowFields;
+    float* x = logits + b * plan[4];
+    auto* raw = reinterpret_cast<float*>(row[12]);
+    if (raw) std::memcpy(raw, x, vocab * sizeof(float));
+    if (row[0]) apply_edits(x, row);
+    const int64_t t = argmax(x, vocab);
+    if (raw) {
+      const int64_t top = row[13];
+      tandem_logprobs_rows(raw, 1, vocab, vocab, &t, top, reinterpret_cast<float*>(row[14]) + step,
+                           reinterpret_cast<int64_t*>(row[15]) + step * top,
+                           reinterpret_cast<float*>(row[16]) + step * top);
+    }
+    if (row[0]) count_token(row, t);
     tokens[b] = ids[b * plan[7]] = t;
     context[b] += 1;
     for (int64_t i = 0; i < plan[10]; ++i) stopped |= stops[i] == t;
