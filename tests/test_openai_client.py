@@ -14,6 +14,7 @@ from tandem.pipeline.sampling_params import SamplingParams
 from tandem.server.chat_template import ChatTemplate
 
 from .test_server import Live
+from .test_server import client as openai_client
 
 openai = pytest.importorskip("openai")
 PROMPT = [9, 120, 77, 301, 15, 2, 88]
@@ -34,7 +35,7 @@ def live(engine_dirs):
 
 @pytest.fixture(scope="module")
 def client(live):
-    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(live, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ from tandem.pipeline.sampling_params import SamplingParams
 from tandem.server.responses import INT64, candidate_params
 
 from .test_server import Live
+from .test_server import client as openai_client
 
 PROMPT = [9, 120, 77, 301, 15, 2, 88]
 
@@ -25,8 +26,7 @@ def live(engine_dirs):
 
 @pytest.fixture(scope="module")
 def client(live):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(live, timeout=60)
 
 
 def test_seeded_choices_differ_and_repeat(client):

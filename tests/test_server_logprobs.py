@@ -11,6 +11,7 @@ from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .test_server import Live
+from .test_server import client as openai_client
 
 PROMPT = [9, 120, 77, 301, 15, 2, 88]
 EXTRA = {"ignore_eos": True, "temperature": 0.0}   # (the server samples at temperature 1 by default)
@@ -24,8 +25,7 @@ def live(engine_dirs):
 
 @pytest.fixture(scope="module")
 def client(live):
-    openai = pytest.importorskip("openai")
-    return openai.OpenAI(base_url=f"{live.url}/v1", api_key="none", max_retries=0, timeout=60)
+    return openai_client(live, timeout=60)
 
 
 @pytest.fixture(scope="module")

@@ -128,6 +128,34 @@ TANDEM_AVX512F int64_t argmax_avx512(const float* x, int64_t n) {
 }
 #endif
 
+// Where a step's chosen tokens go (the plan's [5]-[10]) and the argmax the CPU runs.
+struct StepOut {
+  int64_t n, vocab, ids_stride, n_stops;
+  int64_t *tokens, *ids, *context;
+  const int64_t* stops;
+  int64_t (*argmax)(const float*, int64_t);
+
+  StepOut(const int64_t* plan, int64_t step)
+      : n(plan[0]), vocab(plan[3]), ids_stride(plan[7]), n_stops(plan[10]),
+        tokens(reinterpret_cast<int64_t*>(plan[5]) + step * plan[0]), ids(reinterpret_cast<int64_t*>(plan[6])),
+        context(reinterpret_cast<int64_t*>(plan[8])), stops(reinterpret_cast<const int64_t*>(plan[9])) {
+#ifdef TANDEM_AVX512F
+    argmax = avx512f() ? argmax_avx512 : argmax_portable;
+#else
+    argmax = argmax_portable;
+#endif
+  }
+
+  // Row b's token t: into the step's tokens and the next call's ids, its context one longer; 1 if t stops.
+  int64_t write(int64_t b, int64_t t) const {
+    tokens[b] = ids[b * ids_stride] = t;
+    context[b] += 1;
+    int64_t stopped = 0;
+    for (int64_t i = 0; i < n_stops; ++i) stopped |= stops[i] == t;
+    return stopped;
+  }
+};
+
 constexpr int64_t kRowFields = 17;
 
 double field_double(const int64_t* row, int64_t i) {
@@ -179,24 +207,10 @@ extern "C" __attribute__((visibility("default"))) int64_t tandem_burst_commit(co
 extern "C" __attribute__((visibility("default"))) int64_t tandem_burst_greedy(const int64_t* plan, int64_t step) {
   using namespace tandem;
   if (commit(plan) < 0) return -1;
-  const int64_t n = plan[0], vocab = plan[3];
+  const StepOut out(plan, step);
   const auto* logits = reinterpret_cast<const float*>(plan[2]);
-  auto* tokens = reinterpret_cast<int64_t*>(plan[5]) + step * n;
-  auto* ids = reinterpret_cast<int64_t*>(plan[6]);
-  auto* context = reinterpret_cast<int64_t*>(plan[8]);
-  const auto* stops = reinterpret_cast<const int64_t*>(plan[9]);
-#ifdef TANDEM_AVX512F
-  const auto argmax = avx512f() ? argmax_avx512 : argmax_portable;
-#else
-  const auto argmax = argmax_portable;
-#endif
   int64_t stopped = 0;
-  for (int64_t b = 0; b < n; ++b) {
-    const int64_t t = argmax(logits + b * plan[4], vocab);
-    tokens[b] = ids[b * plan[7]] = t;
-    context[b] += 1;
-    for (int64_t i = 0; i < plan[10]; ++i) stopped |= stops[i] == t;
-  }
+  for (int64_t b = 0; b < out.n; ++b) stopped |= out.write(b, out.argmax(logits + b * plan[4], out.vocab));
   return stopped;
 }
 
@@ -209,16 +223,8 @@ extern "C" __attribute__((visibility("default"))) int64_t tandem_burst_edited(co
     if (row[0] && row[1] && *reinterpret_cast<const int64_t*>(row[3]) >= row[4]) return -2;
   }
   if (commit(plan) < 0) return -1;
+  const StepOut out(plan, step);
   auto* logits = reinterpret_cast<float*>(plan[2]);
-  auto* tokens = reinterpret_cast<int64_t*>(plan[5]) + step * n;
-  auto* ids = reinterpret_cast<int64_t*>(plan[6]);
-  auto* context = reinterpret_cast<int64_t*>(plan[8]);
-  const auto* stops = reinterpret_cast<const int64_t*>(plan[9]);
-#ifdef TANDEM_AVX512F
-  const auto argmax = avx512f() ? argmax_avx512 : argmax_portable;
-#else
-  const auto argmax = argmax_portable;
-#endif
   int64_t stopped = 0;
   for (int64_t b = 0; b < n; ++b) {
     const int64_t* row = rows + b * kRowFields;
@@ -226,7 +232,7 @@ extern "C" __attribute__((visibility("default"))) int64_t tandem_burst_edited(co
     auto* raw = reinterpret_cast<float*>(row[12]);
     if (raw) std::memcpy(raw, x, vocab * sizeof(float));
     if (row[0]) apply_edits(x, row);
-    const int64_t t = argmax(x, vocab);
+    const int64_t t = out.argmax(x, vocab);
     if (raw) {
       const int64_t top = row[13];
       tandem_logprobs_rows(raw, 1, vocab, vocab, &t, top, reinterpret_cast<float*>(row[14]) + step,
@@ -234,9 +240,7 @@ extern "C" __attribute__((visibility("default"))) int64_t tandem_burst_edited(co
                            reinterpret_cast<float*>(row[16]) + step * top);
     }
     if (row[0]) count_token(row, t);
-    tokens[b] = ids[b * plan[7]] = t;
-    context[b] += 1;
-    for (int64_t i = 0; i < plan[10]; ++i) stopped |= stops[i] == t;
+    stopped |= out.write(b, t);
   }
   return stopped;
 }
