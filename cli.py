@@ -32,6 +32,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from tandem.checkpoint import CheckpointError, open_checkpoint
+    from tandem.engines.options import BuildOptions
     from tandem.export.exporter import EXPORT_DTYPES, export_checkpoint
 
     if args.dtype not in EXPORT_DTYPES:
@@ -41,7 +42,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         ckpt = open_checkpoint(args.model_dir, speculative=not args.no_mtp, draft=args.draft)
     except CheckpointError as e:
         return _refused(args.model_dir, e.problems)
-    result = export_checkpoint(ckpt, args.out, dtype=args.dtype)
+    draft_quant = BuildOptions(dtype=args.dtype, draft_weights=args.draft_weights).draft_quant(
+        ckpt.draft_parameter_count())
+    result = export_checkpoint(ckpt, args.out, dtype=args.dtype, draft_quant=draft_quant)
     print(f"exported {', '.join(result.graphs.values())} + weights.bin ({result.weights_bytes:,} bytes) "
           f"to {result.folder} in {result.seconds:.2f} s")
     return 0
@@ -62,7 +65,7 @@ def cmd_build_engines(args: argparse.Namespace) -> int:
             dtype=args.dtype, weights=args.weights, quant_block=args.quant_block, draft=args.draft,
             no_mtp=args.no_mtp, unified_round=not args.no_unified_round, index_share=args.index_share,
             decode_steps=args.decode_steps,
-            draft_lm_head=args.draft_lm_head)
+            draft_weights=args.draft_weights)
         result = build_engines(args.model_dir, args.out, options, show_progress=not args.quiet)
     except CheckpointError as e:
         return _refused(args.model_dir, e.problems)
@@ -222,16 +225,20 @@ def _refused(what: str, problems: list[str]) -> int:
     return 1
 
 
+def _draft_weights_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-weights", default="auto", choices=["auto", "same", "int8"],
+                   help="the linear layers the MTP heads draft with (theirs and the lm_head): int8 reads a quarter "
+                        "of float32 per draft pass (drafts only propose; the target's own weights decide, so the "
+                        "output is the same); auto: int8 for float engines whose draft passes read >= 1M weights, "
+                        "else as --weights")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tandem", description="Serve LLMs that carry MTP heads.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("inspect", help="describe and validate a checkpoint folder (reads no weight data)")
     p.add_argument("model_dir", help="local Hugging Face checkpoint folder")
-    p.add_argument("--draft-lm-head", default="auto", choices=["auto", "same", "int8"],
-                   help="the lm_head the MTP heads draft with: int8 reads a quarter of a float lm_head per draft "
-                        "pass (drafts only propose; the target's own lm_head decides); auto: int8 for float engines "
-                        "whose lm_head has >= 16M weights, else as --weights")
     p.add_argument("--draft", help="folder with the MTP (mtp.*) weights, when they are not in the checkpoint")
     p.add_argument("--spec-k", type=int, default=3,
                    help=f"draft tokens per round, {MIN_SPEC_K}..{MAX_SPEC_K} (default 3)")
@@ -242,10 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="lower the target, verify step and MTP heads to ONNX graphs")
     p.add_argument("model_dir", help="local Hugging Face checkpoint folder")
     p.add_argument("--out", required=True, help="folder for the .onnx graphs and weights.bin")
-    p.add_argument("--draft-lm-head", default="auto", choices=["auto", "same", "int8"],
-                   help="the lm_head the MTP heads draft with: int8 reads a quarter of a float lm_head per draft "
-                        "pass (drafts only propose; the target's own lm_head decides); auto: int8 for float engines "
-                        "whose lm_head has >= 16M weights, else as --weights")
+    _draft_weights_flag(p)
     p.add_argument("--draft", help="folder with the MTP (mtp.*) weights, when they are not in the checkpoint")
     p.add_argument("--no-mtp", action="store_true", help="export the target graphs only")
     p.add_argument("--dtype", default="float32", help="graph precision: float32 or float16 (as build-engines)")
@@ -269,10 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "half the bytes per token on tandem's CPU kernels, lossless for a bfloat16 checkpoint); or "
                         "weight-only int8 / int4 with one scale per --quant-block input rows")
     p.add_argument("--quant-block", type=int, default=32, help="input rows per quantization scale (default 32)")
-    p.add_argument("--draft-lm-head", default="auto", choices=["auto", "same", "int8"],
-                   help="the lm_head the MTP heads draft with: int8 reads a quarter of a float lm_head per draft "
-                        "pass (drafts only propose; the target's own lm_head decides); auto: int8 for float engines "
-                        "whose lm_head has >= 16M weights, else as --weights")
+    _draft_weights_flag(p)
     p.add_argument("--draft", help="folder with the MTP (mtp.*) weights, when they are not in the checkpoint")
     p.add_argument("--no-mtp", action="store_true", help="plain decoding only: no heads, no verify engines")
     p.add_argument("--no-unified-round", action="store_true",

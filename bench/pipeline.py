@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/pipeline.py [--kinds qwen3_5_mtp3,qwen3_5_150m] [--acceptance 0.7] [--workdir DIR]
                                        [--dtype float32|float16] [--weights float|int8|int4] [--fixed-width]
-                                       [--draft-lm-head auto|same|int8] [--tokens N]
+                                       [--draft-weights auto|same|int8] [--tokens N]
     .venv/bin/python bench/pipeline.py --kinds models/tandem-tiny-code --acceptance model --dtype float16
 
 Random weights accept nothing, so speculative runs use the documented synthetic-acceptance aid
@@ -75,7 +75,8 @@ def main() -> None:
     parser.add_argument("--weights", default="float", help="linear layers: float (the dtype), int8 or int4")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--draft-lm-head", default="auto", help="the heads' lm_head: auto, same or int8 (BuildOptions)")
+    parser.add_argument("--draft-weights", default="auto",
+                        help="the heads' linear layers and lm_head: auto, same or int8 (BuildOptions)")
     parser.add_argument("--fixed-width", action="store_true", help="adaptive width off: every round drafts k")
     parser.add_argument("--tokens", type=int, default=None,
                         help="new tokens per sequence (default 48 for 150M kinds, else 96); the adaptive width "
@@ -90,10 +91,10 @@ def main() -> None:
         if not (src / "config.json").exists():
             write_tiny_checkpoint(src, kind, dtype="bfloat16" if "150m" in kind else "float32")
         kind = src.name
-        engines = work / f"{kind}-engines-k{args.k}-{args.dtype}-{args.weights}-{args.draft_lm_head}"
+        engines = work / f"{kind}-engines-k{args.k}-{args.dtype}-{args.weights}-{args.draft_weights}"
         built = build_engines(src, engines, BuildOptions(batch_sizes=(1, 8), spec_k=args.k, prefill_chunk=64,
                                                          max_seq_len=1024, dtype=args.dtype, weights=args.weights,
-                                                         draft_lm_head=args.draft_lm_head),
+                                                         draft_weights=args.draft_weights),
                               show_progress=False)
         print(f"\n{kind} ({args.dtype}, {args.weights} weights): build {built.status} in {built.seconds:.1f} s, "
               f"engine dir {built.size_bytes / 2**20:.1f} MiB")

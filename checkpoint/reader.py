@@ -105,6 +105,11 @@ class Checkpoint:
         names = v.expected_tensors(self.sources, mtp=mtp)  # by stored name: tied lm_head counts once
         return sum(index.entries[n].numel for n in names) if index else 0
 
+    def draft_parameter_count(self) -> int:
+        """Weights the MTP heads draft with: their own and the lm_head they project with (0 without heads)."""
+        desc = self.description
+        return self.parameter_count(mtp=True) + desc.vocab_size * desc.hidden_size if desc.mtp else 0
+
 
 def open_checkpoint(model_dir: str | Path, *, speculative: bool = True, spec_k: int = 3,
                     draft: str | Path | None = None) -> Checkpoint:

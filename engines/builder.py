@@ -48,7 +48,7 @@ from tandem.engines.verification import compare, fixed_inputs, sampled_rows, tim
 from tandem.export.exporter import export_checkpoint
 
 _EXPORT_OPTIONS = ("dtype", "weights", "quant_block", "no_mtp", "page_size", "unified_round",  # change the graphs
-                   "index_share", "draft_lm_head", "decode_steps")
+                   "index_share", "draft_weights", "decode_steps")
 _SAME_TOOLS = ("tandem", "backend", "contract_version")
 
 
@@ -103,7 +103,7 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
                               extra=(*bucket_plan.unified_round_kinds(desc, options)[0],
                                      *bucket_plan.decode_kinds(options)),
                               index_share=options.index_share,
-                              draft_quant=options.draft_quant(desc.vocab_size * desc.hidden_size))
+                              draft_quant=options.draft_quant(ckpt.draft_parameter_count()))
             ckpt.release()      # the export read every weight: 150M fp32 checkpoint, 0.6 GB of RSS until unmapped
             bar.step()
         for name in {e["file"] for e in reusable.values()} | ({"weights.bin"} if reusable else set()):

@@ -14,9 +14,9 @@ from tandem.export.quantize import WEIGHT_FORMATS, weight_quant
 BACKENDS = ("onnxruntime", "tensorrt")
 SUPPORTED_DTYPES = ("float32", "float16")  # engine dtype: weights, activations, KV and conv pools
 MAX_BATCH = 256
-DRAFT_LM_HEADS = ("auto", "same", "int8")
+DRAFT_WEIGHTS = ("auto", "same", "int8")
 MAX_DECODE_STEPS = 16         # multi-step decode: tokens per call (its graph unrolls them)
-DRAFT_INT8_PARAMS = 1 << 24   # "auto" drafts with an int8 lm_head from this size (64 MiB in fp32) up
+DRAFT_INT8_PARAMS = 1 << 20   # "auto" drafts in int8 where the draft passes read this many weights (4 MiB fp32) or more
 
 
 class OptionsError(ValueError):
@@ -39,8 +39,9 @@ class BuildOptions:
     draft: str | None = None
     no_mtp: bool = False
     unified_round: bool = True    # also build the one-call round graph per (batch, verify width)
-    draft_lm_head: str = "auto"   # the lm_head the MTP heads draft with: "same" (as --weights), "int8", or "auto":
-                                  # int8 where the engines are float and the lm_head has >= DRAFT_INT8_PARAMS weights
+    draft_weights: str = "auto"   # the linear layers the MTP heads draft with (their own and the lm_head): "same"
+                                  # (as --weights), "int8", or "auto": int8 where the engines are float and the
+                                  # draft passes read >= DRAFT_INT8_PARAMS weights
     index_share: bool = False     # sparse-MLA heads (DeepSeek-V3.2 / GLM-5): the round graph's draft steps after
                                   # the first reuse its top-k instead of running the lightning indexer again; off:
                                   # it cost 2-3% accept length on a trained model (docs/families/deepseek_v32.md)
@@ -84,8 +85,8 @@ class BuildOptions:
                                "... fail with NOT_IMPLEMENTED); use --dtype float16 or float32")
         if self.dtype not in SUPPORTED_DTYPES:
             raise OptionsError(f"--dtype {self.dtype} is not supported yet; use {' or '.join(SUPPORTED_DTYPES)}")
-        if self.draft_lm_head not in DRAFT_LM_HEADS:
-            raise OptionsError(f"--draft-lm-head {self.draft_lm_head!r}: use one of {', '.join(DRAFT_LM_HEADS)}")
+        if self.draft_weights not in DRAFT_WEIGHTS:
+            raise OptionsError(f"--draft-weights {self.draft_weights!r}: use one of {', '.join(DRAFT_WEIGHTS)}")
         if self.weights not in WEIGHT_FORMATS:
             raise OptionsError(f"--weights {self.weights!r}: use one of {', '.join(WEIGHT_FORMATS)} (int8 / int4: "
                                "weight-only quantization of the linear layers)")
@@ -102,16 +103,17 @@ class BuildOptions:
         """The weight quantization the export applies (None: float weights)."""
         return weight_quant(self.weights, self.quant_block)
 
-    def draft_quant(self, lm_head_params: int):
-        """The quantization of the lm_head the MTP heads draft with, for an lm_head of this many weights.
-        Drafts only propose (the verify pass decides with the target's own lm_head), and every draft
-        pass of a round reads the whole lm_head for one row: on a bandwidth-bound decode that read is
-        the round's largest after the trunk (150M Qwen3.5 layout: 94 MiB fp32 per pass, three passes
-        per round at k = 3). int8 reads a quarter of it; the drafts stay the float head's at 99%+
-        (docs/performance.md). Small lm_heads gain nothing (a step is per-node overhead there): "auto"
-        keeps them as they are."""
-        if self.draft_lm_head == "int8" or (self.draft_lm_head == "auto" and self.weights in ("float", "bf16")
-                                            and lm_head_params >= DRAFT_INT8_PARAMS):
+    def draft_quant(self, draft_params: int):
+        """The quantization of the linear layers the MTP heads draft with (each head's own and the lm_head
+        they project with), for draft passes that read `draft_params` weights. Drafts only propose: the
+        verify pass decides with the target's own weights, so speculative == plain whatever the drafts'
+        form. A round runs k draft passes, each reading all of a head's weights for one row: on a
+        bandwidth-bound CPU decode they are a round's largest read after the verify step's trunk. int8
+        reads a quarter of float32 (shipped model, 3.7M draft weights, 2-core Xeon: speculation 1.14x ->
+        1.42x plain, accept length 3.41 -> 3.40; 150M layout: 94 MiB fp32 lm_head per pass). Below
+        DRAFT_INT8_PARAMS a pass is per-node overhead and "auto" keeps the weights as they are."""
+        if self.draft_weights == "int8" or (self.draft_weights == "auto" and self.weights in ("float", "bf16")
+                                            and draft_params >= DRAFT_INT8_PARAMS):
             return weight_quant("int8", self.quant_block) if self.weights != "int8" else self.quant
         return self.quant
 

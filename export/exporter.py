@@ -136,7 +136,7 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
                       quant: WeightQuant | None = None, extra: tuple[GraphKind, ...] = (),
                       index_share: bool = False, draft_quant: WeightQuant | None | str = "same") -> ExportResult:
     """Export all graphs of `ckpt` into `out_dir` (created; existing graph files are replaced).
-    draft_quant: the form of the lm_head the MTP heads draft with ("same": as `quant`)."""
+    draft_quant: the form of the linear layers the MTP heads draft with ("same": as `quant`)."""
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -159,7 +159,7 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
         "contract_version": contract.CONTRACT_VERSION,
         "dtype": dtype,
         "weights_format": _format(quant),
-        "draft_lm_head": _format(quant if draft_quant == "same" else draft_quant),
+        "draft_weights": _format(quant if draft_quant == "same" else draft_quant),
         "family": ckpt.description.family,
         "mtp_layers": ckpt.description.mtp.num_layers if ckpt.description.mtp else 0,
         "graphs": {n: {"file": files[n], "sha256": hashes[n], "nodes": nodes[n]} for n in files},

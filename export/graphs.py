@@ -316,6 +316,7 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
     probability the masked softmax's (a batch of all-ones masks runs the plain branch). `edits`
     ([B, R, N] ids, [B, R, N, 3] values): logits processors' edits, last_row's applied before the mask
     (with `bitmask` only: one If decides both)."""
+    w = w.drafting()
     layer_name = c.mtp_layer_name(head)
     layer = desc.mtp.layers[head]
     p = f"mtp.layers.{head}."

@@ -7,6 +7,8 @@ RMSNormalization op (fp32 stash).
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from tandem.export.builder import ONNX_DTYPES, GraphBuilder
@@ -22,11 +24,19 @@ class Weights:
         self.dtype = dtype              # the graphs' activation dtype (contract spelling)
         self.np_dtype = np.dtype(dtype)
         self.quant = quant              # weight-only quantization of the linear layers (None: float)
-        # the lm_head the MTP heads draft with ("same": as the linear layers)
+        # the linear layers the MTP heads draft with, theirs and the lm_head ("same": as the others)
         self.draft_quant = quant if draft_quant == "same" else draft_quant
         self._derived: dict[str, np.ndarray] = {}  # graphs share weights: derive each once
         self._stored: dict[str, tuple] = {}        # derived and written to `sink`: name -> (shape, dtype)
         self.sink = sink    # exporter._SharedWeights: where each weight goes as it is derived (None: kept here)
+
+    def drafting(self) -> Weights:
+        """These weights as the MTP heads draft with them: every linear layer in `draft_quant`'s
+        form (the derived arrays shared, each form derived once). Drafts only propose, so the heads
+        may read cheaper weights than the target (engines/options.py BuildOptions.draft_quant)."""
+        view = copy.copy(self)
+        view.quant = self.draft_quant
+        return view
 
     def raw(self, name: str) -> np.ndarray:
         return np.asarray(self.ckpt.weight(name)).astype(np.float32)
@@ -52,8 +62,8 @@ class Weights:
         return name in self._derived or name in self._stored
 
     def matmul_t(self, b: GraphBuilder, name: str | tuple[str, ...], draft: bool = False) -> str:
-        """W^T [in, out] for x @ W^T (nn.Linear); with `quant` (`draft_quant` for `draft`: the MTP
-        heads' drafting lm_head), the blocked DequantizeLinear of its int8 / int4 form
+        """W^T [in, out] for x @ W^T (nn.Linear); with `quant` (`draft_quant` for `draft`: the lm_head
+        the MTP heads draft with; see drafting()), the blocked DequantizeLinear of its int8 / int4 form
         (export/quantize.py). Both forms of one weight may exist: each is derived once.
         A tuple of names (linears that read the same input): their W^T side by side, [in, sum out].
         Quantization blocks run along `in`, so each column is quantized as it would be alone."""
