@@ -2,7 +2,8 @@
 profiler) and in the host loop between engine calls (issue 15).
 
     .venv/bin/python bench/where_time_goes.py ENGINE_DIR [--batch 1 8] [--tokens 64] [--spec|--no-spec]
-                                              [--prompt-len 32] [--top 15] [--json OUT.json] [--no-kernel-times]
+                                              [--width W] [--prompt-len 32] [--top 15] [--json OUT.json]
+                                              [--no-kernel-times]
 
 Loads the engine dir twice. Plain sessions first: per batch size a warm-up request, then `--tokens`
 decode steps timed, then as many again under cProfile (which slows Python: host µs per step come
@@ -256,14 +257,16 @@ def profiled_window(llm: LLM, batch: int, steps: int, prompt_len: int) -> tuple[
 
 
 def run(engine_dir: Path, batches: list[int], steps: int, spec: bool, prompt_len: int, top: int,
-        threads: int | None) -> dict:
+        threads: int | None, width: int | None = None) -> dict:
     """Two loads of the engine dir: plain sessions for the timings, profiled ones for the op
-    and layer tables (the profiler's per-node cost would swamp the timings)."""
+    and layer tables (the profiler's per-node cost would swamp the timings). width: every round
+    at this verify width (k = width - 1, adaptive width off); None: the engine's policy."""
+    fixed = dict(spec_k=width - 1, adaptive_width=False) if width else {}
     config = EngineConfig(speculative=spec, threads=threads, memory_budget_bytes=1 << 30,
-                          max_num_seqs=max(batches))
+                          max_num_seqs=max(batches), **fixed)
     t = time.perf_counter()
     llm = LLM(engine_dir, config)
-    report = {"engine_dir": str(engine_dir), "machine": machine(), "spec": spec, "steps": steps,
+    report = {"engine_dir": str(engine_dir), "machine": machine(), "spec": spec, "width": width, "steps": steps,
               "prompt_len": prompt_len, "load_s": time.perf_counter() - t, "batches": {}}
     per_file, replay = _timed_capture(llm.runner.runner)
     timings = {b: host_loop(llm, b, steps, prompt_len, top, per_file, replay) for b in batches}
@@ -287,7 +290,8 @@ def run(engine_dir: Path, batches: list[int], steps: int, spec: bool, prompt_len
 
 # ---- printing ---------------------------------------------------------------------------------
 def show(report: dict, top: int) -> None:
-    print(f"{report['engine_dir']}: {report['machine']}; speculative {report['spec']}, {report['steps']} steps, "
+    width = f" at width {report['width']}" if report.get("width") else ""
+    print(f"{report['engine_dir']}: {report['machine']}; speculative {report['spec']}{width}, {report['steps']} steps, "
           f"prompt {report['prompt_len']}, loaded in {report['load_s']:.1f} s (plain sessions)")
     for b, r in report["batches"].items():
         h = r["host"]
@@ -324,6 +328,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64, help="decode steps timed per batch size")
     parser.add_argument("--spec", action=argparse.BooleanOptionalAction, default=False,
                         help="speculative rounds with the heads' own drafts (default: plain decoding)")
+    parser.add_argument("--width", type=int, default=None,
+                        help="with --spec: every round at this verify width (k = width - 1, adaptive width off)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--top", type=int, default=15, help="rows of the op, layer and cProfile tables")
     parser.add_argument("--threads", type=int, default=None)
@@ -338,7 +344,10 @@ def main() -> None:
                          f"--out {args.engine_dir}`")
     if args.tokens < 1 or min(args.batch) < 1:
         raise SystemExit("--tokens and --batch must be at least 1")
-    report = run(args.engine_dir, args.batch, args.tokens, args.spec, args.prompt_len, args.top, args.threads)
+    if args.width is not None and (not args.spec or args.width < 2):
+        raise SystemExit("--width needs --spec and a width of at least 2 (width 1 is plain decoding: --no-spec)")
+    report = run(args.engine_dir, args.batch, args.tokens, args.spec, args.prompt_len, args.top, args.threads,
+                 args.width)
     show(report, args.top)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
