@@ -94,8 +94,10 @@ class Engine:
         # hold only head_lag rows of lag), so there they catch up every round
         self.lag_rows = 1 if scheduler.windowed else max(1, scheduler.prefill_chunk)
         self._lagging: dict[Sequence, tuple[int, list[int], list[np.ndarray]]] = {}  # seq -> head_committed, rows
-        self._judged: set[Sequence] = set()     # turned plain for good by the controller (_workload_left)
-        self._judged_since = 0                  # the engine round of the first of them
+        # turned plain for good by the controller; its verdict of off holds new requests for
+        # WidthPolicy.rejudge_rounds engine rounds from the first of them, then they are probed again
+        self._judged: set[Sequence] = set()
+        self._judged_since = 0
         self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
         self.decode = decode            # n tokens a step for plain rows: a multi-step graph's call (greedy)
                                         # or a burst of n calls (None: one token a step)
@@ -124,10 +126,9 @@ class Engine:
         t0 = time.perf_counter()
         engine_before = self.runner.engine_seconds
         ctl = self.width_control
-        if ctl is not None and (not self.scheduler.running or (self._judged and (
-                self._workload_left() or self.stats.rounds - self._judged_since >= ctl.policy.rejudge_rounds))):
+        if ctl is not None and self._judged and self.stats.rounds - self._judged_since >= ctl.policy.rejudge_rounds:
             self._judged.clear()
-            self.width_control.rejudge()    # the next requests are a new workload to probe
+            self.width_control.rejudge()    # the next requests are probed again
         self.scheduler.admit()
         touched: list[Sequence] = []
         prefill = self.scheduler.prefill_batch()
@@ -300,16 +301,6 @@ class Engine:
                                        [s.metrics.accepted - before[s][1] for s in on])
         finally:
             self._width = None
-
-    def _workload_left(self) -> bool:
-        """Whether every sequence the controller turned plain for good has finished. A verdict from
-        what the probes saw is about the acceptance of the sequences it was made on; once they have
-        all left, the engine's next requests are a new workload to probe (WidthController.rejudge),
-        even while others still run: under continuous load the engine never runs empty. Nor does the
-        verdict outlast `WidthPolicy.rejudge_rounds` rounds while they run: requests arriving after
-        that are probed again, so a workload that turns good gets drafting back within that bound.
-        Requests prefilled while the verdict held keep decoding plain (they have no heads to draft with)."""
-        return all(s.status == Status.FINISHED for s in self._judged)
 
     def _open_width(self, seqs: list[Sequence], wanted: int) -> int:
         """`wanted` when the engine its round calls is open (or is one LLM() began opening, `waits_for`:

@@ -43,14 +43,13 @@ from tandem.pipeline.pools import Pools, plan_pools
 from tandem.pipeline.prefix_cache import PrefixCache
 from tandem.pipeline.relaxed import RelaxedRows, think_markers
 from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_sampling, check_text, check_token_ids
+from tandem.pipeline.runtime_settings import read_runtime_settings
 from tandem.pipeline.sampler import HostSampler
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
 from tandem.pipeline.scheduler import Scheduler
 from tandem.pipeline.sequence import RequestMetrics, Sequence
 from tandem.pipeline.unified_round import UnifiedRound
 from tandem.pipeline.width_control import WidthController
-
-RUNTIME_SETTINGS = "runtime_settings.json"  # tuned settings `tandem profile` writes into an engine dir
 
 
 @dataclass(frozen=True)
@@ -154,6 +153,7 @@ class LLM:
         self.dtype = m["options"].get("dtype", "float32")  # the engines': K/V and conv pools, hidden rows
         self.spec_k = config.spec_k or rt["spec_k"] or 0
         self.verify_widths = set(rt["verify_widths"])
+        self.runtime_settings = read_runtime_settings(self.engine_dir, self.verify_widths)
         self.width_per_batch = self._widths(rt)
         if self.spec_k and self.spec_k + 1 > max(self.verify_widths, default=1):
             raise ValueError(f"spec_k {self.spec_k} needs verify width {self.spec_k + 1}, but the engines were "
@@ -254,17 +254,15 @@ class LLM:
         if not (self.config.adaptive_width and self.mtp_layers and self.spec_k):
             return None
         top = self.spec_k + 1 if self.mtp_mode == "reused" else min(self.spec_k, self.mtp_layers) + 1
-        return WidthController([w for w in self.verify_widths if w <= top], batch_sizes, self.width_per_batch)
+        return WidthController([w for w in self.verify_widths if w <= top], batch_sizes, self.width_per_batch,
+                               costs=self.runtime_settings.round_seconds)
 
     def _widths(self, runtime: dict) -> dict[int, int]:
         """Verify width per batch size: runtime_settings.json (written by `tandem profile`)
         wins over the manifest's defaults."""
         widths = {int(b): int(w) for b, w in runtime.get("verify_width_per_batch", {}).items()}
         widths = {b: w for b, w in widths.items() if w in self.verify_widths or w == 1}
-        settings = self.engine_dir / RUNTIME_SETTINGS
-        if settings.exists():
-            widths.update(_read_runtime_settings(settings, self.verify_widths))
-        return widths
+        return widths | self.runtime_settings.widths
 
     # ---- requests ----------------------------------------------------------------------
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -470,27 +468,3 @@ def _load_tokenizer(path: Path) -> Tokenizer:
         what = "is missing" if not path.exists() else f"cannot be loaded ({e})"
         raise ManifestError(f"{path} {what}; rebuild the engine directory with "
                             f"`tandem build-engines MODEL_DIR --out {path.parent}`") from e
-
-
-def _read_runtime_settings(path: Path, verify_widths: set[int]) -> dict[int, int]:
-    """runtime_settings.json's verify width per batch size, every value checked (the manifest
-    does not cover this file: `tandem profile` writes it after the build)."""
-    fix = (f"run `tandem profile {path.parent} --out REPORT` again to rewrite it, or delete it to use the "
-           "manifest's widths")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ManifestError(f"{path} cannot be read as JSON ({e}); {fix}") from e
-    tuned = data.get("verify_width_per_batch", {}) if isinstance(data, dict) else None
-    if not isinstance(tuned, dict):
-        raise ManifestError(f"{path}: expected an object with \"verify_width_per_batch\": {{batch size: width}}; {fix}")
-    allowed = sorted(verify_widths | {1})
-    out = {}
-    for batch, width in tuned.items():
-        if not (batch.isascii() and batch.isdigit() and int(batch) > 0):
-            raise ManifestError(f"{path}: batch size {batch!r} is not a positive integer; {fix}")
-        if type(width) is not int or width not in allowed:
-            raise ManifestError(f"{path}: verify width {width!r} for batch size {batch} is not one the engines were "
-                                f"built for ({', '.join(map(str, allowed))}); {fix}")
-        out[int(batch)] = width
-    return out

@@ -10,7 +10,11 @@ Plain Python over numbers the engine hands in (no engines, no runtime imports). 
                                                   (interference only ever adds time)
     width 1 is speculation off (plain decode steps): E(1) = 1
 
-A width not measured yet is judged optimistically (cost: the largest measured cost of a narrower
+Measured costs can be handed in (`costs`: seconds per round per width and batch size, from
+`tandem profile`, runtime_settings.json): a width uses them until it has its own samples, so a
+bucket whose rounds cannot pay (a tiny model's: every round costs more plain steps than its width)
+starts off and is hopeless from its first round. A width neither measured nor given a cost is
+judged optimistically (cost: the largest measured cost of a narrower
 width, else 0; alpha_i unseen: alpha_{i-1}), so it is tried once it might beat the best measured
 one; its first round is not kept (it builds the bucket's bindings). Every `probe_every` rounds
 (doubling up to `probe_max` while the choice holds) one round runs a width next to the choice, above
@@ -24,9 +28,9 @@ width pays even where width 2 does not.
 Off for good (`hopeless`): drafting off still costs the heads' catch-up, so a bucket stops drafting
 once it is known not to pay, from costs alone (every width loses even at full acceptance) or from
 what its probes saw (off, the widest probed since the choice last changed, and the probes backed
-off to `probe_max`: none looked promising). The second verdict lasts while a sequence it was made
-on still runs: once they have all finished, or the engine runs empty (`rejudge`), the next requests
-are probed again.
+off to `probe_max`: none looked promising). The second verdict holds `rejudge_rounds` engine rounds,
+whatever requests come and go (requests one after another are one workload: probing each anew cost
+random heads 5% of a 128-token request); then `rejudge` and the next requests are probed again.
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class _Bucket:
     drafted: list[float]                 # per draft position, decayed
     accepted: list[float]
     times: dict[int, deque] = field(default_factory=dict)
+    given: dict[int, float] = field(default_factory=dict)   # width -> seconds per round, until measured here
     seen: set[int] = field(default_factory=set)   # widths whose first (binding-building) round passed
     rounds: int = 0
     next_probe: int = 0
@@ -87,16 +92,19 @@ class _Bucket:
 
 class WidthController:
     """widths: the verify widths rounds may use, 1 (off) included; start: the tuned width per
-    batch size (manifest / `tandem profile`), else the widest."""
+    batch size (manifest / `tandem profile`), else the widest; costs: measured seconds per round,
+    {batch size: {width: seconds}} (width 1: one plain step), used where a bucket has no samples of
+    its own yet (a bucket takes the costs of the smallest batch size >= it, as `start`)."""
 
     def __init__(self, widths: list[int], batch_sizes: list[int], start: dict[int, int] | None = None,
-                 policy: WidthPolicy | None = None):
+                 policy: WidthPolicy | None = None, costs: dict[int, dict[int, float]] | None = None):
         self.widths = sorted(set(widths) | {1})
         self.batch_sizes = sorted(batch_sizes)
         if not self.batch_sizes:
             raise ValueError("WidthController needs at least one batch size")
         self.policy = policy or WidthPolicy()
         self.start = dict(sorted((start or {}).items()))
+        self.costs = dict(sorted((costs or {}).items()))
         self._buckets: dict[int, _Bucket] = {}
 
     def bucket(self, batch: int) -> int:
@@ -107,13 +115,15 @@ class WidthController:
         st = self._buckets.get(b)
         if st is None:
             # the tuned width of the smallest tuned batch size >= b, else of the largest (as round_k reads it)
-            tuned = next((w for bs, w in self.start.items() if bs >= b), self.start[max(self.start)]) \
-                if self.start else None
+            tuned = _for_bucket(self.start, b)
             choice = tuned if tuned in self.widths else self.widths[-1]
             n = self.widths[-1] - 1
-            st = self._buckets[b] = _Bucket(b, choice, [0.0] * n, [0.0] * n,
+            given = {w: s for w, s in (_for_bucket(self.costs, b) or {}).items() if w in self.widths and s > 0}
+            st = self._buckets[b] = _Bucket(b, choice, [0.0] * n, [0.0] * n, given=given,
                                             interval=self.policy.probe_every)
             st.next_probe = st.interval
+            if given:
+                st.choice = self._best(st)
         return st
 
     # ---- the round's width -------------------------------------------------------------
@@ -216,7 +226,7 @@ class WidthController:
         for w in self.widths:
             expected = 1.0 + sum(alpha[: w - 1])
             times = st.times.get(w, ())
-            cost = min(times) if len(times) >= self.policy.min_samples else None
+            cost = min(times) if len(times) >= self.policy.min_samples else st.given.get(w)
             if cost is not None:
                 floor = max(floor, cost)
             bound = cost if cost is not None else floor
@@ -224,8 +234,9 @@ class WidthController:
         return out
 
     def _best(self, st: _Bucket) -> int:
-        """The start width until it is measured; then the best rate (ties: the narrower width)."""
-        if len(st.times.get(st.choice, ())) < self.policy.min_samples:
+        """The start width until it is measured (or given a cost); then the best rate (ties: the
+        narrower width)."""
+        if len(st.times.get(st.choice, ())) < self.policy.min_samples and st.choice not in st.given:
             return st.choice
         best = max(self._estimates(st), key=lambda e: (e.rate, -e.width))
         return best.width
@@ -235,10 +246,9 @@ class WidthController:
         return self._state(batch).choice
 
     def rejudge(self) -> None:
-        """Forget what the probes of off buckets confirmed (the engine calls this when the sequences
-        it turned plain have all finished, or it runs empty): that verdict is about the acceptance of
-        the workload that made it, so the next requests are probed again. A verdict from costs alone
-        stands."""
+        """Forget what the probes of off buckets confirmed (the engine calls this `rejudge_rounds`
+        rounds after the verdict): acceptance is the workload's, which may have changed, so the next
+        requests are probed again. A verdict from costs alone stands."""
         for st in self._buckets.values():
             if st.choice == 1:      # (a probe already due sooner keeps its round)
                 st.probed, st.interval = set(), self.policy.probe_every
@@ -263,3 +273,10 @@ class WidthController:
             return False
         confirmed = st.interval >= self.policy.probe_max and self.widths[-1] in st.probed
         return confirmed or all(e.bound >= e.width * plain for e in est[1:])
+
+
+def _for_bucket(per_batch: dict, bucket: int):
+    """The value of the smallest batch size >= bucket, else of the largest (None: none given)."""
+    if not per_batch:
+        return None
+    return next((v for bs, v in per_batch.items() if bs >= bucket), per_batch[max(per_batch)])

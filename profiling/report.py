@@ -14,7 +14,8 @@ from pathlib import Path
 from tandem.engines.manifest import read_manifest
 from tandem.engines.progress import Progress
 from tandem.graph_kinds import VERIFY_GREEDY, GraphKind
-from tandem.pipeline.llm import LLM, RUNTIME_SETTINGS, EngineConfig
+from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.runtime_settings import RUNTIME_SETTINGS
 from tandem.profiling import measure
 from tandem.profiling.tuning import choose_widths
 
@@ -64,6 +65,7 @@ def profile(engine_dir: str | Path, out: str | Path, prompts_file: str | None = 
         report["tuning"] = _tune(report, batch_sizes, widths, reanchored)
         if tune:
             settings = {"verify_width_per_batch": {str(b): t["width"] for b, t in report["tuning"].items()},
+                        "round_seconds_per_batch": {b: t["round_seconds"] for b, t in report["tuning"].items()},
                         "tuned_by": "tandem profile", "report": str(out / "report.json"),
                         "created": report["created"]}
             (engine_dir / RUNTIME_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n")
@@ -96,14 +98,25 @@ def _aggregate(runs: list[dict]) -> dict:
 
 
 def _tune(report: dict, batch_sizes: list[int], widths: list[int], reanchored: int) -> dict:
+    rounds = round_costs(report, batch_sizes, widths, reanchored)
+    acceptance = next((r["acceptance_per_position"] for r in report["runs"] if r["mode"] == "on"), [])
+    tuning = {str(b): v for b, v in choose_widths(batch_sizes, widths, acceptance, rounds).items()}
+    for b, t in tuning.items():
+        t["round_seconds"] = {str(w): s for (bb, w), s in rounds.items() if str(bb) == b}
+    return tuning
+
+
+def round_costs(report: dict, batch_sizes: list[int], widths: list[int], reanchored: int) -> dict:
+    """Seconds per round at (batch, width): width 1 one plain decode step (a burst's step: the off
+    run's decode time per token of a sequence), wider widths predicted from the engines' latencies
+    and calibrated on the measured round at the widest width."""
     lat = {(x["graph"], x["batch"], x["rows"]): x["median_ms"] / 1e3 for x in report["latency"]}
     on_runs = [r for r in report["runs"] if r["mode"] == "on"]
-    acceptance = on_runs[0]["acceptance_per_position"] if on_runs else []
     rounds = {}
     for b in batch_sizes:
         off = next(r for r in report["runs"] if r["mode"] == "off" and r["batch"] == b)
         on = next((r for r in on_runs if r["batch"] == b), None)
-        rounds[(b, 1)] = off["round_ms"] / 1e3  # measured plain round
+        rounds[(b, 1)] = b / off["decode_tokens_per_s"]   # (an off round is a burst of up to 16 steps)
         predicted = {}
         for w in widths:  # engine latencies of the round's calls
             draft = sum(lat.get((_HEAD_0, b, r), 0.0) for r in range(1, w - 1))
@@ -113,7 +126,7 @@ def _tune(report: dict, batch_sizes: list[int], widths: list[int], reanchored: i
         scale = (on["round_ms"] / 1e3) / predicted[max(widths)] if on and on["round_ms"] else 1.0
         for w in widths:
             rounds[(b, w)] = predicted[w] * scale
-    return {str(b): v for b, v in choose_widths(batch_sizes, widths, acceptance, rounds).items()}
+    return rounds
 
 
 # ---- HTML -------------------------------------------------------------------------------

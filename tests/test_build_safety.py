@@ -17,7 +17,7 @@ from tandem.engines.atomic import MARKER, OutputError
 from tandem.engines.builder import build_engines
 from tandem.engines.manifest import read_manifest
 from tandem.engines.options import BuildOptions
-from tandem.pipeline.llm import RUNTIME_SETTINGS
+from tandem.pipeline.runtime_settings import RUNTIME_SETTINGS
 
 FAST = BuildOptions(batch_sizes=(1,), prefill_chunk=8, max_seq_len=256, no_mtp=True)  # two engines
 

@@ -49,7 +49,12 @@ def test_profile_writes_report_html_trace_and_tuned_widths(engine_copy, tmp_path
     assert page.count("data:image/png;base64,") == 3 and "speedup vs bound" in page
     # the pipeline reads the tuned widths back
     tuned = {int(b): t["width"] for b, t in report["tuning"].items()}
-    assert {b: LLM(engine_copy).width_per_batch[b] for b in tuned} == tuned
+    llm = LLM(engine_copy)
+    assert {b: llm.width_per_batch[b] for b in tuned} == tuned
+    # and the measured round costs, which the adaptive width starts from
+    costs = llm.runtime_settings.round_seconds
+    assert set(costs) == {1, 2} and all(set(c) == {1, 2, 3, 4} and min(c.values()) > 0 for c in costs.values())
+    assert llm.engine.width_control.estimates(1)[0].cost == costs[1][1]
     # and the HTML can be made again from report.json alone
     (out / "report.html").unlink()
     assert main(["profile", "--out", str(out), "--render", str(out / "report.json")]) == 0

@@ -1,0 +1,94 @@
+"""Measured round costs for the adaptive width (`round_seconds_per_batch` in runtime_settings.json,
+written by `tandem profile`): where every round costs more plain steps than its width, drafting is
+off from the first round; where a wide round pays, the bucket starts there; the controller's own
+samples replace the given costs once it has them; bad values are refused naming the file."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+
+import pytest
+
+from tandem.engines.manifest import ManifestError
+from tandem.pipeline.llm import LLM
+from tandem.pipeline.sampling_params import SamplingParams
+from tandem.pipeline.width_control import WidthController
+from tandem.profiling.report import round_costs
+
+KIND = "qwen3_5_mtp3"
+PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3]]
+DEAR = {1: 1.0, 2: 3.1, 3: 3.6, 4: 4.3}     # ms: every width loses even with every draft accepted
+CHEAP = {1: 1.0, 2: 1.2, 3: 1.35, 4: 1.5}
+
+
+def test_given_costs_that_cannot_pay_turn_drafting_off_at_the_first_round():
+    ctl = WidthController([2, 3, 4], [1, 8], costs={1: DEAR, 8: CHEAP})
+    assert ctl.width(1) == 1 and ctl.hopeless(1)
+    assert ctl.width(8) == 4 and not ctl.hopeless(8)        # batch 8's costs pay at the widest
+    unseeded = WidthController([2, 3, 4], [1])
+    assert unseeded.width(1) == 4 and not unseeded.hopeless(1)   # no costs: the widest, measured live
+
+
+def test_live_samples_replace_the_given_costs():
+    ctl = WidthController([2, 3, 4], [1], costs={1: CHEAP})
+    assert ctl.width(1) == 4
+    for _ in range(4):          # width 4 measured at 6 plain steps a round: it cannot pay
+        w = ctl.width(1)
+        ctl.observe(1, w, 6.0 if w == 4 else CHEAP[w], [w - 1], [w - 1])
+    assert ctl.choice(1) != 4 and [e.cost for e in ctl.estimates(1)][3] == 6.0
+
+
+def test_a_bucket_takes_the_costs_of_the_next_batch_size_up():
+    ctl = WidthController([2, 3, 4], [1, 2, 4, 8], costs={4: DEAR})
+    assert ctl.width(2) == 1 and ctl.hopeless(3) and ctl.width(8) == 1   # 8 > every given: the largest's
+
+
+@pytest.fixture(scope="module")
+def dear_dir(engine_dirs, tmp_path_factory):
+    path = tmp_path_factory.mktemp("round_costs") / "engines"
+    shutil.copytree(engine_dirs[KIND], path)
+    seconds = {str(b): {str(w): ms / 1e3 for w, ms in DEAR.items()} for b in (1, 8)}
+    (path / "runtime_settings.json").write_text(json.dumps({"verify_width_per_batch": {},
+                                                            "round_seconds_per_batch": seconds}))
+    return path
+
+
+def test_an_engine_dir_whose_rounds_cannot_pay_decodes_plain_from_the_start(dear_dir, engine_dirs):
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    plain = [r.token_ids for r in LLM(engine_dirs[KIND]).generate(PROMPTS, replace(params, speculative=False))]
+    llm = LLM(dear_dir)
+    out = llm.generate(PROMPTS, params)
+    assert [r.token_ids for r in out] == plain
+    assert all(r.metrics.rounds == 0 and r.metrics.drafted == 0 for r in out)
+    assert not any(name.startswith(("round_", "verify_")) for name in llm.runner.calls)
+    fixed = llm.generate([PROMPTS[0]], replace(params, k=2))[0]     # a request's own k still drafts
+    assert fixed.metrics.drafted > 0 and fixed.token_ids == plain[0]
+
+
+@pytest.mark.parametrize("costs, problem", [
+    ({"1": {"2": -1.0}}, "round seconds -1.0 at batch size 1, width 2 must be a positive number"),
+    ({"1": {"2": "fast"}}, "round seconds 'fast'"),
+    ({"1": {"9": 0.001}}, "verify width '9' for batch size 1 is not one the engines were built for"),
+    ({"1": [0.001]}, "must be {batch size: {width: seconds}}"),
+])
+def test_bad_round_costs_are_refused_naming_the_file(dear_dir, tmp_path, costs, problem):
+    path = tmp_path / "engines"
+    shutil.copytree(dear_dir, path)
+    (path / "runtime_settings.json").write_text(json.dumps({"round_seconds_per_batch": costs}))
+    with pytest.raises(ManifestError, match=f"runtime_settings.json.*{problem}.*tandem profile".replace("{", r"\{")):
+        LLM(path)
+
+
+def test_profile_costs_a_plain_step_per_token_not_per_burst():
+    """An off round is a burst of many steps: width 1's cost is the decode time per token of a
+    sequence, or every width would look cheap next to it."""
+    latency = [{"graph": g, "batch": 1, "rows": r, "median_ms": ms}
+               for g, r, ms in [("verify_greedy", 2, 2.0), ("verify_greedy", 4, 2.5), ("mtp_head_0", 1, 0.5),
+                                ("mtp_head_0", 2, 0.5), ("mtp_head_0", 4, 0.6)]]
+    runs = [{"mode": "off", "batch": 1, "decode_tokens_per_s": 500.0, "round_ms": 16 * 2.0},   # bursts of 16
+            {"mode": "on", "batch": 1, "round_ms": 4.0}]
+    rounds = round_costs({"latency": latency, "runs": runs}, [1], [2, 4], reanchored=1)
+    assert rounds[(1, 1)] == pytest.approx(0.002)
+    assert rounds[(1, 4)] == pytest.approx(0.004)                  # calibrated on the measured round
