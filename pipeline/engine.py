@@ -33,6 +33,7 @@ from tandem import contract as c
 from tandem.graph_kinds import TARGET_STEP, GraphKind
 from tandem.pipeline import host_tokens, logprobs
 from tandem.pipeline.decode_burst import DecodeBurst
+from tandem.pipeline.logits_processors import prepare_masks
 from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
 from tandem.pipeline.multi_step_decode import MultiStepDecode
 from tandem.pipeline.outputs import EngineStats, StepOutput
@@ -228,9 +229,10 @@ class Engine:
         """Grammar requests: the verify rows' masks, a wrong draft replaced where the grammar allows one
         token only (pipeline/grammar.py); other requests bind all-ones rows and cost nothing here."""
         masks = {}
-        for s in seqs:
-            if s.rules is not None:
-                drafts[s.request_id], masks[s.request_id] = s.rules.draft_masks(s.output_ids(), drafts[s.request_id])
+        ruled = [s for s in seqs if s.rules is not None]
+        prepare_masks([(s.rules, s.output_ids(), drafts[s.request_id]) for s in ruled])   # the last rows' masks
+        for s in ruled:     # (the rows before: the draft steps' masks, computed then)
+            drafts[s.request_id], masks[s.request_id] = s.rules.draft_masks(s.output_ids(), drafts[s.request_id])
         return masks
 
     def round_k(self, seq: Sequence, batch: int) -> int:
@@ -392,8 +394,12 @@ class Engine:
             active = [s for s in seqs if len(drafts[s.request_id]) == step < limit[s.request_id]
                       and s.request_id not in stopped]
             head = step % self.mtp_layers if self.chained else 0
-            grammar = {s.request_id: s.rules.next_mask(s.output_ids(), drafts[s.request_id])
-                       for s in active if s.rules is not None}
+            ruled = [s for s in active if s.rules is not None]
+            grammar = {}
+            if ruled:
+                with self._phase("grammar"):      # (inside "draft": the heads' masks, a batch's together)
+                    prepare_masks([(s.rules, s.output_ids(), drafts[s.request_id]) for s in ruled])
+                    grammar = {s.request_id: s.rules.next_mask(s.output_ids(), drafts[s.request_id]) for s in ruled}
             stopped.update(rid for rid, mask in grammar.items() if mask is None)   # a draft the grammar refuses
             active = [s for s in active if s.request_id not in stopped]
             if not active:      # (stored drafts: a sequence may start past this step)
@@ -505,6 +511,8 @@ class Engine:
             if not batch:
                 continue
             rows = []
+            if j == 0:
+                prepare_masks([(s.rules, s.output_ids(), []) for s, *_ in batch if s.rules is not None])
             for s, ids, h, first in batch:
                 ruled = j == 0 and s.rules is not None    # head 0 drafts d_1 under the rules
                 rows.append(Rows(ids=ids, context=first, pages=s.table.pages, hidden=h,

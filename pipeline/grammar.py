@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import llguidance
+import llguidance.numpy
 import numpy as np
 
 from tandem.contract import mask_words
@@ -154,18 +156,25 @@ def allowed_tokens(mask: np.ndarray, vocab_size: int) -> np.ndarray:
 
 
 class Matcher:
-    """One sequence's grammar state. `consumed` output tokens are in it; `sync` catches it up with the
-    sequence's output, so every commit path (prefill, plain decode, verify, unified rounds) only appends
-    tokens and the matcher follows before the next mask is taken. After the end of the grammar (EOS)
-    only EOS is allowed, and tokens past it are not consumed (the sequence stops there). A JSON
-    grammar's `guard` follows the same tokens and takes from each mask the tokens that would repeat
-    a key in its object (pipeline/json_keys.py)."""
+    """One sequence's grammar state: its output and, within a round, the drafts consumed after it.
+
+    `at(output, drafts)` moves the state to output + drafts: output tokens are only ever appended
+    (every commit path: prefill, plain decode, verify, unified rounds), drafts are consumed one by
+    one past it, each checked against the mask before it, and rolled back to their common prefix
+    when the next call asks for other drafts. Each state's mask is computed once and kept until the
+    output moves on (`_masks`, keyed by the drafts): a round's draft steps, its verify rows and the
+    re-anchor after it share them, and `fill_masks` computes a batch's missing ones together.
+    After the end of the grammar (EOS) only EOS is allowed, and tokens past it are not consumed (the
+    sequence stops there). A JSON grammar's `guard` follows the same tokens and takes from each mask
+    the tokens that would repeat a key in its object (pipeline/json_keys.py)."""
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, guard: KeyGuard | None = None):
         self.ll, self.vocab_size, self.words = matcher, vocab_size, mask_words(vocab_size)
         self.guard = guard
-        self.consumed = 0
-        self._row = np.empty(self.words, np.int32)
+        self.consumed = 0                   # output tokens in the state
+        self._drafts: list[int] = []        # drafts consumed after them
+        self._guard_states: list = []       # the guard's state before each of those drafts
+        self._masks: dict[tuple[int, ...], np.ndarray] = {}   # drafts -> the mask after output + drafts
 
     def _consume(self, t: int, what: str) -> None:
         if not self.ll.consume_token(t):
@@ -174,50 +183,72 @@ class Matcher:
             self.guard.consume(t)
 
     def sync(self, output: list[int]) -> None:
-        """Consume output[consumed:]; a token the grammar refuses is a bug in masking upstream."""
-        for t in output[self.consumed :]:
-            if self.ll.is_stopped():
-                break
-            self._consume(t, f"output position {self.consumed}: a bug in masking upstream")
-            self.consumed += 1
-        self.consumed = len(output)
+        """State := output (no drafts)."""
+        self.at(output, ())
 
-    def fill(self, row: np.ndarray) -> np.ndarray:
-        """Write the mask of the current state into row [words] (int32) and return it."""
-        self.ll.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+    def at(self, output: list[int], drafts) -> bool:
+        """State := output + drafts; False (the state then ends before the first draft that is not
+        allowed) where a draft is not allowed or the grammar is complete before it."""
+        if len(output) != self.consumed:        # the output moved on: the round's drafts and masks go
+            self._back_to(0)
+            self._masks.clear()
+            for t in output[self.consumed :]:   # a token the grammar refuses is a bug in masking upstream
+                if self.ll.is_stopped():
+                    break
+                self._consume(t, f"output position {self.consumed}: a bug in masking upstream")
+                self.consumed += 1
+            self.consumed = len(output)
+        common = 0
+        while common < min(len(drafts), len(self._drafts)) and drafts[common] == self._drafts[common]:
+            common += 1
+        self._back_to(common)
+        for d in drafts[common:]:
+            if self.ll.is_stopped() or not allowed(self.mask(), d):
+                return False
+            self._guard_states.append(self.guard.scanner.save() if self.guard is not None else None)
+            self._consume(d, "a draft its own mask allows")
+            self._drafts.append(d)
+        return True
+
+    def _back_to(self, depth: int) -> None:
+        """Roll the drafts after the first `depth` back."""
+        if len(self._drafts) > depth:
+            self.ll.rollback(len(self._drafts) - depth)
+            if self.guard is not None:
+                self.guard.scanner.restore(self._guard_states[depth])
+            del self._drafts[depth:], self._guard_states[depth:]
+
+    def missing_mask(self) -> bool:
+        return tuple(self._drafts) not in self._masks
+
+    def mask(self) -> np.ndarray:
+        """The current state's mask [words] (int32; computed once, shared: do not write to it)."""
+        key = tuple(self._drafts)
+        if key not in self._masks:
+            self.keep_mask(self._fill_raw(np.empty(self.words, np.int32)))
+        return self._masks[key]
+
+    def keep_mask(self, row: np.ndarray) -> None:
+        """Take `row`, llguidance's mask of the current state, as its mask (the key guard's edit applied)."""
         if self.guard is not None:
             self.guard.edit(row)
+        self._masks[tuple(self._drafts)] = row
+
+    def _fill_raw(self, row: np.ndarray) -> np.ndarray:
+        self.ll.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
         return row
 
     def mask_logits(self, logits: np.ndarray, output: list[int]) -> np.ndarray:
         """A copy of one row of logits [V] with forbidden tokens at -inf, after catching up with `output`."""
         self.sync(output)
-        keep = allowed_tokens(self.fill(self._row), self.vocab_size)
+        keep = allowed_tokens(self.mask(), self.vocab_size)
         return np.where(keep[: len(logits)], logits, -np.inf).astype(logits.dtype)
 
-    def _rollback(self, consumed: int, saved) -> None:
-        """Undo the drafts consumed since `saved` (the guard's state then)."""
-        if consumed:
-            self.ll.rollback(consumed)
-        if self.guard is not None:
-            self.guard.scanner.restore(saved)
-
     def next_mask(self, output: list[int], drafts: list[int]) -> np.ndarray | None:
-        """The mask [words] of the token after output + drafts (what the next draft may be), or None
-        where a draft is not allowed or the grammar is complete before it (nothing drafted after it
-        can be kept). The drafts are consumed as draft_masks consumes them, then rolled back."""
-        self.sync(output)
-        row = np.empty(self.words, np.int32)
-        consumed, saved = 0, self.guard.scanner.save() if self.guard is not None else None
-        try:
-            for d in drafts:
-                if self.ll.is_stopped() or not allowed(self.fill(row), d):
-                    return None
-                self._consume(d, "a draft its own mask allows")
-                consumed += 1
-            return self.fill(row)
-        finally:
-            self._rollback(consumed, saved)
+        """A copy of the mask [words] of the token after output + drafts (what the next draft may be),
+        or None where a draft is not allowed or the grammar is complete before it (nothing drafted
+        after it can be kept)."""
+        return self.mask().copy() if self.at(output, drafts) else None
 
     def draft_masks(self, output: list[int], drafts: list[int]) -> tuple[list[int], np.ndarray]:
         """Masks of the verify rows [pending, d_1..d_k] -> (drafts, masks [k + 1, words]).
@@ -225,12 +256,11 @@ class Matcher:
         token. A draft it forbids otherwise stays (the verify graph rejects it: the row's mask lacks it)
         and the rows after it get all-ones masks: nothing they decide is kept. Keeping the drafts'
         count keeps a batch's verify widths equal (one engine call, not one per width)."""
-        self.sync(output)
         masks = np.full((len(drafts) + 1, self.words), -1, np.int32)
         drafts = list(drafts)
-        consumed, saved = 0, self.guard.scanner.save() if self.guard is not None else None
+        self.at(output, ())
         for i, d in enumerate(drafts):
-            row = self.fill(masks[i])
+            row = masks[i] = self.mask()
             if not allowed(row, d):
                 forced = np.flatnonzero(allowed_tokens(row, self.vocab_size))
                 if len(forced) != 1 and not self.ll.is_stopped():   # stopped: the EOS tokens only, any will do
@@ -238,12 +268,38 @@ class Matcher:
                 drafts[i] = d = int(forced[0])
             if self.ll.is_stopped():   # the grammar is complete: d is EOS, nothing after it is kept (and
                 break                  # llguidance does not count an EOS consumed here as a token to roll back)
-            self._consume(d, "a draft its own mask allows")
-            consumed += 1
+            self.at(output, drafts[: i + 1])
             if self.ll.is_stopped():   # complete after d: row i + 1 allows EOS only, later rows decide nothing
-                self.fill(masks[i + 1])
+                masks[i + 1] = self.mask()
                 break
         else:
-            self.fill(masks[len(drafts)])
-        self._rollback(consumed, saved)
+            masks[len(drafts)] = self.mask()
         return drafts, masks
+
+
+# llguidance's thread pool computes a batch's masks in parallel; on 2 cores its threads compete with
+# the engine's and each mask took longer than in the calling thread (shipped model, nested JSON
+# schema, batch 8: 41 µs a mask against 26 µs), so it is used only where there are cores to spare
+PARALLEL_MIN_CORES = 4
+PARALLEL_MIN_MASKS = 4
+
+
+@functools.cache
+def _executor() -> llguidance.LLExecutor | None:
+    cores = os.cpu_count() or 1
+    return llguidance.LLExecutor(num_threads=min(cores, 32)) if cores >= PARALLEL_MIN_CORES else None
+
+
+def fill_masks(matchers: list[Matcher]) -> None:
+    """The current states' masks of a batch's matchers, each computed once: those not computed yet,
+    in one llguidance call over its thread pool where the machine has cores to spare."""
+    todo = [m for m in matchers if m.missing_mask()]
+    executor = _executor() if len(todo) >= PARALLEL_MIN_MASKS else None
+    if executor is None:
+        for m in todo:
+            m.mask()
+        return
+    rows = np.empty((len(todo), todo[0].words), np.int32)
+    llguidance.numpy.fill_next_token_bitmask_par(executor, [(m.ll, i) for i, m in enumerate(todo)], rows)
+    for m, row in zip(todo, rows):
+        m.keep_mask(row)

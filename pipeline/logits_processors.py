@@ -23,7 +23,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from tandem.contract import mask_words
-from tandem.pipeline.grammar import allowed_tokens
+from tandem.pipeline.grammar import allowed_tokens, fill_masks
 from tandem.pipeline.sampling_params import SamplingParams
 
 EDIT_VALUES = 3      # (bias, scale, post) per edited token
@@ -262,6 +262,12 @@ class TokenRules:
     def process(self, logits: np.ndarray, output: list[int]) -> np.ndarray:
         """One row of logits [V] after every rule, for the token after `output` (process_rows)."""
         return process_rows([self], [output], logits[None])[0]
+
+
+def prepare_masks(rows: list[tuple[TokenRules, list[int], list[int]]]) -> None:
+    """Before a batch's masks are read (rules, output, drafts per row): each grammar's state moved to
+    output + drafts, and the masks those states lack computed together (grammar.fill_masks)."""
+    fill_masks([r.matcher for r, output, drafts in rows if r.matcher is not None and r.matcher.at(output, drafts)])
 
 
 def process_rows(rules: list[TokenRules], outputs: list[list[int]], logits: np.ndarray) -> np.ndarray:

@@ -99,7 +99,7 @@ def test_a_forced_call_satisfies_its_schema_whatever_is_sampled(fmt, shipped):  
     for _ in range(12):
         m, out = grammars.matcher(spec), []
         while not m.ll.is_stopped() and len(out) < 300:
-            choices = np.flatnonzero(allowed_tokens(m.fill(m._row), vocab))
+            choices = np.flatnonzero(allowed_tokens(m.mask(), vocab))
             out.append(int(rng.choice(choices)))
             m.sync(out)
         assert m.ll.is_stopped(), repr(tok.decode(out, skip_special_tokens=False))
