@@ -175,9 +175,10 @@ class Engine:
                     seq.metrics.first_token = time.perf_counter()
                 seq.status = Status.DECODE
                 done.append(seq)
-        if self.width_control is not None and self.width_control.hopeless(len(self.scheduler.running)):
+        if self.width_control is not None:
             for s, _, _ in work:      # drafting cannot pay at this batch size: no heads to keep (_adaptive_round),
-                s.speculative = s.speculative and s.k_fixed   # unless the request fixed its k: that always wins
+                if self.width_control.hopeless(len(self.scheduler.running), _constrained(s)):   # unless the
+                    s.speculative = s.speculative and s.k_fixed      # request fixed its k: that always wins
         spec = [(s, a, b, o) for (s, a, b), o in zip(work, outs.rows()) if s.speculative]
         if spec:  # re-anchor the heads over this chunk: row i pairs tokens[i+1] with h_i
             self._reanchor([(s, s.tokens[a + 1 : b + 1], o[c.HIDDEN][: b - a]) for s, a, b, o in spec])
@@ -216,7 +217,7 @@ class Engine:
             # reads them from the verify graph: the multi-call round (a unified round drafts the next
             # round's tokens inside the graph, before the host knows them, and reports no logprobs).
             # Logits processors alone ride the unified round: its verify applies their masks and edits
-            multi = any(s.logprobs is not None or s.rules is not None and s.rules.matcher is not None for s in group)
+            multi = any(s.logprobs is not None or _constrained(s) for s in group)
             if self.unified and self.synthetic_acceptance is None and self.unified.serves(width, sampling) \
                     and not multi:
                 with self._phase("round"):
@@ -267,9 +268,9 @@ class Engine:
         mixed widths). Width 1: plain decode steps, the heads' re-anchor deferred (_off_round)."""
         for s in [s for s in self._lagging if s.status == Status.FINISHED]:
             del self._lagging[s]
-        batch = len(seqs)
-        self._width = self._open_width(seqs, self.width_control.width(batch))
-        if self._width == 1 and self.width_control.hopeless(batch):
+        batch, constrained = len(seqs), any(_constrained(s) for s in seqs)
+        self._width = self._open_width(seqs, self.width_control.width(batch, constrained))
+        if self._width == 1 and self.width_control.hopeless(batch, constrained):
             self._width = None
             fixed = [s for s in seqs if s.k_fixed]      # a request's own k wins over the controller
             judged = [s for s in seqs if not s.k_fixed]
@@ -296,11 +297,15 @@ class Engine:
             if off:
                 with self._phase("decode"):
                     made = self._off_round(off)
-            mixed = (on and off) or any(s.k_fixed for s in seqs)
-            # an off round of several tokens (a burst): the cost of one (width 1's rate is a token a round)
-            self.width_control.observe(batch, self._width, None if mixed else (time.perf_counter() - t) / made,
-                                       [s.metrics.drafted - before[s][0] for s in on],
-                                       [s.metrics.accepted - before[s][1] for s in on])
+            seconds = (time.perf_counter() - t) / made   # an off round's burst: the cost of one token
+            drafted = [s.metrics.drafted - before[s][0] for s in on]
+            # a round's time is its width's cost only where every sequence drafted width - 1: one that
+            # drafted fewer (its budget's end, a draft the grammar refused) ran a narrower, cheaper verify,
+            # and a round whose sequences all had no budget left for drafts ran plain steps
+            narrower = self._width > 1 and (not on or any(d != self._width - 1 for d in drafted))
+            mixed = (on and off) or any(s.k_fixed for s in seqs) or narrower
+            self.width_control.observe(batch, self._width, None if mixed else seconds, drafted,
+                                       [s.metrics.accepted - before[s][1] for s in on], constrained)
         finally:
             self._width = None
 
@@ -585,3 +590,9 @@ class Engine:
         first = start - len(seq.prompt)
         return StepOutput(seq.request_id, seq.detok.take(final=reason is not None), kept, reason is not None,
                           reason, seq, None if seq.logprobs is None else seq.logprobs[first : first + len(kept)])
+
+
+def _constrained(seq: Sequence) -> bool:
+    """Whether the sequence decodes under a grammar: its rounds run the multi-call path with drafts
+    under masks, and the adaptive width keeps their figures apart (WidthController._state)."""
+    return seq.rules is not None and seq.rules.matcher is not None

@@ -105,21 +105,25 @@ class WidthController:
         self.policy = policy or WidthPolicy()
         self.start = dict(sorted((start or {}).items()))
         self.costs = dict(sorted((costs or {}).items()))
-        self._buckets: dict[int, _Bucket] = {}
+        self._buckets: dict[tuple[int, bool], _Bucket] = {}   # (bucket, constrained) -> its state
 
     def bucket(self, batch: int) -> int:
         return next((b for b in self.batch_sizes if b >= batch), self.batch_sizes[-1])
 
-    def _state(self, batch: int) -> _Bucket:
+    def _state(self, batch: int, constrained: bool = False) -> _Bucket:
+        """A bucket's state; rounds with grammar requests (`constrained`: multi-call rounds, drafts under
+        masks) keep their own, apart from free rounds: their costs and acceptance differ, and a verdict
+        of off on one kind said nothing of the other (a schema's rounds turned speculation off for the
+        free requests after them)."""
         b = self.bucket(batch)
-        st = self._buckets.get(b)
+        st = self._buckets.get((b, constrained))
         if st is None:
             # the tuned width of the smallest tuned batch size >= b, else of the largest (as round_k reads it)
             tuned = _for_bucket(self.start, b)
             choice = tuned if tuned in self.widths else self.widths[-1]
             n = self.widths[-1] - 1
             given = {w: s for w, s in (_for_bucket(self.costs, b) or {}).items() if w in self.widths and s > 0}
-            st = self._buckets[b] = _Bucket(b, choice, [0.0] * n, [0.0] * n, given=given,
+            st = self._buckets[b, constrained] = _Bucket(b, choice, [0.0] * n, [0.0] * n, given=given,
                                             interval=self.policy.probe_every)
             st.next_probe = st.interval
             if given:
@@ -127,9 +131,9 @@ class WidthController:
         return st
 
     # ---- the round's width -------------------------------------------------------------
-    def width(self, batch: int) -> int:
+    def width(self, batch: int, constrained: bool = False) -> int:
         """The verify width for this round at `batch` sequences (1: plain decode steps)."""
-        st = self._state(batch)
+        st = self._state(batch, constrained)
         st.rounds += 1
         best = self._best(st)
         if best != st.choice:
@@ -156,10 +160,10 @@ class WidthController:
         return st.choice
 
     def observe(self, batch: int, width: int, seconds: float | None, drafted: list[int],
-                accepted: list[int]) -> None:
+                accepted: list[int], constrained: bool = False) -> None:
         """One round at `batch` sequences: per sequence its drafts and how many were accepted;
         `seconds` the round's wall time at `width` (None: not attributable to one width)."""
-        st = self._state(batch)
+        st = self._state(batch, constrained)
         if st.probing is not None and st.probing == width > st.choice:
             self._promising(st, width, drafted, accepted)
         st.probing = None
@@ -207,13 +211,13 @@ class WidthController:
         st.next_probe = st.rounds + st.interval
 
     # ---- the estimates -----------------------------------------------------------------
-    def acceptance(self, batch: int) -> list[float | None]:
+    def acceptance(self, batch: int, constrained: bool = False) -> list[float | None]:
         """alpha_i per draft position (None: never drafted there)."""
-        st = self._state(batch)
+        st = self._state(batch, constrained)
         return [a / d if d > 1e-9 else None for a, d in zip(st.accepted, st.drafted)]
 
-    def estimates(self, batch: int) -> list[WidthEstimate]:
-        return self._estimates(self._state(batch))
+    def estimates(self, batch: int, constrained: bool = False) -> list[WidthEstimate]:
+        return self._estimates(self._state(batch, constrained))
 
     def _estimates(self, st: _Bucket, seen: dict[int, float] | None = None) -> list[WidthEstimate]:
         """seen: acceptance per position to take instead of the bucket's (a probe's, to judge it)."""
@@ -241,9 +245,9 @@ class WidthController:
         best = max(self._estimates(st), key=lambda e: (e.rate, -e.width))
         return best.width
 
-    def choice(self, batch: int) -> int:
+    def choice(self, batch: int, constrained: bool = False) -> int:
         """The width the bucket runs between probes."""
-        return self._state(batch).choice
+        return self._state(batch, constrained).choice
 
     def rejudge(self) -> None:
         """Forget what the probes of off buckets confirmed (the engine calls this `rejudge_rounds`
@@ -254,7 +258,7 @@ class WidthController:
                 st.probed, st.interval = set(), self.policy.probe_every
                 st.next_probe = min(st.next_probe, st.rounds + st.interval)
 
-    def hopeless(self, batch: int) -> bool:
+    def hopeless(self, batch: int, constrained: bool = False) -> bool:
         """Whether drafting is known not to pay at this batch size: the bucket off, plain steps
         measured, and either
         - every width w >= 2 costs at least w of them per round (its estimate's bound), so it loses
@@ -266,7 +270,7 @@ class WidthController:
           rounds nearly as dear as their width in plain steps).
         The engine then stops drafting for the bucket's sequences for good, and stops keeping their
         heads current, which alone cost 11-17% of a run on the shipped model."""
-        st = self._state(batch)
+        st = self._state(batch, constrained)
         est = self._estimates(st)
         plain = est[0].cost
         if plain is None or st.choice != 1:

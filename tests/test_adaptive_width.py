@@ -170,8 +170,8 @@ def widths(monkeypatch) -> list[int]:
     """Every width the controller hands out, in order."""
     seen, original = [], WidthController.width
 
-    def width(self, batch):
-        seen.append(original(self, batch))
+    def width(self, batch, constrained=False):
+        seen.append(original(self, batch, constrained))
         return seen[-1]
 
     monkeypatch.setattr(WidthController, "width", width)
@@ -193,8 +193,8 @@ class ModeledCost(WidthController):
 
     cost = COST
 
-    def observe(self, batch, width, seconds, drafted, accepted):
-        super().observe(batch, width, None if seconds is None else self.cost[width], drafted, accepted)
+    def observe(self, batch, width, seconds, drafted, accepted, constrained=False):
+        super().observe(batch, width, None if seconds is None else self.cost[width], drafted, accepted, constrained)
 
 
 def test_wrong_heads_turn_drafting_off_and_probe_again(engine_dirs, plain, monkeypatch, widths):
@@ -355,13 +355,13 @@ class Scripted:
     def __init__(self, widths):
         self.widths = list(widths)
 
-    def width(self, batch):
+    def width(self, batch, constrained=False):
         return self.widths.pop(0) if self.widths else 4
 
     def observe(self, *args):
         pass
 
-    def hopeless(self, batch):
+    def hopeless(self, batch, constrained=False):
         return False
 
     def rejudge(self):

@@ -42,7 +42,7 @@ def run_generate(monkeypatch, capsys, engine_dir, *extra) -> tuple[str, list[str
 def test_generate_reports_prefill_decode_and_acceptance(engine_dirs, monkeypatch, capsys):
     # drafting every round (--spec-k; never judged hopeless): on random tiny weights no round pays
     # against plain bursts, and the adaptive width would stop drafting before the timed generation
-    monkeypatch.setattr(WidthController, "hopeless", lambda self, batch: False)
+    monkeypatch.setattr(WidthController, "hopeless", lambda self, batch, constrained=False: False)
     out, calls = run_generate(monkeypatch, capsys, engine_dirs["qwen3_5_mtp3"], "--spec-k", "3")
     assert calls == ["generate", "stream"]  # the warm-up generation runs first, untimed
     prompt_tokens = len(Tokenizer.from_file(str(engine_dirs["qwen3_5_mtp3"] / "tokenizer.json")).encode(PROMPT).ids)

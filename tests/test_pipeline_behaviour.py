@@ -240,7 +240,7 @@ def test_tokens_added_several_at_a_time_end_at_the_one_that_completes_a_stop_str
 
 def test_generate_cli(engine_dirs, capsys, monkeypatch):
     # drafting every round (random tiny weights: the adaptive width would stop it, plain bursts cost less)
-    monkeypatch.setattr(WidthController, "hopeless", lambda self, batch: False)
+    monkeypatch.setattr(WidthController, "hopeless", lambda self, batch, constrained=False: False)
     assert main(["generate", str(engine_dirs["qwen3_5_mtp3"]), "--prompt", "def add(a, b):", "--max-tokens", "8",
                  "--ignore-eos", "--spec-k", "3"]) == 0
     out = capsys.readouterr().out

@@ -12,10 +12,13 @@ from dataclasses import replace
 import pytest
 
 from tandem.engines.manifest import ManifestError
+from tandem.pipeline.grammar import GrammarSpec
 from tandem.pipeline.llm import LLM
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.width_control import WidthController
 from tandem.profiling.report import round_costs
+
+from .test_structured_outputs import CODE_PROMPTS, SCHEMAS, shipped  # noqa: F401 (a fixture)
 
 KIND = "qwen3_5_mtp3"
 PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3]]
@@ -92,3 +95,48 @@ def test_profile_costs_a_plain_step_per_token_not_per_burst():
     rounds = round_costs({"latency": latency, "runs": runs}, [1], [2, 4], reanchored=1)
     assert rounds[(1, 1)] == pytest.approx(0.002)
     assert rounds[(1, 4)] == pytest.approx(0.004)                  # calibrated on the measured round
+
+
+def test_grammar_rounds_keep_their_own_figures():
+    """A verdict of off on rounds under a grammar (multi-call, drafts under masks) leaves the free
+    rounds of the same batch size as they were, and the other way round."""
+    ctl = WidthController([2, 3, 4], [1])
+    for _ in range(300):                 # constrained: nothing accepted, rounds dear
+        w = ctl.width(1, constrained=True)
+        ctl.observe(1, w, {1: 1.0, 2: 1.6, 3: 1.9, 4: 2.2}[w], [w - 1], [0], constrained=True)
+    assert ctl.choice(1, constrained=True) == 1 and ctl.hopeless(1, constrained=True)
+    assert ctl.width(1) == 4 and not ctl.hopeless(1)
+
+
+def test_a_schema_judged_off_leaves_free_requests_drafting(shipped):  # noqa: F811
+    """On the engine: the constrained bucket judged off, a schema request decodes plain from its
+    prefill while a free request at the same batch size drafts (the shipped model's heads agree)."""
+    llm = LLM(shipped)
+    ctl = llm.engine.width_control
+    for _ in range(300):
+        w = ctl.width(1, constrained=True)
+        ctl.observe(1, w, {1: 1.0, 2: 1.6, 3: 1.9, 4: 2.2}[w], [w - 1], [0], constrained=True)
+    assert ctl.hopeless(1, constrained=True)
+    schema = GrammarSpec.json_schema(SCHEMAS["nested"])
+    ruled = llm.generate([CODE_PROMPTS[0]], SamplingParams(max_tokens=32, grammar=schema))[0]
+    free = llm.generate([CODE_PROMPTS[0]], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    assert ruled.metrics.rounds == 0 and free.metrics.rounds > 0 and free.metrics.accepted > 0
+
+
+def test_only_full_width_rounds_are_timed(shipped, monkeypatch):  # noqa: F811
+    """A round whose sequences drafted fewer than its width asks (their budgets' end) ran a narrower,
+    cheaper verify, or plain steps: its time is not that width's cost."""
+    seen = []
+    observe = WidthController.observe
+
+    def record(self, batch, width, seconds, drafted, accepted, constrained=False):
+        seen.append((width, seconds, list(drafted)))
+        observe(self, batch, width, seconds, drafted, accepted, constrained)
+
+    monkeypatch.setattr(WidthController, "observe", record)
+    llm = LLM(shipped)
+    for tokens in (5, 6, 7, 9):
+        llm.generate(CODE_PROMPTS, SamplingParams(max_tokens=tokens, ignore_eos=True))
+    timed = [(w, d) for w, s, d in seen if s is not None and w > 1]
+    assert timed and all(d and all(x == w - 1 for x in d) for w, d in timed), timed
+    assert any(s is None and w > 1 for w, s, _ in seen)       # the budget-cut rounds happened, untimed
