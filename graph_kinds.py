@@ -34,6 +34,8 @@ class Role(str, Enum):
     DECODE = "decode"
 
 
+MAX_DECODE_STEPS = 16   # multi-step decode: tokens per call (its graph unrolls them); decode bursts too
+
 _HEAD = re.compile(r"mtp_head_(0|[1-9][0-9]*)")
 _ROUND = re.compile(r"round_(greedy|sample)(_reused)?_k([1-9][0-9]*)")
 _DECODE = re.compile(r"decode_greedy_n([2-9]|[1-9][0-9]+)")

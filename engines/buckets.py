@@ -18,12 +18,14 @@ grows, because the target's verify of W rows costs about W x the decode at large
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tandem import contract as c
 from tandem.checkpoint.description import ModelDescription
-from tandem.engines.options import BuildOptions
-from tandem.export.round_graph import unified_refusal
 from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, VERIFY_SAMPLE, GraphKind, round_kinds
+
+if TYPE_CHECKING:     # build options: the engine dir's runtime reads none of them
+    from tandem.engines.options import BuildOptions
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,8 @@ def unified_round_kinds(desc: ModelDescription, options: BuildOptions) -> tuple[
     most one token per head, so their widths stop at heads + 1."""
     if options.no_mtp or not options.unified_round:
         return [], "not asked for (--no-mtp or --no-unified-round)"
+    from tandem.export.round_graph import unified_refusal  # planning a build: the exporter decides
+
     reason = unified_refusal(desc)
     if reason:
         return [], reason

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 
 from tandem import __version__, contract
-from tandem.export.exporter import file_sha256
+from tandem.engines.manifest import file_sha256
 
 _STAT_KEYS = ("size", "mtime_ns", "ctime_ns")
 _NOT_COMPARED = ("draft",)  # the draft folder's path: its files are inputs, its location is not

@@ -32,8 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from tandem.engines.manifest import MANIFEST, ManifestError
-from tandem.export.exporter import file_sha256
+from tandem.engines.manifest import MANIFEST, ManifestError, file_sha256
 
 CACHE_FILE = ".tandem-verified.json"
 CACHE_FORMAT = "tandem-verified"

@@ -8,10 +8,10 @@ import hashlib
 import json
 from pathlib import Path
 
-from tandem.export.exporter import file_sha256  # noqa: F401 (re-exported: the builder hashes with it)
 from tandem.graph_kinds import GraphKind
 
 MANIFEST = "manifest.json"
+WEIGHTS_FILE = "weights.bin"   # the export's (and the engines') external weights, one file
 FORMAT = "tandem-engines"
 FORMAT_VERSION = 1
 DIGEST = "manifest_sha256"     # the manifest's own hash: of its canonical JSON without this key
@@ -134,3 +134,11 @@ def check_files(engine_dir: Path, manifest: dict) -> list[str]:
         if not path.exists() or file_sha256(path) != digest:
             bad.append(name)
     return bad
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

@@ -10,12 +10,12 @@ from dataclasses import asdict, dataclass, field
 
 from tandem.checkpoint.validation import MAX_SPEC_K, MIN_SPEC_K
 from tandem.export.quantize import WEIGHT_FORMATS, weight_quant
+from tandem.graph_kinds import MAX_DECODE_STEPS
 
 BACKENDS = ("onnxruntime", "tensorrt")
 SUPPORTED_DTYPES = ("float32", "float16")  # engine dtype: weights, activations, KV and conv pools
 MAX_BATCH = 256
 DRAFT_WEIGHTS = ("auto", "same", "int8")
-MAX_DECODE_STEPS = 16         # multi-step decode: tokens per call (its graph unrolls them)
 DRAFT_INT8_PARAMS = 1 << 20   # "auto" drafts in int8 where the draft passes read this many weights (4 MiB fp32) or more
 
 

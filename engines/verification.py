@@ -16,13 +16,16 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tandem import contract as c
 from tandem.checkpoint.description import ModelDescription
 from tandem.engines.buckets import Bucket, io_specs
-from tandem.engines.options import BuildOptions
+
+if TYPE_CHECKING:     # build options: the engine dir's runtime reads none of them
+    from tandem.engines.options import BuildOptions
 
 # float outputs: max abs difference / scale. float16: ~10 ulps (eps 9.8e-4) of the tensor's range; the
 # lowering's fp32 reordering flips single fp16 roundings, measured up to 9.6e-4 (docs/engines.md)

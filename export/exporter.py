@@ -25,6 +25,7 @@ import onnx
 
 from tandem import contract
 from tandem.checkpoint.reader import Checkpoint
+from tandem.engines.manifest import WEIGHTS_FILE, file_sha256
 from tandem.export.decode_graph import decode_steps
 from tandem.export.graphs import mtp_head, target_step, verify_step
 from tandem.export.layers import Weights
@@ -32,7 +33,6 @@ from tandem.export.quantize import WeightQuant
 from tandem.export.round_graph import round_step
 from tandem.graph_kinds import GraphKind, exported_kinds
 
-WEIGHTS_FILE = "weights.bin"
 _ALIGN = 4096
 _INLINE_BYTES = 1024  # small constants stay inside the graph
 
@@ -170,12 +170,4 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
     return ExportResult(out, files, seconds, weights_bytes)
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-__all__ = ["EXPORT_DTYPES", "ExportResult", "build_graphs", "export_checkpoint", "file_sha256"]
+__all__ = ["EXPORT_DTYPES", "ExportResult", "build_graphs", "export_checkpoint"]

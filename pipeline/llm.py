@@ -27,8 +27,7 @@ from tandem.checkpoint.description import description_from_dict
 from tandem.engines.backends import get_backend
 from tandem.engines.integrity import verify_engine_dir
 from tandem.engines.manifest import MANIFEST, ManifestError, read_manifest
-from tandem.engines.options import MAX_DECODE_STEPS
-from tandem.graph_kinds import TARGET_STEP, GraphKind
+from tandem.graph_kinds import MAX_DECODE_STEPS, TARGET_STEP, GraphKind
 from tandem.pipeline import native_burst, native_sampler
 from tandem.pipeline.allocator import FreeList, PageGroups
 from tandem.pipeline.decode_burst import DEFAULT_BUDGET_MS, DEFAULT_STEPS, DecodeBurst

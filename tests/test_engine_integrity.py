@@ -15,8 +15,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tandem.engines import integrity
-from tandem.engines.manifest import ManifestError, read_manifest, signed
-from tandem.export.exporter import file_sha256
+from tandem.engines.manifest import ManifestError, file_sha256, read_manifest, signed
 from tandem.pipeline.llm import LLM
 from tandem.server.chat_template import ChatTemplate, ChatTemplateError
 

@@ -17,12 +17,11 @@ from tandem.engines.backends import onnxruntime_backend, onnxruntime_kernel_file
 from tandem.engines.backends.onnxruntime_optimized import OPTIMIZED_WEIGHTS, optimized_name
 from tandem.engines.buckets import plan
 from tandem.engines.builder import BuildError, build_engines
-from tandem.engines.manifest import MANIFEST, read_manifest, signed
+from tandem.engines.manifest import MANIFEST, WEIGHTS_FILE, read_manifest, signed
 from tandem.engines.options import BuildOptions
 from tandem.engines.verification import fixed_inputs
 from tandem.export import exporter
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
-from tandem.export.exporter import WEIGHTS_FILE
 from tandem.pipeline.llm import LLM, EngineConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.plugins import cpu_kernels

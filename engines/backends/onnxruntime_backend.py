@@ -34,10 +34,8 @@ from tandem.engines.backends.memory import HostMemory, Transfers
 from tandem.engines.backends.onnxruntime_kernel_files import save_served_graphs
 from tandem.engines.backends.onnxruntime_optimized import cpu_signature, exact_copy, optimized_name
 from tandem.engines.buckets import Bucket
-from tandem.engines.manifest import read_manifest
+from tandem.engines.manifest import WEIGHTS_FILE, read_manifest
 from tandem.engines.verification import timed
-from tandem.export.exporter import WEIGHTS_FILE
-from tandem.export.lowering import lower_for_onnxruntime
 from tandem.plugins import cpu_kernels
 
 NAME = "onnxruntime"
@@ -61,6 +59,8 @@ def engine_file(bucket: Bucket) -> str:
 def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, options=None,
           progress=None) -> dict[str, tuple[str, int]]:
     """Write the lowered graphs the buckets need; returns bucket name -> (engine file, profile 0)."""
+    from tandem.export import lowering  # the build side: serving an engine dir never loads the exporter
+
     if not (out_dir / WEIGHTS_FILE).exists():
         link_or_copy(export_dir / WEIGHTS_FILE, out_dir / WEIGHTS_FILE)
     files, graphs = {}, {}
@@ -69,7 +69,7 @@ def build(export_dir: Path, out_dir: Path, buckets: list[Bucket], desc=None, opt
         graphs[name] = (bucket.graph.name, bucket.rows if bucket.graph.per_width else None)
         if not (out_dir / name).exists():
             model = onnx.load(str(export_dir / f"{bucket.graph.name}.onnx"), load_external_data=False)
-            onnx.save(lower_for_onnxruntime(model, rows=graphs[name][1]), str(out_dir / name))
+            onnx.save(lowering.lower_for_onnxruntime(model, rows=graphs[name][1]), str(out_dir / name))
         files[bucket.name] = (name, 0)
         if progress:
             progress.step(bucket.name)

@@ -20,9 +20,6 @@ import onnx
 import onnxruntime as ort
 
 from tandem.engines.backends.onnxruntime_optimized import save_optimized
-from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, lower_matmul_nbits_to_kernel
-from tandem.export.cpu_matmul_lowering import lower_matmul_to_kernel
-from tandem.export.lowering import lower_for_onnxruntime
 from tandem.plugins import cpu_kernels
 
 
@@ -33,6 +30,11 @@ def save_served_graphs(export_dir: Path, out_dir: Path, graphs: dict[str, tuple[
     has an op it lowers, else from the engine file itself; then its int4 / int8 MatMulNBits (which the
     optimizer makes) and its constant-weight float MatMuls on tandem's kernels where those run fast
     here (bf16: their panels as bfloat16, for `--weights bf16`). options(level, kernels) -> SessionOptions."""
+    # the build side: serving an engine dir reads this module's library helpers, never the exporter
+    from tandem.export.cpu_kernel_lowering import CPU_DOMAIN, lower_matmul_nbits_to_kernel
+    from tandem.export.cpu_matmul_lowering import lower_matmul_to_kernel
+    from tandem.export.lowering import lower_for_onnxruntime
+
     kernels, variants = cpu_kernels.library(), {}
     nbits = kernels is not None and cpu_kernels.nbits_matmul()
     f32 = kernels is not None and cpu_kernels.f32_matmul()

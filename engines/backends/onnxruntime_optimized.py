@@ -31,8 +31,7 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from tandem.engines.backends.common import rewrite_in_large_writes
-from tandem.export.cpu_kernel_lowering import exact_matmul_nbits
-from tandem.export.exporter import WEIGHTS_FILE
+from tandem.engines.manifest import WEIGHTS_FILE
 
 OPTIMIZED_WEIGHTS = "optimized.bin"
 _ALIGN = 4096                  # as weights.bin: ONNX Runtime maps page-aligned external data
@@ -103,6 +102,8 @@ def exact_copy(path: Path) -> Path:
     kernel) compute in float32 (accuracy level 0) instead of int8 activations: the build verifies
     the saved graph with it (the level is fixed in the saved nodes, so the session option the
     lowered graphs use has no effect here). The caller deletes it once its session is open."""
+    from tandem.export.cpu_kernel_lowering import exact_matmul_nbits  # (the build side, as above)
+
     model = onnx.load(str(path), load_external_data=False)
     exact_matmul_nbits(model)
     copy = path.with_name(f".tandem-exact-{path.name}")

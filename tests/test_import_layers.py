@@ -1,0 +1,33 @@
+"""Layers that import only downward: serving an engine dir (the pipeline, the server) loads nothing of
+the build side (the exporter, the build options, the builder) nor torch / transformers; the engine
+dir's format (manifest, file hashes, weights file name) is a leaf the exporter imports, not the
+other way round. Each check imports in a fresh interpreter, so what an earlier test loaded counts
+for nothing."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+BUILD_SIDE = ("tandem.export", "tandem.engines.builder", "tandem.engines.options", "tandem.engines.fingerprint",
+              "torch", "transformers")
+
+
+def loaded(module: str) -> list[str]:
+    code = (f"import json, sys, {module}; "
+            f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({BUILD_SIDE!r}))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("module", ["tandem.pipeline.llm", "tandem.server.app", "tandem.server.serve"])
+def test_the_runtime_loads_no_build_side_module(module):
+    assert loaded(module) == []
+
+
+def test_the_engine_dir_format_is_a_leaf():
+    """engines.manifest and engines.integrity read and check an engine dir without the build side."""
+    assert loaded("tandem.engines.integrity") == [] and loaded("tandem.engines.manifest") == []
