@@ -37,7 +37,7 @@ from tandem.pipeline.grammar import Grammars
 from tandem.pipeline.logits_processors import Processors, TokenRules
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.multi_step_decode import MultiStepDecode
-from tandem.pipeline.outputs import StepOutput
+from tandem.pipeline.outputs import LLMStats, StepOutput
 from tandem.pipeline.pools import Pools, plan_pools
 from tandem.pipeline.prefix_cache import PrefixCache
 from tandem.pipeline.relaxed import RelaxedRows, think_markers
@@ -399,6 +399,20 @@ class LLM:
         """KV pages in use per page group, under the group's block-table name (`block_tables`,
         `block_tables.window8`), every running sequence together."""
         return {contract.block_tables(w): n for w, n in self.scheduler.pages_in_use().items()}
+
+    def stats(self) -> LLMStats:
+        """The moment's load and the counters so far (pipeline/outputs.py LLMStats). Safe to call off the
+        engine thread: list lengths and counters, accurate to within the step in progress."""
+        lists = self.page_groups.lists.values()
+        cache = self.prefix_cache
+        return LLMStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                        kv_pages_free=sum(fl.available for fl in lists),
+                        kv_pages_total=sum(fl.size - 1 for fl in lists),     # (each list's scratch page)
+                        pages_held=self.pages_held(),
+                        acceptance_per_position=self.engine.stats.acceptance_per_position(),
+                        prefix_caching=cache is not None, prefix_cache_queries=cache.stats.queries if cache else 0,
+                        prefix_cache_hits=cache.stats.hits if cache else 0,
+                        prefix_cache_entries=len(cache.entries) if cache else 0)
 
     def abort(self, request_id: str) -> None:
         seq = self.scheduler.abort(request_id)

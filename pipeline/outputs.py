@@ -60,3 +60,20 @@ class EngineStats:
             mine.extend([0] * (len(theirs) - len(mine)))
             for i, v in enumerate(theirs):
                 mine[i] += v
+
+
+@dataclass(frozen=True)
+class LLMStats:
+    """What an LLM is doing now, read in one call (`LLM.stats()`): the server's gauges and a replica
+    router's load. Counters only grow; the rest is the moment's."""
+
+    running: int                      # sequences decoding or prefilling
+    waiting: int                      # admitted requests not yet running
+    kv_pages_free: int                # every page group's free pages
+    kv_pages_total: int               # every page group's pages (scratch pages left out)
+    pages_held: dict[str, int]        # pages in use per page group, by block-table name
+    acceptance_per_position: list[float]   # draft i's acceptance given drafts 1..i-1 were, so far
+    prefix_caching: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_entries: int = 0

@@ -125,9 +125,9 @@ class EngineLoop:
         """Sequences running and waiting, and free KV pages (every page group), for a router that
         picks among replicas (server/ray_routing.py). Read off the engine thread: list lengths,
         accurate to within the step in progress."""
-        sched = self.llm.scheduler
-        return {"running": len(sched.running), "waiting": len(sched.waiting) + self._commands.qsize(),
-                "kv_pages_free": sum(pages.available for pages in self.llm.page_groups.lists.values())}
+        st = self.llm.stats()
+        return {"running": st.running, "waiting": st.waiting + self._commands.qsize(),
+                "kv_pages_free": st.kv_pages_free}
 
     def fail_everything(self, message: str) -> None:
         """After the thread ended: every queued and live request gets the error (the thread no
@@ -291,26 +291,25 @@ class EngineLoop:
             self.vllm.spec(req.id, out.sequence.metrics)
 
     def _update_gauges(self) -> None:
-        sched = self.llm.scheduler
-        m.QUEUE_DEPTH.set(len(sched.waiting) + self._commands.qsize())
-        m.RUNNING.set(len(sched.running))
-        held = self.llm.pages_held()
-        m.KV_PAGES_IN_USE.set(sum(held.values()))
-        for table, n in held.items():   # block_tables -> "full", block_tables.window8 -> "window8"
+        st = self.llm.stats()
+        waiting = st.waiting + self._commands.qsize()
+        m.QUEUE_DEPTH.set(waiting)
+        m.RUNNING.set(st.running)
+        m.KV_PAGES_IN_USE.set(sum(st.pages_held.values()))
+        for table, n in st.pages_held.items():   # block_tables -> "full", block_tables.window8 -> "window8"
             m.KV_PAGES_BY_GROUP.labels(group=table.partition(".")[2] or "full").set(n)
-        for i, rate in enumerate(self.llm.engine.stats.acceptance_per_position()):
+        for i, rate in enumerate(st.acceptance_per_position):
             m.ACCEPTANCE.labels(position=str(i + 1)).set(rate)
-        if (cache := self.llm.prefix_cache) is not None:   # its counters advance by what this step added
-            queries, hits = cache.stats.queries - self._prefix_seen[0], cache.stats.hits - self._prefix_seen[1]
+        if st.prefix_caching:   # its counters advance by what this step added
+            queries, hits = st.prefix_cache_queries - self._prefix_seen[0], st.prefix_cache_hits - self._prefix_seen[1]
             if queries or hits:
-                self._prefix_seen = (cache.stats.queries, cache.stats.hits)
+                self._prefix_seen = (st.prefix_cache_queries, st.prefix_cache_hits)
                 m.PREFIX_QUERIES.inc(queries)
                 m.PREFIX_HITS.inc(hits)
                 self.vllm.prefix_cache(queries, hits)
-            m.PREFIX_ENTRIES.set(len(cache.entries))
-        pages = sum(fl.size - 1 for fl in self.llm.page_groups.lists.values())   # (each list's scratch page left out)
-        self.vllm.gauges(len(sched.running), len(sched.waiting) + self._commands.qsize(),
-                         sum(held.values()) / pages if pages else 0.0)
+            m.PREFIX_ENTRIES.set(st.prefix_cache_entries)
+        self.vllm.gauges(st.running, waiting,
+                         sum(st.pages_held.values()) / st.kv_pages_total if st.kv_pages_total else 0.0)
 
 
 def _merged(first: StepOutput, then: StepOutput) -> StepOutput:
