@@ -37,7 +37,7 @@ from tandem.pipeline.grammar import Grammars
 from tandem.pipeline.logits_processors import Processors, TokenRules
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.multi_step_decode import MultiStepDecode
-from tandem.pipeline.outputs import LLMStats, StepOutput
+from tandem.pipeline.outputs import EngineStats, LLMStats, StepOutput
 from tandem.pipeline.pools import Pools, plan_pools
 from tandem.pipeline.prefix_cache import PrefixCache
 from tandem.pipeline.relaxed import RelaxedRows, think_markers
@@ -413,6 +413,17 @@ class LLM:
                         prefix_caching=cache is not None, prefix_cache_queries=cache.stats.queries if cache else 0,
                         prefix_cache_hits=cache.stats.hits if cache else 0,
                         prefix_cache_entries=len(cache.entries) if cache else 0)
+
+    def reset_stats(self, trace: bool = False) -> None:
+        """The counters from zero (the round loop's and the engine time per graph), to time one run
+        (`tandem profile`); `trace`: also record each phase as (name, start, end) until the next reset."""
+        self.engine.stats = EngineStats()
+        self.runner.seconds.clear()
+        self.engine.trace = [] if trace else None
+
+    def run_stats(self) -> tuple[EngineStats, dict[str, float], list[tuple[str, float, float]]]:
+        """Since the last reset: the round loop's counters, engine seconds per graph kind, the trace."""
+        return self.engine.stats, dict(self.runner.seconds), list(self.engine.trace or [])
 
     def abort(self, request_id: str) -> None:
         seq = self.scheduler.abort(request_id)

@@ -93,16 +93,13 @@ def generation_run(engine_dir: Path, prompts: list[dict], batch: int, spec: bool
     chosen = prompts
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     llm.generate([chosen[0]["prompt"]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    llm.engine.stats = type(llm.engine.stats)()
-    llm.runner.seconds.clear()
-    if trace:
-        llm.engine.trace = []
+    llm.reset_stats(trace=trace)
     start = time.perf_counter()
     seqs = [llm.add_request(p["prompt"], params) for p in chosen]
     while any(s.finish_reason is None for s in seqs):
         llm.step()
     end = time.perf_counter()
-    st = llm.engine.stats
+    st, engine_seconds, events = llm.run_stats()
     per_category: dict[str, dict] = {}
     for p, s in zip(chosen, seqs):
         c = per_category.setdefault(p["category"], {"drafted": 0, "accepted": 0, "predicted": 0})
@@ -124,7 +121,7 @@ def generation_run(engine_dir: Path, prompts: list[dict], batch: int, spec: bool
         "acceptance_per_position": [round(x, 4) for x in st.acceptance_per_position()],
         "phases_ms_per_round": {k: round(v / st.rounds * 1e3, 4) for k, v in st.phase_seconds.items()}
         if st.rounds else {},
-        "engine_ms_per_round": {k: round(v / st.rounds * 1e3, 4) for k, v in llm.runner.seconds.items()}
+        "engine_ms_per_round": {k: round(v / st.rounds * 1e3, 4) for k, v in engine_seconds.items()}
         if st.rounds else {},
         "per_category": per_category,
         "aggregate": {"n_requests": len(seqs), "total_predicted": sum(s.num_generated for s in seqs),
@@ -133,8 +130,8 @@ def generation_run(engine_dir: Path, prompts: list[dict], batch: int, spec: bool
                       "wall_s_total": round(end - start, 3)},
         "mtp_mode": llm.mtp_mode, "synthetic_acceptance": synthetic_acceptance if spec else None,
     }
-    if trace and llm.engine.trace:
-        t0 = llm.engine.trace[0][1]
+    if events:
+        t0 = events[0][1]
         result["trace"] = [{"name": name, "ph": "X", "pid": 1, "tid": 1, "ts": round((a - t0) * 1e6, 1),
-                            "dur": round((b - a) * 1e6, 1)} for name, a, b in llm.engine.trace[:200]]
+                            "dur": round((b - a) * 1e6, 1)} for name, a, b in events[:200]]
     return result

@@ -27,3 +27,20 @@ def test_stats_follow_the_requests(engine_dirs):
     assert done.running == 0 and done.prefix_cache_queries > busy.prefix_cache_queries
     assert done.prefix_cache_hits > 0 and done.prefix_cache_entries > 0
     assert done.acceptance_per_position == llm.engine.stats.acceptance_per_position()
+
+
+def test_reset_and_run_stats_time_one_run(engine_dirs):
+    """`tandem profile`'s window: counters from zero, engine seconds per graph kind and the phase trace
+    of that run only."""
+    llm = LLM(engine_dirs["qwen3_5_mtp3"])
+    llm.generate([PROMPT], SamplingParams(max_tokens=6, ignore_eos=True))
+    llm.reset_stats(trace=True)
+    stats, seconds, events = llm.run_stats()
+    assert stats.rounds == 0 and seconds == {} and events == []
+    llm.generate([PROMPT, PROMPT[:5]], SamplingParams(max_tokens=6, ignore_eos=True))
+    stats, seconds, events = llm.run_stats()
+    assert stats.rounds > 0 and stats.generated_tokens == 12 and seconds.get("target_step", 0) > 0
+    assert {name for name, _, _ in events} >= {"prefill"} and all(a <= b for _, a, b in events)
+    llm.reset_stats()
+    llm.generate([PROMPT], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert llm.run_stats()[2] == []                                   # no trace unless asked
