@@ -188,13 +188,13 @@ def _trunk(b: GraphBuilder, desc: ModelDescription, w: Weights, verify: bool):
     return hidden, kv, gdn
 
 
-def _lm_head(b: GraphBuilder, w: Weights, hidden: str, name: str = "lm_head.weight", draft: bool = False) -> str:
+def _lm_head(b: GraphBuilder, w: Weights, hidden: str, name: str = "lm_head.weight") -> str:
     """hidden [.., H] -> float32 logits [.., V]: the product in the export dtype, then widened. On
     ONNX Runtime CPU this equals an fp32 product on the same fp16 hidden (measured: bit for bit),
-    so no fp32 copy of lm_head is stored. `draft`: an MTP head's, in the weights' draft form
-    (Weights.draft_quant): drafts only propose, the verify pass decides with the target's own."""
+    so no fp32 copy of lm_head is stored. An MTP head's pass hands in the weights' draft view
+    (Weights.drafting): drafts only propose, the verify pass decides with the target's own."""
     with b.scope("lm_head"):
-        return cast(b, b.op("MatMul", hidden, w.matmul_t(b, name, draft), name="MatMul"), w.dtype, "float32")
+        return cast(b, b.op("MatMul", hidden, w.matmul_t(b, name), name="MatMul"), w.dtype, "float32")
 
 
 def _finish(b: GraphBuilder, name: str, ins, outs, produced: dict[str, str], functions) -> onnx.ModelProto:
@@ -342,8 +342,7 @@ def head_pass(b: GraphBuilder, desc: ModelDescription, w: Weights, head: int, id
             g_last = b.op("GatherND", g, b.unsqueeze(last_row, [1]), batch_dims=1, name="last_row")  # [B, H]
         else:
             g_last = b.squeeze(g, [1])
-    logits = _lm_head(b, w, g_last, p + "shared_head.head.weight" if desc.mtp.own_lm_head else "lm_head.weight",
-                      draft=True)
+    logits = _lm_head(b, w, g_last, p + "shared_head.head.weight" if desc.mtp.own_lm_head else "lm_head.weight")
     with b.scope("draft"):
         if bitmask is None:
             draft, prob = _greedy_draft(b, logits)

@@ -61,15 +61,15 @@ class Weights:
     def _known(self, name: str) -> bool:
         return name in self._derived or name in self._stored
 
-    def matmul_t(self, b: GraphBuilder, name: str | tuple[str, ...], draft: bool = False) -> str:
-        """W^T [in, out] for x @ W^T (nn.Linear); with `quant` (`draft_quant` for `draft`: the lm_head
-        the MTP heads draft with; see drafting()), the blocked DequantizeLinear of its int8 / int4 form
+    def matmul_t(self, b: GraphBuilder, name: str | tuple[str, ...]) -> str:
+        """W^T [in, out] for x @ W^T (nn.Linear); with `quant` (the heads' passes read `draft_quant`
+        through drafting()), the blocked DequantizeLinear of its int8 / int4 form
         (export/quantize.py). Both forms of one weight may exist: each is derived once.
         A tuple of names (linears that read the same input): their W^T side by side, [in, sum out].
         Quantization blocks run along `in`, so each column is quantized as it would be alone."""
         names = (name,) if isinstance(name, str) else tuple(name)
         key = fused_name(names)
-        quant = self.draft_quant if draft else self.quant
+        quant = self.quant
 
         def wt() -> np.ndarray:
             return np.concatenate([self.raw(n).T for n in names], axis=1) if len(names) > 1 else self.raw(key).T

@@ -95,10 +95,9 @@ class Engine:
         # hold only head_lag rows of lag), so there they catch up every round
         self.lag_rows = 1 if scheduler.windowed else max(1, scheduler.prefill_chunk)
         self._lagging: dict[Sequence, tuple[int, list[int], list[np.ndarray]]] = {}  # seq -> head_committed, rows
-        # turned plain for good by the controller; its verdict of off holds new requests for
-        # WidthPolicy.rejudge_rounds engine rounds from the first of them, then they are probed again
-        self._judged: set[Sequence] = set()
-        self._judged_since = 0
+        # the engine round a verdict of off first turned sequences plain for good (None: no verdict holds);
+        # it holds new requests WidthPolicy.rejudge_rounds rounds, then they are probed again
+        self._judged_since: int | None = None
         self.unified = unified          # one-call rounds (pipeline/unified_round.py) at the widths it serves
         self.decode = decode            # n tokens a step for plain rows: a multi-step graph's call (greedy)
                                         # or a burst of n calls (None: one token a step)
@@ -127,8 +126,9 @@ class Engine:
         t0 = time.perf_counter()
         engine_before = self.runner.engine_seconds
         ctl = self.width_control
-        if ctl is not None and self._judged and self.stats.rounds - self._judged_since >= ctl.policy.rejudge_rounds:
-            self._judged.clear()
+        if ctl is not None and self._judged_since is not None and \
+                self.stats.rounds - self._judged_since >= ctl.policy.rejudge_rounds:
+            self._judged_since = None
             self.width_control.rejudge()    # the next requests are probed again
         self.scheduler.admit()
         touched: list[Sequence] = []
@@ -277,9 +277,8 @@ class Engine:
             for s in judged:      # plain decoding for good: no drafts, probes or heads' catch-up
                 s.speculative = False
                 self._lagging.pop(s, None)
-            if judged and not self._judged:
+            if judged and self._judged_since is None:
                 self._judged_since = self.stats.rounds
-            self._judged.update(judged)
             if fixed:
                 self._speculative_round(fixed)
             if judged:
