@@ -87,11 +87,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from tandem.engines.manifest import ManifestError
-    from tandem.pipeline.llm import LLM, EngineConfig
+    from tandem.pipeline.llm import LLM, RuntimeConfig
     from tandem.pipeline.sampling_params import SamplingParams
 
     try:
-        llm = LLM(args.engine_dir, EngineConfig(mtp_mode=args.mtp_mode, speculative=not args.no_spec))
+        llm = LLM(args.engine_dir, RuntimeConfig(mtp_mode=args.mtp_mode, speculative=not args.no_spec))
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                 top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos, k=args.spec_k)
         # untimed warm-up: the engines' first calls (session set-up, buffer allocation) are not the model's speed
@@ -136,7 +136,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from tandem.engines.manifest import ManifestError
-    from tandem.pipeline.llm import EngineConfig
+    from tandem.pipeline.llm import RuntimeConfig
     from tandem.server.app import ServerSettings
     from tandem.server.serve import serve
 
@@ -147,7 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                                   openapi=args.openapi, stream_interval=args.stream_interval,
                                   allow_extra_fields=args.allow_extra_fields, max_header_bytes=args.max_header_bytes,
                                   header_timeout_s=args.header_timeout)
-        config = EngineConfig(memory_budget_bytes=int(args.memory_budget_mb * 2**20), mtp_mode=args.mtp_mode,
+        config = RuntimeConfig(memory_budget_bytes=int(args.memory_budget_mb * 2**20), mtp_mode=args.mtp_mode,
                               threads=args.threads, prefix_cache=not args.no_prefix_cache, spec_policy=args.spec_policy,
                               verify=not args.no_verify,
                               prefix_snapshot_mb=args.prefix_snapshot_mb)

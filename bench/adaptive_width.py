@@ -4,7 +4,7 @@
                                              [--acceptance 0,1] [--batches 1,8] [--max-tokens N]
 
 Random weights accept nothing, so acceptance is the documented synthetic aid
-(EngineConfig.synthetic_acceptance): 0.0, drafts never accepted, and 1.0, always accepted. The
+(RuntimeConfig.synthetic_acceptance): 0.0, drafts never accepted, and 1.0, always accepted. The
 controller is not told which: it sees accepted counts and round times as for any model. Per kind
 and batch size (1, 8) it prints decode tok/s for plain decoding, for speculation at the engines' k
 with the width fixed (adaptive_width=False) and for adaptive width, all after a warm-up of
@@ -28,12 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.pipeline.width_control import WidthController  # noqa: E402
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
-MODES = {  # name -> EngineConfig fields (acceptance filled in per run)
+MODES = {  # name -> RuntimeConfig fields (acceptance filled in per run)
     "plain": {"speculative": False},
     "fixed": {"adaptive_width": False},
     "adaptive": {},
@@ -56,14 +56,14 @@ def decode_run(engine_dir: Path, batch: int, mode: str, acceptance: float, max_t
     """tok/s of the decode rounds after the first `warmup` rounds, and the widths adaptive ran."""
     fields = MODES[mode]
     spec = fields.get("speculative", True)
-    config = EngineConfig(memory_budget_bytes=1 << 30, synthetic_acceptance=acceptance if spec else None, **fields)
+    config = RuntimeConfig(memory_budget_bytes=1 << 30, synthetic_acceptance=acceptance if spec else None, **fields)
     llm = LLM(engine_dir, config)
     rng = np.random.default_rng(0)
     prompt = lambda: [int(t) for t in rng.integers(0, llm.desc.vocab_size, 32)]  # noqa: E731
     llm.generate([prompt()] * batch, SamplingParams(max_tokens=8, ignore_eos=True))   # bindings, first calls
-    control = llm.engine.width_control
+    control = llm.round_loop.width_control
     if control is not None:   # a fresh one: what it learnt over the warm-up request is forgotten
-        control = llm.engine.width_control = Recording(control.widths, control.batch_sizes, control.start,
+        control = llm.round_loop.width_control = Recording(control.widths, control.batch_sizes, control.start,
                                                        control.policy)
     seqs = [llm.add_request(prompt(), SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for _ in range(batch)]
     llm.step()                                              # prefill: excluded

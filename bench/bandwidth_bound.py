@@ -57,7 +57,7 @@ from bench.common import machine  # noqa: E402
 from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN  # noqa: E402
 from tandem.export.cpu_matmul_lowering import weight_panels  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.plugins import cpu_kernels  # noqa: E402
 
@@ -241,7 +241,7 @@ def main() -> None:
 
 def measure(dirs: dict[Path, Path], args: argparse.Namespace) -> None:
     """Decode each engine dir (named by its key, read from its value) against the GEMV bound."""
-    llms = {d: LLM(at, EngineConfig(speculative=False)) for d, at in dirs.items()}
+    llms = {d: LLM(at, RuntimeConfig(speculative=False)) for d, at in dirs.items()}
     probe = GemvProbe(args.gemv_mib, cpu_kernels.library() if cpu_kernels.f32_matmul() else None)
     timers = {d: timers_of(llm) for d, llm in llms.items()}
     for d, llm in llms.items():

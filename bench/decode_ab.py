@@ -20,7 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bandwidth_bound import decode_speed  # noqa: E402
 from bench.common import machine  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +30,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
-    llms = [LLM(d, EngineConfig(speculative=False)) for d in (args.dir_a, args.dir_b)]
+    llms = [LLM(d, RuntimeConfig(speculative=False)) for d in (args.dir_a, args.dir_b)]
     for llm in llms:
         decode_speed(llm, 8)                         # warm-up: sessions, bindings
     speeds: list[list[float]] = [[], []]

@@ -5,15 +5,15 @@
 
 Two ways to take several tokens per engine step (the Python step of the pipeline): without
 `--burst`, ENGINE_DIR must be built with `tandem build-engines --decode-steps N` and
-`EngineConfig(decode_steps=None)` runs its multi-step decode graph (N greedy tokens per call);
-with `--burst N`, `EngineConfig(decode_burst=N)` runs up to N target steps back to back per engine
+`RuntimeConfig(decode_steps=None)` runs its multi-step decode graph (N greedy tokens per call);
+with `--burst N`, `RuntimeConfig(decode_burst=N)` runs up to N target steps back to back per engine
 step (pipeline/decode_burst.py; `--burst-ms` its time budget). The baseline opens the same dir with
 one token per engine step (`decode_steps=1, decode_burst=1`). Speculation is off in both. Per
 batch size it warms both up, then alternates one timed generation of each
 per round (`--batch` requests of `--tokens` greedy tokens, random `--prompt-len`-token prompts,
 prefill excluded: decode tokens over the time from the last first token to the last finish) and
 reports per mode the median decode tokens/s, the host share of a step (engine dir's
-EngineStats: wall time outside engine calls), the host µs per token, and the ratio of the
+RoundStats: wall time outside engine calls), the host µs per token, and the ratio of the
 medians. Both modes must emit the same tokens (checked every round): a multi-step call or a burst
 is n plain greedy steps, not an approximation of them.
 """
@@ -30,13 +30,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ helpers
 from bench.common import machine  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 
 
 def timed_generation(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, float, float, list]:
     """(decode tokens/s, host share, host µs per token, the token ids) of one batch generation."""
-    stats = llm.engine.stats
+    stats = llm.round_loop.stats
     wall, engine = stats.round_seconds, stats.engine_seconds
     results = llm.generate(prompts, params)
     first = max(r.metrics.first_token for r in results)
@@ -56,8 +56,8 @@ def compare(engine_dir: Path, batch: int, tokens: int, rounds: int, prompt_len: 
     several = {"decode_steps": 1, "decode_burst": burst, "decode_burst_ms": burst_ms} if burst else \
         {"decode_steps": None, "decode_burst": 1}
     for label, fields in (("multi-step", several), ("one per call", {"decode_steps": 1, "decode_burst": 1})):
-        llm = LLM(engine_dir, EngineConfig(speculative=False, threads=threads, memory_budget_bytes=1 << 30, **fields))
-        if label == "multi-step" and llm.engine.decode is None:
+        llm = LLM(engine_dir, RuntimeConfig(speculative=False, threads=threads, memory_budget_bytes=1 << 30, **fields))
+        if label == "multi-step" and llm.round_loop.decode is None:
             raise SystemExit(f"{engine_dir} has no multi-step decode graph: build it with "
                              "`tandem build-engines MODEL --out DIR --decode-steps 4`, or pass --burst N")
         modes[label] = llm
@@ -77,7 +77,7 @@ def compare(engine_dir: Path, batch: int, tokens: int, rounds: int, prompt_len: 
             outputs[label] = ids
         if outputs["multi-step"] != outputs["one per call"]:
             raise SystemExit(f"batch {batch}: the multi-step decode emitted other tokens than one per call")
-    decode = modes["multi-step"].engine.decode
+    decode = modes["multi-step"].round_loop.decode
     report = {"batch": batch, "steps": decode.steps, "mode": "burst" if burst else "graph"}
     if burst:    # how many target steps a burst ran, on average (its time budget may end it early)
         report["steps_per_burst"] = decode.calls / max(1, decode.bursts)

@@ -29,7 +29,7 @@ from bench.common import acceptance_per_position, machine  # noqa: E402
 from bench.quant_quality import held_out_windows  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 
 K = 3
@@ -47,7 +47,7 @@ class Acceptance:
 
 
 def measure(engine_dir: Path, prompts: list[list[int]], tokens: int) -> Acceptance:
-    llm = LLM(engine_dir, EngineConfig(memory_budget_bytes=1 << 30, spec_k=K, adaptive_width=False))
+    llm = LLM(engine_dir, RuntimeConfig(memory_budget_bytes=1 << 30, spec_k=K, adaptive_width=False))
     plain = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True, speculative=False))
     t0 = time.perf_counter()
     spec = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine, wait_for_engines  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
@@ -35,7 +35,7 @@ from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 def measure(engine_dir: Path, batch: int, spec: bool, acceptance: float | None, max_tokens: int, prompt_len: int,
             threads: int | None, adaptive: bool = True) -> dict:
     """acceptance None: the heads' own drafts. adaptive False: every round at the widest width."""
-    config = EngineConfig(speculative=spec, synthetic_acceptance=acceptance if spec else None, threads=threads,
+    config = RuntimeConfig(speculative=spec, synthetic_acceptance=acceptance if spec else None, threads=threads,
                           memory_budget_bytes=1 << 30, adaptive_width=adaptive)
     llm = LLM(engine_dir, config)
     rng = np.random.default_rng(0)
@@ -49,14 +49,14 @@ def measure(engine_dir: Path, batch: int, spec: bool, acceptance: float | None, 
     seqs = [llm.add_request([int(t) for t in rng.integers(0, vocab, prompt_len)], params) for _ in range(batch)]
     llm.step()  # prefill (+ first round): excluded
     start_tokens = sum(s.num_generated for s in seqs)
-    rounds0, round_s0, engine_s0 = llm.engine.stats.rounds, llm.engine.stats.round_seconds, \
-        llm.engine.stats.engine_seconds
+    rounds0, round_s0, engine_s0 = llm.round_loop.stats.rounds, llm.round_loop.stats.round_seconds, \
+        llm.round_loop.stats.engine_seconds
     t = time.perf_counter()
     while any(s.finish_reason is None for s in seqs):
         llm.step()
     wall = time.perf_counter() - t
     tokens = sum(len(s.output_ids()) for s in seqs) - start_tokens
-    st = llm.engine.stats
+    st = llm.round_loop.stats
     rounds = st.rounds - rounds0
     round_s = st.round_seconds - round_s0
     engine_s = st.engine_seconds - engine_s0

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--label", default="")
     parser.add_argument("--prompt", default="def fib(n):")
     args = parser.parse_args()
-    llm = LLM(args.engine_dir, EngineConfig(speculative=False))
+    llm = LLM(args.engine_dir, RuntimeConfig(speculative=False))
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
     llm.generate([args.prompt], params)
     speeds = []
@@ -35,7 +35,7 @@ def main() -> None:
         m = result.metrics
         speeds.append((len(result.token_ids) - 1) / (m.finished - m.first_token))
     print(f"{args.label} plain decode, batch 1: {statistics.median(speeds):.1f} tokens/s (median of "
-          f"{args.repeats}), host share {llm.engine.stats.host_share:.3f}")
+          f"{args.repeats}), host share {llm.round_loop.stats.host_share:.3f}")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ helpers
 from bench.common import machine, wait_for_engines  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.server.chat_template import ChatTemplate  # noqa: E402
 
@@ -60,7 +60,8 @@ def main() -> None:
     parser.add_argument("--chats", type=int, default=3)
     parser.add_argument("--plain", action="store_true", help="no drafting (both LLMs)")
     args = parser.parse_args()
-    llms = {on: LLM(args.engine_dir, EngineConfig(prefix_cache=on, speculative=not args.plain)) for on in (True, False)}
+    llms = {on: LLM(args.engine_dir, RuntimeConfig(prefix_cache=on, speculative=not args.plain))
+            for on in (True, False)}
     for llm in llms.values():
         wait_for_engines(llm)
     template = ChatTemplate.from_engine_dir(args.engine_dir)

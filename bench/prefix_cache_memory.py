@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 
@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--budget-mb", type=float, default=8)
     args = parser.parse_args()
-    llm = LLM(args.engine_dir, EngineConfig(memory_budget_bytes=int(args.budget_mb * 2**20)))
+    llm = LLM(args.engine_dir, RuntimeConfig(memory_budget_bytes=int(args.budget_mb * 2**20)))
     rng = np.random.default_rng(0)
     vocab = llm.desc.vocab_size
     params = SamplingParams(max_tokens=16, ignore_eos=True)

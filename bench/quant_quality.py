@@ -45,7 +45,7 @@ from tandem import contract as c  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
 from tandem.pipeline import host_tokens  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tools.train_small_model import MTP_LAYERS, encode, read, stdlib_files  # noqa: E402
 
@@ -143,7 +143,7 @@ def teacher_forced(llm: LLM, windows: np.ndarray) -> tuple[np.ndarray, np.ndarra
 def measure(engine_dir: Path, windows: np.ndarray, prompts: list[list[int]], tokens: int) -> Quality:
     # every round drafts MTP_LAYERS tokens (the adaptive width would pick widths from timings)
     # one token a step: every greedy row passes host_tokens.next_tokens (greedy_with_drift records there)
-    llm = LLM(engine_dir, EngineConfig(memory_budget_bytes=1 << 30, spec_k=MTP_LAYERS, adaptive_width=False,
+    llm = LLM(engine_dir, RuntimeConfig(memory_budget_bytes=1 << 30, spec_k=MTP_LAYERS, adaptive_width=False,
                                        decode_burst=1))
     nll, top = teacher_forced(llm, windows)
     plain, drift = greedy_with_drift(llm, prompts, tokens)

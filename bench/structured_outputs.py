@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ helpers
 from bench.common import machine  # noqa: E402
 from tandem.pipeline.grammar import GrammarSpec  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 
 PROMPTS = ["def fibonacci(n):\n    ", "import os\n\n\ndef list_files(root):\n    ", "class Stack:\n    def ",
@@ -40,14 +40,14 @@ def run_once(llm: LLM, batch: int, tokens: int, schema: bool, speculative: bool)
     """(tokens/s, accept length, grammar share of the wall time) of one batch."""
     grammar = GrammarSpec.json_schema(NESTED) if schema else None
     params = SamplingParams(max_tokens=tokens, speculative=speculative, grammar=grammar)
-    before = llm.engine.stats.phase_seconds.get("grammar", 0.0)
+    before = llm.round_loop.stats.phase_seconds.get("grammar", 0.0)
     t = time.perf_counter()
     out = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(batch)], params)
     wall = time.perf_counter() - t
     generated = sum(len(o.token_ids) for o in out)
     rounds = sum(o.metrics.rounds for o in out)
     accept = (sum(o.metrics.accepted for o in out) + rounds) / rounds if rounds else 1.0
-    return generated / wall, accept, (llm.engine.stats.phase_seconds.get("grammar", 0.0) - before) / wall
+    return generated / wall, accept, (llm.round_loop.stats.phase_seconds.get("grammar", 0.0) - before) / wall
 
 
 def main() -> None:
@@ -59,7 +59,7 @@ def main() -> None:
     parser.add_argument("--adaptive", action="store_true",
                         help="the engine's default width policy (without it: every round drafts k, forced)")
     args = parser.parse_args()
-    llm = LLM(args.engine_dir, EngineConfig(adaptive_width=args.adaptive))
+    llm = LLM(args.engine_dir, RuntimeConfig(adaptive_width=args.adaptive))
     print(f"{machine()}; {args.engine_dir}; {args.tokens} tokens, medians of {args.passes} round-robin passes")
     print("batch | schema | speculation | tokens/s | accept length | grammar share")
     for batch in args.batch:

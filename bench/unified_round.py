@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
@@ -31,14 +31,14 @@ MODES = {"plain": dict(speculative=False), "multi": dict(round="multi"), "unifie
 
 
 def measure(engine_dir: Path, mode: str, batch: int, k: int, max_tokens: int, prompt_len: int) -> dict:
-    fixed = {"adaptive_width": False} if "adaptive_width" in EngineConfig.__dataclass_fields__ else {}
-    llm = LLM(engine_dir, EngineConfig(memory_budget_bytes=1 << 30, spec_k=k, **fixed, **MODES[mode]))
+    fixed = {"adaptive_width": False} if "adaptive_width" in RuntimeConfig.__dataclass_fields__ else {}
+    llm = LLM(engine_dir, RuntimeConfig(memory_budget_bytes=1 << 30, spec_k=k, **fixed, **MODES[mode]))
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, llm.desc.vocab_size, prompt_len)] for _ in range(batch)]
     llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True))          # warm-up: every graph used
     seqs = [llm.add_request(p, SamplingParams(max_tokens=max_tokens, ignore_eos=True)) for p in prompts]
     llm.step()                                                                      # prefill: excluded
-    st, calls0 = llm.engine.stats, sum(llm.runner.calls.values())
+    st, calls0 = llm.round_loop.stats, sum(llm.runner.calls.values())
     start = (st.rounds, st.round_seconds, st.engine_seconds, sum(s.num_generated for s in seqs))
     t = time.perf_counter()
     while any(s.finish_reason is None for s in seqs):

@@ -133,10 +133,10 @@ def prepare(fmt: str, ckpt: Path, work: Path, python: str, llama_src: Path) -> t
 
 # ---- workers: one runtime each, a generation per request line --------------------------------------
 def _tandem(path: str, threads: int | None, batch: int, spec: bool):
-    from tandem.pipeline.llm import LLM, EngineConfig
+    from tandem.pipeline.llm import LLM, RuntimeConfig
     from tandem.pipeline.sampling_params import SamplingParams
 
-    llm = LLM(path, EngineConfig(speculative=spec, threads=threads, max_num_seqs=max(batch, 8)))
+    llm = LLM(path, RuntimeConfig(speculative=spec, threads=threads, max_num_seqs=max(batch, 8)))
 
     def generate(prompts: list[list[int]], tokens: int) -> tuple[float, list[list[int]]]:
         results = llm.generate(prompts, SamplingParams(max_tokens=tokens, ignore_eos=True))

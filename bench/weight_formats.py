@@ -27,7 +27,7 @@ from bench.common import machine  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
 from tandem.pipeline import host_tokens  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
@@ -92,7 +92,7 @@ def main() -> None:
                                                                                  no_mtp=True, max_seq_len=1024),
                                   show_progress=False)
             sizes[fmt] = built.size_bytes
-            llms[fmt] = LLM(built.engine_dir, EngineConfig(speculative=False, memory_budget_bytes=1 << 30))
+            llms[fmt] = LLM(built.engine_dir, RuntimeConfig(speculative=False, memory_budget_bytes=1 << 30))
         rng = np.random.default_rng(0)
         vocab = llms["float"].desc.vocab_size
         prompts = [[int(t) for t in rng.integers(3, vocab, 32)] for _ in range(max(batches))]

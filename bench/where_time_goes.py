@@ -48,7 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine  # noqa: E402
 from tandem.engines.backends import onnxruntime_backend  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.plugins import cpu_kernels  # noqa: E402
 
@@ -174,7 +174,7 @@ def host_alone(llm: LLM, batch: int, steps: int, prompt_len: int, replay: dict, 
         for _ in range(windows):
             t = time.perf_counter()
             for _ in range(per_window):
-                llm.engine.step()
+                llm.round_loop.step()
             best = min(best, (time.perf_counter() - t) / per_window * 1e6)
     finally:
         replay["on"] = False
@@ -186,7 +186,7 @@ def host_loop(llm: LLM, batch: int, steps: int, prompt_len: int, top: int, per_f
     """Unprofiled: wall, engine and host time per step, per graph kind, phases, then cProfile,
     then the host work alone (engine calls replayed)."""
     rng = np.random.default_rng(batch)
-    runner, engine = llm.runner, llm.engine
+    runner, engine = llm.runner, llm.round_loop
     _finish(llm, _decode(llm, batch, 4, prompt_len, rng))  # warm-up: binds this batch's buckets
     seqs = _decode(llm, batch, steps, prompt_len, rng)
     tokens0 = sum(s.num_generated for s in seqs)
@@ -250,7 +250,7 @@ def profiled_window(llm: LLM, batch: int, steps: int, prompt_len: int) -> tuple[
     seqs = _decode(llm, batch, steps, prompt_len, rng)
     start = time.time_ns()
     for _ in range(steps):
-        llm.engine.step()
+        llm.round_loop.step()
     window = (start, time.time_ns())
     _finish(llm, seqs)
     return window
@@ -262,7 +262,7 @@ def run(engine_dir: Path, batches: list[int], steps: int, spec: bool, prompt_len
     and layer tables (the profiler's per-node cost would swamp the timings). width: every round
     at this verify width (k = width - 1, adaptive width off); None: the engine's policy."""
     fixed = dict(spec_k=width - 1, adaptive_width=False) if width else {}
-    config = EngineConfig(speculative=spec, threads=threads, memory_budget_bytes=1 << 30,
+    config = RuntimeConfig(speculative=spec, threads=threads, memory_budget_bytes=1 << 30,
                           max_num_seqs=max(batches), **fixed)
     t = time.perf_counter()
     llm = LLM(engine_dir, config)

@@ -22,14 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import machine  # noqa: E402
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 
 def held_at(engine_dir: Path, marks: list[int], prompt_len: int = 16) -> tuple[LLM, dict[int, dict[str, int]]]:
     """Pages held per block-table input (page group) when the sequence first reaches each mark."""
-    llm = LLM(engine_dir, EngineConfig(synthetic_acceptance=0.7, max_num_seqs=1, memory_budget_bytes=2 << 30))
+    llm = LLM(engine_dir, RuntimeConfig(synthetic_acceptance=0.7, max_num_seqs=1, memory_budget_bytes=2 << 30))
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, llm.desc.vocab_size, prompt_len)]
     seq = llm.add_request(prompt, SamplingParams(max_tokens=max(marks) - prompt_len + 8, ignore_eos=True))
     out, todo = {}, sorted(marks)

@@ -12,7 +12,7 @@ between calls only what the next call needs:
     next      t = argmax(logits) (a sampled row: its draw, U(seed, index of t)); the row's token <- t,
               c <- c + 1, in the bound inputs
 
-and hands the n tokens to the engine's usual output path once (Engine._postprocess: stop ids,
+and hands the n tokens to the engine's usual output path once (RoundLoop._postprocess: stop ids,
 stop strings, max_tokens, detokenizer), as a multi-step decode graph's call
 (pipeline/multi_step_decode.py) does. The same engine calls in the same order as n engine
 steps, so the tokens are the same bits. The invariant after a burst is n decode steps':
@@ -91,7 +91,7 @@ class DecodeBurst:
         free ones, at an eighth of their speed), and the batch would take two calls a step. A batch
         larger than the largest bucket splits its calls (ModelRunner.decode): one step. `hidden`:
         each call's hidden rows [n, H] are appended to it (the heads' catch-up rows while drafting
-        is off, Engine._off_round)."""
+        is off, RoundLoop._off_round)."""
         steps = min((s.decode_rows(self.steps, self.samples) for s in seqs), default=1)
         steps = steps if most is None else min(steps, most)
         if steps < 2 or len(seqs) > self.runner.batch_sizes[-1]:

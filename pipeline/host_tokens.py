@@ -4,7 +4,7 @@ of the uniform at the position they fill (pipeline/sampler.py), and a row with r
 processors: pipeline/logits_processors.py) decides from its processed logits; a request that asks
 for logprobs gets the raw row's (pipeline/logprobs.py).
 
-Shared by the engine (pipeline/engine.py) and the decode burst (pipeline/decode_burst.py), so that
+Shared by the engine (pipeline/round_loop.py) and the decode burst (pipeline/decode_burst.py), so that
 a token is decided the same way whichever of them runs the step.
 """
 

@@ -32,16 +32,16 @@ from tandem.pipeline import native_burst, native_sampler
 from tandem.pipeline.allocator import FreeList, PageGroups
 from tandem.pipeline.decode_burst import DEFAULT_BUDGET_MS, DEFAULT_STEPS, DecodeBurst
 from tandem.pipeline.detokenizer import IncrementalDetokenizer, byte_pieces
-from tandem.pipeline.engine import Engine
 from tandem.pipeline.grammar import Grammars
 from tandem.pipeline.logits_processors import Processors, TokenRules
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.multi_step_decode import MultiStepDecode
-from tandem.pipeline.outputs import EngineStats, LLMStats, StepOutput
+from tandem.pipeline.outputs import LLMStats, RoundStats, StepOutput
 from tandem.pipeline.pools import Pools, plan_pools
 from tandem.pipeline.prefix_cache import PrefixCache
 from tandem.pipeline.relaxed import RelaxedRows, think_markers
 from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_sampling, check_text, check_token_ids
+from tandem.pipeline.round_loop import RoundLoop
 from tandem.pipeline.runtime_settings import read_runtime_settings
 from tandem.pipeline.sampler import HostSampler
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
@@ -52,7 +52,7 @@ from tandem.pipeline.width_control import WidthController
 
 
 @dataclass(frozen=True)
-class EngineConfig:
+class RuntimeConfig:
     memory_budget_bytes: int = 512 << 20   # KV pages + state slots, target and heads together
     max_num_seqs: int | None = None        # running sequences (None: the largest batch size)
     mtp_mode: str | None = None            # "chained": head s at step s (at most n drafts); "reused": head 0
@@ -127,9 +127,9 @@ class GenerationResult:
 
 
 class LLM:
-    def __init__(self, engine_dir: str | Path, config: EngineConfig | None = None):
+    def __init__(self, engine_dir: str | Path, config: RuntimeConfig | None = None):
         self.engine_dir = Path(engine_dir)
-        self.config = config = config or EngineConfig()
+        self.config = config = config or RuntimeConfig()
         self.manifest = m = read_manifest(self.engine_dir)
         backend = get_backend(m["backend"])
         if not hasattr(backend, "Runner"):
@@ -195,27 +195,27 @@ class LLM:
         self.scheduler = Scheduler(self.page_groups, self.slots, self.pools, max(batch_sizes), rt["prefill_chunk"],
                                    head_lag=self.mtp_layers, prefix_cache=self.prefix_cache)
         self.scheduler.max_positions = max_pages * self.page_size
-        self.engine = Engine(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
+        self.round_loop = RoundLoop(self.runner, self.pools, self.scheduler, self.desc.eos_token_ids, self.mtp_layers,
                              chained=self.mtp_mode == "chained", synthetic_acceptance=config.synthetic_acceptance,
                              width_per_batch=self.width_per_batch, width_control=self._width_control(batch_sizes),
                              unified=self._unified_round([kind for kind, _ in kinds]),
                              decode=self._decode_graph([kind for kind, _ in kinds]), sampler=self.sampler)
-        self.engine.prefix_cache = self.prefix_cache
-        self.engine.relaxed = RelaxedRows(config.relaxed_acceptance, think_markers(self.tokenizer),
+        self.round_loop.prefix_cache = self.prefix_cache
+        self.round_loop.relaxed = RelaxedRows(config.relaxed_acceptance, think_markers(self.tokenizer),
                                           str(self.engine_dir / "tokenizer.json"))
         self.grammars = Grammars(self.engine_dir / "tokenizer.json", self.desc.vocab_size, self.desc.eos_token_ids)
         self._verify_inputs: dict[tuple, bool] = {}   # (input, verify width, kinds) -> its engines take it
         self._ids = itertools.count()
         first = self._first_graphs()
-        self.engine.waits_for = set(first)     # a round waits for these (already opening) rather than fall back
+        self.round_loop.waits_for = set(first)     # a round waits for these (already opening) rather than fall back
         self.runner.prefetch(first)
 
     def _first_graphs(self) -> list[tuple[GraphKind, int]]:
         """The engines greedy requests call first, opened in the background from here on: the target
         step and, with drafting, the heads that draft after a prefill and the round (or verify) engine
         of each batch size's starting width (batch 1's first). Others open when a round first wants
-        them, in the background under the adaptive width (Engine._open_width)."""
-        decode = self.engine.decode     # a burst calls the target step; a multi-step graph, its own
+        them, in the background under the adaptive width (RoundLoop._open_width)."""
+        decode = self.round_loop.decode     # a burst calls the target step; a multi-step graph, its own
         first = list(dict.fromkeys([(TARGET_STEP, 1), *([(decode.kind, 1)] if decode else [])]))
         if not (self.config.speculative and self.spec_k and self.mtp_layers):
             return first
@@ -225,7 +225,7 @@ class LLM:
         widths = [self.width_per_batch.get(1, drafts + 1), *sorted(set(self.width_per_batch.values()))]
         # and the narrower ones, which a greedy request's last rounds take where its budget leaves fewer drafts
         widths += [w for w in sorted(self.verify_widths) if w <= max(widths)]
-        first += [self.engine.round_engine(w, sampling=False) for w in dict.fromkeys(widths) if w > 1]
+        first += [self.round_loop.round_engine(w, sampling=False) for w in dict.fromkeys(widths) if w > 1]
         return first
 
     def _unified_round(self, kinds: list[GraphKind]) -> UnifiedRound | None:
@@ -290,7 +290,7 @@ class LLM:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         check_sampling(params)
-        self.engine.relaxed.check(params)
+        self.round_loop.relaxed.check(params)
         ids = self.encode(prompt)
         if params.k is not None and params.speculative and not self.config.speculative:
             raise RequestError("spec_k", f"spec_k={params.k}: this server does not draft (speculation off: "
@@ -409,7 +409,7 @@ class LLM:
                         kv_pages_free=sum(fl.available for fl in lists),
                         kv_pages_total=sum(fl.size - 1 for fl in lists),     # (each list's scratch page)
                         pages_held=self.pages_held(),
-                        acceptance_per_position=self.engine.stats.acceptance_per_position(),
+                        acceptance_per_position=self.round_loop.stats.acceptance_per_position(),
                         prefix_caching=cache is not None, prefix_cache_queries=cache.stats.queries if cache else 0,
                         prefix_cache_hits=cache.stats.hits if cache else 0,
                         prefix_cache_entries=len(cache.entries) if cache else 0)
@@ -417,27 +417,27 @@ class LLM:
     def reset_stats(self, trace: bool = False) -> None:
         """The counters from zero (the round loop's and the engine time per graph), to time one run
         (`tandem profile`); `trace`: also record each phase as (name, start, end) until the next reset."""
-        self.engine.stats = EngineStats()
+        self.round_loop.stats = RoundStats()
         self.runner.seconds.clear()
-        self.engine.trace = [] if trace else None
+        self.round_loop.trace = [] if trace else None
 
-    def run_stats(self) -> tuple[EngineStats, dict[str, float], list[tuple[str, float, float]]]:
+    def run_stats(self) -> tuple[RoundStats, dict[str, float], list[tuple[str, float, float]]]:
         """Since the last reset: the round loop's counters, engine seconds per graph kind, the trace."""
-        return self.engine.stats, dict(self.runner.seconds), list(self.engine.trace or [])
+        return self.round_loop.stats, dict(self.runner.seconds), list(self.round_loop.trace or [])
 
     def abort(self, request_id: str) -> None:
         seq = self.scheduler.abort(request_id)
         if seq is not None:
-            self.engine.forget(seq)
+            self.round_loop.forget(seq)
 
     def step(self) -> list[StepOutput]:
-        return self.engine.step()
+        return self.round_loop.step()
 
     def interrupt_bursts_when(self, check: Callable[[], bool] | None) -> None:
         """A decode burst ends after its current call once `check()` is true (the server: a request or
         an abort is queued), so new work waits about one target step, not a burst's budget. None: off."""
-        if isinstance(self.engine.decode, DecodeBurst):
-            self.engine.decode.interrupt = check
+        if isinstance(self.round_loop.decode, DecodeBurst):
+            self.round_loop.decode.interrupt = check
 
     # ---- offline API -------------------------------------------------------------------
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None

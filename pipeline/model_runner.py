@@ -255,7 +255,7 @@ class ModelRunner:
         consecutive (batch 1 always; a batch whose rows hold slots s..s+B-1) and the caller `commits`
         them: the commit then has nothing to copy (150M model, batch 8: 36 MB of Gated DeltaNet
         states a step). The engine commits every output state to its slot after each call
-        (pipeline/engine.py), so writing them there during the call is that commit, made earlier; a
+        (pipeline/round_loop.py), so writing them there during the call is that commit, made earlier; a
         call that does not commit (a probe) keeps the binding's own buffers. A padded batch holds
         the scratch slot in its padding rows, is not consecutive, and keeps them too. The graph
         reads a layer's pool (its Gather of the slots' rows) before it writes that layer's new

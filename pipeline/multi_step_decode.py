@@ -8,7 +8,7 @@ holds (`tandem build-engines --decode-steps n`, export/decode_graph.py).
 The same invariant as n plain decode steps: the pools hold the rows of every token but the
 pending one. A sequence takes the call only while its token budget holds n more tokens
 (Sequence.decode_rows: greedy, no grammar), so no position past the request's admitted length is
-written; a stop inside the call ends the output there (Engine._postprocess drops what follows,
+written; a stop inside the call ends the output there (RoundLoop._postprocess drops what follows,
 and the sequence, finished, never reads its extra rows).
 """
 

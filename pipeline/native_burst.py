@@ -116,7 +116,7 @@ class BurstPlan:
 
 def _past_table() -> RuntimeError:
     return RuntimeError("a decode burst's row lies past its block table: the scheduler did not reserve the "
-                        "burst's pages (a bug; EngineConfig(decode_burst=1) avoids bursts)")
+                        "burst's pages (a bug; RuntimeConfig(decode_burst=1) avoids bursts)")
 
 
 def _rows_ok(array, dtype) -> bool:

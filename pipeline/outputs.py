@@ -19,7 +19,7 @@ class StepOutput:
 
 
 @dataclass
-class EngineStats:
+class RoundStats:
     """Global counters (the server's /metrics and `tandem profile` read them)."""
 
     rounds: int = 0

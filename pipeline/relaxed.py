@@ -34,11 +34,11 @@ class RelaxedRows:
     def __init__(self, default: RelaxedAcceptance | None = None, markers: tuple[int, int] | None = None,
                  source: str = "the tokenizer"):
         if default is not None and not isinstance(default, RelaxedAcceptance):
-            raise ValueError(f"EngineConfig.relaxed_acceptance must be a RelaxedAcceptance or None, got "
+            raise ValueError(f"RuntimeConfig.relaxed_acceptance must be a RelaxedAcceptance or None, got "
                              f"{type(default).__name__}")
         self.default, self.markers, self.source = default, markers, source
         if default is not None and default.on and default.thinking_only and markers is None:
-            raise ValueError(f"EngineConfig.relaxed_acceptance is thinking_only, but {source} has no "
+            raise ValueError(f"RuntimeConfig.relaxed_acceptance is thinking_only, but {source} has no "
                              f"{THINK_BEGIN} / {THINK_END} tokens; set thinking_only=False or serve a model "
                              "whose tokenizer has them")
         self._scanned: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # seq -> (tokens read, inside)

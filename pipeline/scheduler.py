@@ -79,7 +79,7 @@ class Scheduler:
             start = seq.prefilled
             end = min(seq.prefill_target, start + self.prefill_chunk)
             if self.prefix_cache is not None and start < (mark := self.prefix_cache.mark(seq)) < end:
-                end = mark      # the chunk stops where the prefix cache keeps an entry (Engine._keep_prefix)
+                end = mark      # the chunk stops where the prefix cache keeps an entry (RoundLoop._keep_prefix)
             # a later sequence's reservation may have preempted this one: a waiting one holds no pages
             if seq.status == Status.PREFILL and self._reserve(seq, end):
                 out.append((seq, start, end))
@@ -88,10 +88,10 @@ class Scheduler:
     def decode_batch(self) -> list[Sequence]:
         out, reserved = [], False
         for seq in [s for s in self.running if s.status == Status.DECODE]:
-            # a speculative sequence: its widest round, or a burst while drafting is off (Engine._off_round)
+            # a speculative sequence: its widest round, or a burst while drafting is off (RoundLoop._off_round)
             rows = seq.decode_rows(self.decode_steps, self.decode_samples)
             rows = max(rows, seq.k + 1) if seq.speculative else rows
-            positions = min(seq.committed + rows, self.max_positions)   # (Engine.round_k stays inside)
+            positions = min(seq.committed + rows, self.max_positions)   # (RoundLoop.round_k stays inside)
             if not self.windowed and positions <= seq.table.capacity():   # most steps: pages held already
                 out.append(seq)
             elif seq.status == Status.DECODE and self._reserve(seq, positions):

@@ -1,7 +1,7 @@
 """The unified round: one engine call per speculative round (export/round_graph.py), then the
 commits of the trunk's and every head's accepted rows and the sequences' updates.
 
-    drafts    d_1..d_k from Engine._draft: the last round's next drafts (its output below), or after
+    drafts    d_1..d_k from RoundLoop._draft: the last round's next drafts (its output below), or after
               a prefill / a multi-call round, d_1 from the re-anchor and d_2..d_k from draft calls
         |
     round     one call over [T, d_1..d_k]: verify + acceptance, re-anchor, next drafts
@@ -12,7 +12,7 @@ commits of the trunk's and every head's accepted rows and the sequences' updates
     sequence  tokens += d_1..d_a, T'; committed, head_committed += a + 1;
               draft, draft_prob, chain_hidden = d'_1, p_1, g_0; ahead = (d'_s, p_s, g_{s-1}), s >= 2
 
-Same invariant as the multi-call round (pipeline/engine.py): the pools hold accepted rows only,
+Same invariant as the multi-call round (pipeline/round_loop.py): the pools hold accepted rows only,
 and the next drafts are the ones the multi-call round would draft from the same state (the host
 cuts them by p_min and the next round's k).
 """
@@ -48,7 +48,7 @@ class UnifiedRound:
     def run(self, seqs: list[Sequence], rows: list[Rows], drafts: dict[str, list[int]], width: int,
             sampling: bool) -> None:
         # target anchoring: the heads have committed as many rows as the target (head_committed ==
-        # committed, Engine._catch_up), so the trunk's and the heads' rows go to the same positions;
+        # committed, RoundLoop._catch_up), so the trunk's and the heads' rows go to the same positions;
         # checked before the call, which may write the states into the pools (commits=True)
         if any(s.head_committed != s.committed for s in seqs):
             raise RuntimeError("unified round over heads that lag the target: re-anchor them first")

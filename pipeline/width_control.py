@@ -46,7 +46,7 @@ class WidthPolicy:
     decay: float = 0.9          # acceptance counts are multiplied by this each observed round
     samples: int = 8            # round times kept per width (their least is the cost)
     min_samples: int = 2        # a width counts as measured with this many kept round times
-    rejudge_rounds: int = 256   # engine rounds a probes' verdict of off holds for new requests (Engine.step)
+    rejudge_rounds: int = 256   # engine rounds a probes' verdict of off holds for new requests (RoundLoop.step)
 
     def __post_init__(self):
         if not 1 <= self.probe_every <= self.probe_max:

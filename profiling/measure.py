@@ -13,7 +13,7 @@ import numpy as np
 
 from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, GraphKind
 from tandem.pipeline.allocator import SCRATCH
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.model_runner import Rows
 from tandem.pipeline.sampling_params import SamplingParams
 
@@ -87,7 +87,7 @@ def generation_run(engine_dir: Path, prompts: list[dict], batch: int, spec: bool
                    synthetic_acceptance: float | None, spec_k: int | None, trace: bool = False) -> dict:
     """Every prompt of the set, at most `batch` running at once; greedy, max_tokens each.
     Speculative runs draft spec_k tokens every round, so each draft position is measured."""
-    config = EngineConfig(speculative=spec, synthetic_acceptance=synthetic_acceptance if spec else None,
+    config = RuntimeConfig(speculative=spec, synthetic_acceptance=synthetic_acceptance if spec else None,
                           spec_k=spec_k if spec else None, max_num_seqs=batch)
     llm = LLM(engine_dir, config)
     chosen = prompts

@@ -14,7 +14,7 @@ from pathlib import Path
 from tandem.engines.manifest import read_manifest
 from tandem.engines.progress import Progress
 from tandem.graph_kinds import VERIFY_GREEDY, GraphKind
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.runtime_settings import RUNTIME_SETTINGS
 from tandem.profiling import measure
 from tandem.profiling.tuning import choose_widths
@@ -33,7 +33,7 @@ def profile(engine_dir: str | Path, out: str | Path, prompts_file: str | None = 
         raise ValueError(f"batch sizes {unknown} have no engines here (built: {rt['batch_sizes']})")
     prompts = measure.load_prompts(prompts_file)
     started = time.time()
-    llm = LLM(engine_dir, EngineConfig())
+    llm = LLM(engine_dir, RuntimeConfig())
     spec_k = (max(rt["verify_widths"]) - 1) if rt["verify_widths"] and llm.mtp_layers else None
     reanchored = llm.mtp_layers if llm.mtp_mode == "chained" else 1  # head calls per re-anchor
     widths = sorted(rt["verify_widths"])

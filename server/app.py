@@ -28,10 +28,10 @@ from tandem.pipeline.request_checks import check_text
 from tandem.server import metrics as m
 from tandem.server import tokenize_api
 from tandem.server.chat_template import ChatTemplate, ChatTemplateError
-from tandem.server.engine_loop import EngineError, EngineLoop
 from tandem.server.limits import RequestGuard
 from tandem.server.protocol import ChatRequest, CompletionRequest, error_body, json_bytes, unknown_field
-from tandem.server.responses import EngineFailed, Responses, best, candidate_params, collect
+from tandem.server.responses import GenerationFailed, Responses, best, candidate_params, collect
+from tandem.server.serve_loop import ServeLoop, ServeLoopError
 from tandem.server.tokenize_api import Detokenize, TokenizeBody
 from tandem.server.tool_calls import AnswerParser, check_tools, template_messages, tool_choice_grammar
 from tandem.server.validation_errors import describe
@@ -81,7 +81,7 @@ def _error(status: int, message: str, kind: str, param: str | None = None, heade
 
 def create_app(llm: LLM, settings: ServerSettings,
                on_fatal: Callable[[BaseException | None], None] | None = None) -> FastAPI:
-    loop = EngineLoop(llm, settings.max_queued, settings.model_name)
+    loop = ServeLoop(llm, settings.max_queued, settings.model_name)
     chat_template = ChatTemplate.from_engine_dir(llm.engine_dir)
     formats = chat_formats(llm.manifest)   # the family's tool-call and reasoning syntax (server/tool_calls.py)
     state = {"ready": False, "draining": False}
@@ -112,7 +112,7 @@ def create_app(llm: LLM, settings: ServerSettings,
 
     docs = {} if settings.openapi else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="tandem", lifespan=lifespan, default_response_class=AsciiJSON, **docs)
-    app.state.engine_loop, app.state.settings = loop, settings
+    app.state.serve_loop, app.state.settings = loop, settings
     app.add_middleware(RequestGuard, api_key=settings.api_key, max_body_bytes=settings.max_body_bytes)
 
     # ---- errors in the OpenAI shape ----------------------------------------------------
@@ -210,7 +210,7 @@ def create_app(llm: LLM, settings: ServerSettings,
                            "rate_limit_error", headers={"Retry-After": "1"})
 
     async def start(prompt, req, grammar=None) -> tuple[list[int], list[tuple[str, asyncio.Queue]]]:
-        """The prompt's token ids and its engine requests, one per candidate (n, or best_of), started."""
+        """The prompt's token ids and its generations, one per candidate (n, or best_of), started."""
         try:
             params = req.sampling_params(settings.default_max_tokens)
             if grammar is not None:   # tool_choice required / named: the call's grammar
@@ -231,7 +231,7 @@ def create_app(llm: LLM, settings: ServerSettings,
             return checked.ids, started
         except ValueError as e:
             raise ApiError(400, str(e), param=getattr(e, "param", None)) from e
-        except EngineError as e:
+        except ServeLoopError as e:
             raise ApiError(500, str(e), "server_error") from e
 
     @app.post("/v1/completions")
@@ -279,11 +279,11 @@ def create_app(llm: LLM, settings: ServerSettings,
             def unfinished(indices: list[int]) -> None:   # the client went away (or the engine failed)
                 for i in indices:
                     loop.abort(rids[i])
-            return StreamingResponse(responses.chunks(rids[0], created, req, chat, outs, answers, EngineError,
+            return StreamingResponse(responses.chunks(rids[0], created, req, chat, outs, answers, ServeLoopError,
                                                       unfinished, prompts, prompt_ids),
                                      media_type="text/event-stream")
         gone = asyncio.create_task(_client_gone(request))
-        everything = asyncio.ensure_future(asyncio.gather(*(collect(out, EngineError) for out in outs)))
+        everything = asyncio.ensure_future(asyncio.gather(*(collect(out, ServeLoopError) for out in outs)))
         try:
             await asyncio.wait({everything, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not everything.done():  # the client hung up: stop generating for it
@@ -292,7 +292,7 @@ def create_app(llm: LLM, settings: ServerSettings,
                     loop.abort(rid)
                 return AsciiJSON({}, 499)  # nobody reads it
             results = everything.result()
-        except EngineFailed as e:
+        except GenerationFailed as e:
             for rid in rids:   # the other candidates too (aborting a finished request does nothing)
                 loop.abort(rid)
             raise ApiError(500, str(e), "server_error") from e

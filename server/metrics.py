@@ -69,7 +69,7 @@ VLLM_ACCEPTED_PER_POS = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", 
                                 [*_VLLM, "position"], registry=REGISTRY)
 
 class VllmSeries:
-    """Feeds the vLLM-named series from what the engine loop sees, labelled with the served model's
+    """Feeds the vLLM-named series from what the serve loop sees, labelled with the served model's
     name. The spec_decode counters advance by each request's rounds since it was last seen, so they
     follow the verify steps as they run, not only when requests finish."""
 

@@ -1,10 +1,10 @@
 """tandem on Ray Serve: replicas of one engine dir behind one OpenAI-compatible endpoint.
 
-    client --HTTP--> Serve proxy --> Gateway --(handle, streamed; LeastLoadedRouter)--> EngineReplica x N
+    client --HTTP--> Serve proxy --> Gateway --(handle, streamed; LeastLoadedRouter)--> Replica x N
                                        |                                                 |
                      /metrics <-- MetricsBoard <------ each replica's /metrics text ------+
 
-- EngineReplica owns one pipeline: LLM + EngineLoop inside `create_app`, the app of `tandem serve`,
+- Replica owns one pipeline: LLM + ServeLoop inside `create_app`, the app of `tandem serve`,
   run in-process. Handlers, errors, auth, limits and metric names are that app's; nothing here
   re-implements them. It reports its load to the router (`record_routing_stats`); if its engine
   thread stops, the process exits (as `tandem serve` exits 1) and Serve replaces it.
@@ -36,7 +36,7 @@ from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.server import metrics as m
 from tandem.server.app import ServerSettings, create_app
 from tandem.server.protocol import error_body, json_bytes
@@ -96,14 +96,14 @@ class HttpRequest:
                 "client": self.client, "server": None}
 
 
-class EngineReplica:
+class Replica:
     """One pipeline and the app of `tandem serve` around it."""
 
-    async def __init__(self, engine_dir: str, settings: ServerSettings, config: EngineConfig, board: DeploymentHandle):
+    async def __init__(self, engine_dir: str, settings: ServerSettings, config: RuntimeConfig, board: DeploymentHandle):
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
         self.app = create_app(LLM(engine_dir, config), settings, on_fatal=self._engine_stopped)
-        self.loop = self.app.state.engine_loop
+        self.loop = self.app.state.serve_loop
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()       # starts the engine thread and its watchdog
         self._board = board
@@ -268,20 +268,20 @@ async def _error(send, status: int, message: str, kind: str, headers: dict | Non
     await _respond(send, status, json_bytes(error_body(message, kind, status)), "application/json", headers)
 
 
-def application(engine_dir: str | Path, settings: ServerSettings | None = None, config: EngineConfig | None = None,
+def application(engine_dir: str | Path, settings: ServerSettings | None = None, config: RuntimeConfig | None = None,
                 scaling: Scaling | None = None):
-    """The Serve application: Gateway -> EngineReplica (scaled, load-routed), MetricsBoard."""
+    """The Serve application: Gateway -> Replica (scaled, load-routed), MetricsBoard."""
     engine_dir = str(Path(engine_dir).resolve())
     settings = settings or ServerSettings(model_name=Path(engine_dir).name)
     scaling = scaling or Scaling()
-    config = config or EngineConfig()
+    config = config or RuntimeConfig()
     config = replace(config, threads=config.threads or max(1, int(scaling.cpus_per_replica)))
     limit = max(1, settings.max_queued)
     replicas = {"autoscaling_config": AutoscalingConfig(
         min_replicas=scaling.min_replicas, max_replicas=scaling.max_replicas,
         target_ongoing_requests=scaling.target_ongoing_requests)} if scaling.autoscaling else \
         {"num_replicas": scaling.replicas}
-    engine = serve.deployment(EngineReplica, name="TandemEngine").options(
+    engine = serve.deployment(Replica, name="TandemEngine").options(
         max_ongoing_requests=limit,     # the replica's own 429 limit; beyond it requests wait in the router
         max_queued_requests=limit,      # ... up to this many, then 429 at the gateway
         ray_actor_options={"num_cpus": scaling.cpus_per_replica},
@@ -319,7 +319,7 @@ def build(args: dict):
                               allow_extra_fields=str(args.get("allow_extra_fields", "")).lower() in ("1", "true"),
                               **{k: num[k] for k in ("max_queued", "max_body_bytes", "default_max_tokens",
                                                      "stream_interval") if k in num})
-    config = EngineConfig(threads=num.get("threads"),
+    config = RuntimeConfig(threads=num.get("threads"),
                           **({"memory_budget_bytes": int(num["memory_budget_mb"] * 2**20)}
                              if "memory_budget_mb" in num else {}))
     scaling = Scaling(**{k: num[k] for k in ("replicas", "min_replicas", "max_replicas", "cpus_per_replica",

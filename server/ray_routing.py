@@ -1,7 +1,7 @@
 """Load-aware routing among tandem replicas on Ray Serve: a new request goes to the replica whose
 engine holds the fewest sequences, then to the one with the most free KV pages; never round robin.
 
-    replica: record_routing_stats() -> {"running", "waiting", "kv_pages_free"}   (EngineLoop.load_stats)
+    replica: record_routing_stats() -> {"running", "waiting", "kv_pages_free"}   (ServeLoop.load_stats)
         | Serve's controller polls it every ROUTING_STATS_PERIOD_S and hands it to every router
     router:  sequences = requests in flight there (Serve's queue length cache), else running + waiting
              ranks = replicas grouped by (sequences, -kv_pages_free), least loaded first
@@ -40,7 +40,7 @@ class ReplicaLoad:
 
 
 def load_of(stats: dict | None, in_flight: int | None) -> ReplicaLoad:
-    """A replica's load from its last report (`EngineLoop.load_stats`; empty before the first) and
+    """A replica's load from its last report (`ServeLoop.load_stats`; empty before the first) and
     the requests in flight there as Serve's queue length cache knows them (None: no entry)."""
     stats = stats or {}
     reported = int(stats.get("running", 0)) + int(stats.get("waiting", 0))

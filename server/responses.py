@@ -1,10 +1,10 @@
-"""OpenAI-shaped responses from the engine loop's outputs: a request with `n` choices (or `best_of`
-candidates) runs as that many engine requests per prompt, one queue each; this module turns their
+"""OpenAI-shaped responses from the serve loop's outputs: a request with `n` choices (or `best_of`
+candidates) runs as that many generations per prompt, one queue each; this module turns their
 outputs into one response body, or into the SSE chunks of a stream, choice by choice.
 
     prompts         a completion may send several (a list of strings or of token-id lists): prompt p's
                     choices are p * n .. p * n + n - 1, as vLLM numbers them
-    n choices       choice i of a prompt is its engine request i (seed + i where the request sets a seed)
+    n choices       choice i of a prompt is its generation i (seed + i where the request sets a seed)
     best_of > n     best_of candidates, the n whose tokens have the highest summed logprob returned
     usage           each prompt's tokens once, completion tokens of every candidate (as OpenAI bills them);
                     with stream_options.continuous_usage_stats every chunk carries its choice's so far
@@ -40,13 +40,13 @@ def candidate_params(params: SamplingParams, n: int, count: int) -> list[Samplin
     return [dataclasses.replace(params, seed=(params.seed + i + INT64) % (2 * INT64) - INT64) for i in range(count)]
 
 
-class EngineFailed(Exception):
-    """An engine request of this response failed (its message is the engine's)."""
+class GenerationFailed(Exception):
+    """A generation of this response failed (its message is the pipeline's)."""
 
 
 @dataclass
 class Collected:
-    """One engine request, run to its end."""
+    """One generation, run to its end."""
 
     text: str
     finish: str
@@ -60,12 +60,12 @@ class Collected:
 
 
 async def collect(out: asyncio.Queue, failure: type) -> Collected:
-    """Read one engine request's queue to its final output; `failure`: the queue's error type."""
+    """Read one generation's queue to its final output; `failure`: the queue's error type."""
     text, scored, ids = [], [], []
     while True:
         item = await out.get()
         if isinstance(item, failure):
-            raise EngineFailed(str(item))
+            raise GenerationFailed(str(item))
         text.append(item.text)
         scored += item.logprobs or ()
         ids += item.token_ids

@@ -12,16 +12,16 @@ from pathlib import Path
 
 import uvicorn
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.server.app import ServerSettings, create_app
 from tandem.server.http_guard import guarded_protocol
 
 STARTUP_FAILURE = 3   # as uvicorn.run: the server never started (the port is taken, say)
 
 
-def build(engine_dir: str | Path, settings: ServerSettings | None = None, config: EngineConfig | None = None,
+def build(engine_dir: str | Path, settings: ServerSettings | None = None, config: RuntimeConfig | None = None,
           on_fatal: Callable[[BaseException | None], None] | None = None):
-    llm = LLM(engine_dir, config or EngineConfig())
+    llm = LLM(engine_dir, config or RuntimeConfig())
     settings = settings or ServerSettings(model_name=Path(engine_dir).resolve().name)
     return create_app(llm, settings, on_fatal)
 
@@ -29,7 +29,7 @@ def build(engine_dir: str | Path, settings: ServerSettings | None = None, config
 def uvicorn_config(app, host: str, port: int) -> uvicorn.Config:
     """How uvicorn runs the app: its settings' header limits on every connection (server/http_guard.py);
     on SIGTERM uvicorn stops accepting, lets in-flight requests finish (up to the timeout), then runs
-    the app's shutdown, which waits for the engine loop to drain."""
+    the app's shutdown, which waits for the serve loop to drain."""
     settings = app.state.settings
     return uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60,
                           http=guarded_protocol(settings.max_header_bytes, settings.header_timeout_s),
@@ -37,7 +37,7 @@ def uvicorn_config(app, host: str, port: int) -> uvicorn.Config:
 
 
 def serve(engine_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, settings: ServerSettings | None = None,
-          config: EngineConfig | None = None) -> int:
+          config: RuntimeConfig | None = None) -> int:
     died: list[BaseException | None] = []
     server: uvicorn.Server | None = None
 
@@ -56,7 +56,7 @@ def serve(engine_dir: str | Path, host: str = "127.0.0.1", port: int = 8000, set
 
 
 def serve_ray(engine_dir: str | Path, host: str = "127.0.0.1", port: int = 8000,
-              settings: ServerSettings | None = None, config: EngineConfig | None = None, scaling=None,
+              settings: ServerSettings | None = None, config: RuntimeConfig | None = None, scaling=None,
               address: str | None = None) -> int:
     """`tandem serve --ray`: the same API from replicas on Ray Serve (server/ray_app.py). Without
     `address` a local Ray instance starts here and stops on exit; with one (`auto`, `ray://...`)

@@ -1,6 +1,6 @@
 """Engine directories for pipeline tests and test-double drafters.
 
-The doubles replace Engine._draft (tests only): each returns the drafts a real drafter would,
+The doubles replace RoundLoop._draft (tests only): each returns the drafts a real drafter would,
 so the verify / commit / re-anchor path runs unchanged."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import numpy as np
 
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
-from tandem.pipeline.engine import Engine
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
+from tandem.pipeline.round_loop import RoundLoop
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
@@ -43,7 +43,7 @@ def install_drafter(monkeypatch, kind: str, reference: dict[str, list[int]] | No
     request id), 'random', 'prefix:N' (right for N drafts, then wrong)."""
     rng = np.random.default_rng(seed)
 
-    def draft(self: Engine, seqs):
+    def draft(self: RoundLoop, seqs):
         out = {}
         for s in seqs:
             k = self.round_k(s, len(seqs))      # as many as the engine's drafter would take
@@ -62,12 +62,12 @@ def install_drafter(monkeypatch, kind: str, reference: dict[str, list[int]] | No
             out[s.request_id] = d
         return out
 
-    monkeypatch.setattr(Engine, "_draft", draft)
+    monkeypatch.setattr(RoundLoop, "_draft", draft)
 
 
 def run(engine_dir, prompts, params=GREEDY, config=None, stagger: int = 0):
     """Submit prompts (one more every `stagger` steps when > 0) and collect outputs by id."""
-    llm = LLM(engine_dir, config or EngineConfig())
+    llm = LLM(engine_dir, config or RuntimeConfig())
     pending = list(enumerate(prompts))
     seqs = {}
     steps = 0
@@ -93,7 +93,7 @@ def after_one_round(monkeypatch, engine_dir, prompt, plain_tokens, n_right: int,
     while seq.metrics.rounds == 0:
         spec.step()
     assert seq.metrics.accepted == n_right and seq.committed == len(prompt) + n_right + 1
-    base = LLM(engine_dir, EngineConfig(decode_burst=1))      # one token a step: it stops at that length
+    base = LLM(engine_dir, RuntimeConfig(decode_burst=1))      # one token a step: it stops at that length
     other = base.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True, speculative=False))
     while other.committed < seq.committed:
         base.step()
@@ -102,24 +102,24 @@ def after_one_round(monkeypatch, engine_dir, prompt, plain_tokens, n_right: int,
 
 def round_drafts(tokens: list[int], prompts, max_tokens: int, k: int) -> int:
     """Drafts a round takes at this point of a request (`tokens`: its tokens, the pending one last):
-    k, but no more than its token budget leaves after the round's own token (Engine.round_k)."""
+    k, but no more than its token budget leaves after the round's own token (RoundLoop.round_k)."""
     prompt = max((p for p in prompts if list(tokens[: len(p)]) == list(p)), key=len)
     return min(k, max(0, max_tokens - (len(tokens) - len(prompt)) - 1))
 
 
 def record_drafts(monkeypatch) -> list[tuple[list[int], list[int]]]:
-    """Wrap Engine._draft (the real drafter still runs): every round's (tokens when it drafted,
+    """Wrap RoundLoop._draft (the real drafter still runs): every round's (tokens when it drafted,
     ending with the pending token; its drafts), per sequence that drafted (a sequence whose budget
     leaves it no draft takes a plain step)."""
     rounds = []
-    real = Engine._draft
+    real = RoundLoop._draft
 
     def draft(self, seqs):
         out = real(self, seqs)
         rounds.extend((list(s.tokens), out[s.request_id]) for s in seqs if out[s.request_id])
         return out
 
-    monkeypatch.setattr(Engine, "_draft", draft)
+    monkeypatch.setattr(RoundLoop, "_draft", draft)
     return rounds
 
 

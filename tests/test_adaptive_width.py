@@ -12,7 +12,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.sequence import Status
 from tandem.pipeline.width_control import WidthController, WidthPolicy
@@ -25,7 +25,7 @@ LONG = SamplingParams(max_tokens=96, ignore_eos=True)
 COST = {1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9}     # ms per round at each width: a plain step, then drafting
 # the width sequences below follow the batch's rounds from its first step: no prefix cache, whose
 # entry before a prompt's last token splits that prompt's prefill (one step more for the longer prompt)
-NO_CACHE = EngineConfig(prefix_cache=False)
+NO_CACHE = RuntimeConfig(prefix_cache=False)
 
 
 def simulate(ctl: WidthController, rounds: int, accepted_at, batch: int = 1, cost=COST) -> list[int]:
@@ -162,7 +162,7 @@ def test_policy_refuses_nonsense():
 # ---- in the engine ---------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def plain(engine_dirs):
-    return run(engine_dirs[KIND], PROMPTS, LONG, EngineConfig(speculative=False))[0]
+    return run(engine_dirs[KIND], PROMPTS, LONG, RuntimeConfig(speculative=False))[0]
 
 
 @pytest.fixture
@@ -200,13 +200,13 @@ class ModeledCost(WidthController):
 def test_wrong_heads_turn_drafting_off_and_probe_again(engine_dirs, plain, monkeypatch, widths):
     install_drafter(monkeypatch, "wrong")
     llm = LLM(engine_dirs[KIND], NO_CACHE)
-    llm.engine.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8])
+    llm.round_loop.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8])
     assert generate(llm, PROMPTS) == plain
     off_from = widths.index(1)
     assert off_from <= 4                            # warm-up: the start width measured, then off
     after = widths[off_from:]
     assert after.count(1) >= 0.8 * len(after) and any(w > 1 for w in after)   # off, with probes
-    assert llm.engine.width_control.choice(len(PROMPTS)) == 1
+    assert llm.round_loop.width_control.choice(len(PROMPTS)) == 1
     assert llm.runner.calls.get("target_step", 0) >= 0.8 * len(widths)       # off rounds are plain steps
     assert all(s.speculative for s in llm.test_sequences)     # a width-2 round could pay: not hopeless
 
@@ -226,16 +226,16 @@ def test_rounds_that_cannot_pay_end_drafting_and_the_heads_catch_up(engine_dirs,
     plain for good: no probes, no heads' catch-up, and a later request skips the heads in prefill."""
     install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
     llm = LLM(engine_dirs[KIND])
-    llm.engine.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
+    llm.round_loop.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
     assert generate(llm, PROMPTS) == plain
-    assert llm.engine.width_control.hopeless(len(PROMPTS))
+    assert llm.round_loop.width_control.hopeless(len(PROMPTS))
     assert not any(s.speculative for s in llm.test_sequences)
     assert len(widths) <= 24                       # the start width, off, three probes: then plain steps
-    reanchor = llm.engine.stats.phase_seconds.get("reanchor", 0.0)
+    reanchor = llm.round_loop.stats.phase_seconds.get("reanchor", 0.0)
     heads = llm.runner.calls.get("mtp_head_0", 0)
     assert generate(llm, PROMPTS) == plain
     assert llm.runner.calls.get("mtp_head_0", 0) == heads         # the new requests' prefill ran no head
-    assert llm.engine.stats.phase_seconds.get("reanchor", 0.0) == reanchor
+    assert llm.round_loop.stats.phase_seconds.get("reanchor", 0.0) == reanchor
 
 
 def test_a_request_k_wins_over_a_hopeless_verdict(engine_dirs, plain, monkeypatch, widths):
@@ -243,8 +243,8 @@ def test_a_request_k_wins_over_a_hopeless_verdict(engine_dirs, plain, monkeypatc
     sends its own k still drafts that many each round, from its prefill on (and stays exact)."""
     install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
     llm = LLM(engine_dirs[KIND])
-    llm.engine.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
-    assert generate(llm, PROMPTS) == plain and llm.engine.width_control.hopeless(len(PROMPTS))
+    llm.round_loop.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
+    assert generate(llm, PROMPTS) == plain and llm.round_loop.width_control.hopeless(len(PROMPTS))
     fixed = replace(LONG, k=2)
     assert generate(llm, PROMPTS, fixed) == plain
     for s in llm.test_sequences:   # 2 a round (but the last, where the budget leaves 1)
@@ -258,8 +258,8 @@ def judged_off(engine_dirs, monkeypatch, rejudge_rounds: int = 256):
     or one finishes -> (llm, controller, sequences)."""
     install_drafter(monkeypatch, "wrong")
     # one token an off round: the verdict comes after a number of rounds, before 96 tokens are out
-    llm = LLM(engine_dirs[KIND], EngineConfig(decode_burst=1))
-    llm.engine.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 4],
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(decode_burst=1))
+    llm.round_loop.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 4],
                                                  policy=WidthPolicy(probe_every=2, probe_max=8,
                                                                     rejudge_rounds=rejudge_rounds))
     seqs = [llm.add_request(p, LONG, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
@@ -303,12 +303,12 @@ def test_a_verdict_of_off_holds_new_requests_for_a_bounded_number_of_rounds(engi
     at most rejudge_rounds engine rounds: one arriving before skips the heads, one arriving after has
     them and is probed again, so a workload that turns good gets drafting back within the bound."""
     llm, ctl, seqs = judged_off(engine_dirs, monkeypatch, rejudge_rounds=12)
-    since = llm.engine.stats.rounds
+    since = llm.round_loop.stats.rounds
     early = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), request_id="early")
     while early.finish_reason is None:
         llm.step()
-    assert not early.speculative and llm.engine.stats.rounds - since < 12
-    while llm.engine.stats.rounds - since < 12:
+    assert not early.speculative and llm.round_loop.stats.rounds - since < 12
+    while llm.round_loop.stats.rounds - since < 12:
         llm.step()
     heads = llm.runner.calls.get("mtp_head_0", 0)
     late = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True), request_id="late")
@@ -335,16 +335,16 @@ def test_oracle_climbs_from_off_to_the_widest_built_width(engine_dirs, plain, mo
     install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
     llm = LLM(engine_dirs[KIND], NO_CACHE)
     top = max(llm.verify_widths)
-    llm.engine.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8], start={8: 1})
+    llm.round_loop.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8], start={8: 1})
     assert generate(llm, PROMPTS) == plain
-    assert widths[0] == 1 and llm.engine.width_control.choice(len(PROMPTS)) == top
+    assert widths[0] == 1 and llm.round_loop.width_control.choice(len(PROMPTS)) == top
     assert widths.count(top) >= 0.6 * len(widths)   # (the last sequence alone climbs again in bucket 1)
 
 
 def test_adaptive_width_off_keeps_the_tuned_width(engine_dirs, plain, monkeypatch):
     install_drafter(monkeypatch, "wrong")
-    outputs, llm = run(engine_dirs[KIND], PROMPTS, LONG, EngineConfig(adaptive_width=False))
-    assert outputs == plain and llm.engine.width_control is None
+    outputs, llm = run(engine_dirs[KIND], PROMPTS, LONG, RuntimeConfig(adaptive_width=False))
+    assert outputs == plain and llm.round_loop.width_control is None
     for m in (s.metrics for s in llm.test_sequences):   # 3 a round, but the last three: 2, 1, 0 (the budget)
         assert m.drafted_per_position == [m.rounds - 1, m.rounds - 2, m.rounds - 3]
 
@@ -375,10 +375,10 @@ def test_deferred_catch_up_equals_reanchoring_every_round(engine_dirs, mode):
     schedule = [4, 4] + [1] * 11 + [4] * 3 + [1] * 3 + [4] * 10
     traces = []
     for lag_rows in (None, 1):      # one token an off round (bursts: the next test), so the steps pair up
-        llm = LLM(engine_dirs[KIND], EngineConfig(mtp_mode=mode, decode_burst=1))
-        llm.engine.width_control = Scripted(schedule)
+        llm = LLM(engine_dirs[KIND], RuntimeConfig(mtp_mode=mode, decode_burst=1))
+        llm.round_loop.width_control = Scripted(schedule)
         if lag_rows:
-            llm.engine.lag_rows = lag_rows
+            llm.round_loop.lag_rows = lag_rows
         seqs = [llm.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS]
         trace = []
         while any(s.finish_reason is None for s in seqs):
@@ -408,10 +408,10 @@ def test_off_rounds_burst_and_the_heads_catch_up_on_every_token(engine_dirs, mod
     schedule = [4, 4] + [1] * 5 + [4] * 3 + [1] * 3 + [4] * 10
     states, outputs = [], []
     for burst, lag_rows in ((8, None), (1, 1)):
-        llm = LLM(engine_dirs[KIND], EngineConfig(mtp_mode=mode, decode_burst=burst))
-        llm.engine.width_control = Scripted(schedule)
+        llm = LLM(engine_dirs[KIND], RuntimeConfig(mtp_mode=mode, decode_burst=burst))
+        llm.round_loop.width_control = Scripted(schedule)
         if lag_rows:
-            llm.engine.lag_rows = lag_rows
+            llm.round_loop.lag_rows = lag_rows
         seqs = [llm.add_request(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in PROMPTS]
         seen = {}
         while any(s.finish_reason is None for s in seqs):
@@ -421,7 +421,7 @@ def test_off_rounds_burst_and_the_heads_catch_up_on_every_token(engine_dirs, mod
         states.append(seen)
         outputs.append([s.output_ids() for s in seqs])
         if burst > 1:
-            assert llm.engine.decode.bursts > 0 and llm.engine.decode.calls > 2 * llm.engine.decode.bursts
+            assert llm.round_loop.decode.bursts > 0 and llm.round_loop.decode.calls > 2 * llm.round_loop.decode.bursts
     assert outputs[0] == outputs[1]
     common = states[0].keys() & states[1].keys()
     assert len(common) >= 8
@@ -435,7 +435,7 @@ def test_deferred_rows_are_dropped_after_preemption(engine_dirs, plain, monkeypa
     """Drafting off under memory pressure: a preempted sequence's kept rows are stale (it is
     prefilled again, heads included) and outputs still equal plain greedy's."""
     install_drafter(monkeypatch, "wrong")
-    llm = LLM(engine_dirs[KIND], EngineConfig(memory_budget_bytes=230_000, max_num_seqs=8))
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(memory_budget_bytes=230_000, max_num_seqs=8))
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     seqs, steps = [], 0
     while len(seqs) < 6 or any(s.finish_reason is None for s in seqs):
@@ -445,7 +445,7 @@ def test_deferred_rows_are_dropped_after_preemption(engine_dirs, plain, monkeypa
         steps += 1
         for s in seqs:   # the heads plus the rows kept for them cover exactly what the target committed
             if s.status == Status.DECODE:
-                kept = llm.engine._lagging.get(s, (0, []))[1]
+                kept = llm.round_loop._lagging.get(s, (0, []))[1]
                 assert s.head_committed + len(kept) == s.committed
     assert [s.output_ids() for s in seqs] == [plain[i % 2][:40] for i in range(6)]
     assert sum(s.metrics.preemptions for s in seqs) > 0
@@ -454,8 +454,8 @@ def test_deferred_rows_are_dropped_after_preemption(engine_dirs, plain, monkeypa
 def test_a_fixed_k_is_respected(engine_dirs, plain, monkeypatch, widths):
     """A global spec_k (as a request's) fixes the drafts per round: wrong heads still draft k."""
     install_drafter(monkeypatch, "wrong")
-    llm = LLM(engine_dirs[KIND], EngineConfig(spec_k=3))
-    llm.engine.width_control = Scripted([1] * 1000)         # a controller that would turn drafting off
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(spec_k=3))
+    llm.round_loop.width_control = Scripted([1] * 1000)         # a controller that would turn drafting off
     assert generate(llm, PROMPTS) == plain
     for s in llm.test_sequences:   # every token after the first from a verify round: none from drafting off
         m = s.metrics
@@ -465,16 +465,16 @@ def test_a_fixed_k_is_respected(engine_dirs, plain, monkeypatch, widths):
 
 
 def test_spec_policy_names_the_two_switches(engine_dirs):
-    """EngineConfig.spec_policy (`tandem serve --spec-policy`): adaptive, fixed (the tuned width, no
+    """RuntimeConfig.spec_policy (`tandem serve --spec-policy`): adaptive, fixed (the tuned width, no
     controller), off (no drafting: a request's spec_k is refused, not ignored); contradictions refused."""
-    assert LLM(engine_dirs[KIND], EngineConfig(spec_policy="adaptive")).engine.width_control is not None
-    fixed = LLM(engine_dirs[KIND], EngineConfig(spec_policy="fixed"))
-    assert fixed.engine.width_control is None and fixed.config.speculative
-    off = LLM(engine_dirs[KIND], EngineConfig(spec_policy="off"))
+    assert LLM(engine_dirs[KIND], RuntimeConfig(spec_policy="adaptive")).round_loop.width_control is not None
+    fixed = LLM(engine_dirs[KIND], RuntimeConfig(spec_policy="fixed"))
+    assert fixed.round_loop.width_control is None and fixed.config.speculative
+    off = LLM(engine_dirs[KIND], RuntimeConfig(spec_policy="off"))
     assert [r.metrics.rounds for r in off.generate(PROMPTS, SamplingParams(max_tokens=8))] == [0, 0]
     with pytest.raises(ValueError, match="spec_k"):
         off.add_request(PROMPTS[0], SamplingParams(max_tokens=8, k=2))
     for bad in (dict(spec_policy="sometimes"), dict(spec_policy="adaptive", adaptive_width=False),
                 dict(spec_policy="fixed", speculative=False)):
         with pytest.raises(ValueError, match="spec_policy"):
-            EngineConfig(**bad)
+            RuntimeConfig(**bad)

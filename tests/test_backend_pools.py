@@ -13,7 +13,7 @@ from tandem import contract as c
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
 from tandem.pipeline.allocator import group_tables
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.sequence import Status
 
@@ -102,13 +102,13 @@ def _shadowed(llm: LLM) -> _NumpyShadow:
 def test_backend_commits_equal_the_numpy_commits_bitwise_after_every_step(engine_dirs, fp16_dir, dtype):
     path = engine_dirs[KIND] if dtype == "float32" else fp16_dir
     # three requests on two slots (a slot is cleared and reused); small pools: every step compares them all
-    llm = LLM(path, EngineConfig(max_num_seqs=2, memory_budget_bytes=2 << 20))
+    llm = LLM(path, RuntimeConfig(max_num_seqs=2, memory_budget_bytes=2 << 20))
     assert llm.dtype == dtype and any(p.dtype == np.float16 for d in llm.pools.paged.values()
                                       for p in d.values()) == (dtype == "float16")
     shadow = _shadowed(llm)
     # the burst's commits through Pools.commit_decode (its native step is held to them in test_native_burst.py
     # and test_decode_burst.py)
-    llm.engine.decode.native = None
+    llm.round_loop.decode.native = None
     params = [SamplingParams(max_tokens=14, ignore_eos=True),
               SamplingParams(max_tokens=10, ignore_eos=True, temperature=0.8, seed=3),
               SamplingParams(max_tokens=9, ignore_eos=True, speculative=False)]
@@ -118,10 +118,10 @@ def test_backend_commits_equal_the_numpy_commits_bitwise_after_every_step(engine
         llm.step()
         steps += 1
         assert shadow.mismatches() == [], f"step {steps}"
-    st = llm.engine.stats
+    st = llm.round_loop.stats
     assert st.verify_rounds > 0 and any(s.metrics.accepted < s.metrics.drafted for s in seqs[:2])
     assert any(a.any() for d in llm.pools.states.values() for a in d.values())   # states were committed
-    assert llm.engine.decode.bursts > 0      # the plain request took a burst: its commits are compared too
+    assert llm.round_loop.decode.bursts > 0      # the plain request took a burst: its commits are compared too
 
 
 # ---- no allocation per call, no copy at bind time ------------------------------------------------------
@@ -134,13 +134,13 @@ def _addresses(llm: LLM) -> dict[str, int]:
 
 
 def test_pool_and_bucket_buffers_keep_their_addresses_over_100_rounds_and_are_what_onnxruntime_reads(engine_dirs):
-    llm = LLM(engine_dirs[KIND], EngineConfig(max_num_seqs=2, decode_burst=1))    # 1: a token a round
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(max_num_seqs=2, decode_burst=1))    # 1: a token a round
     seqs = [llm.add_request(p, SamplingParams(max_tokens=400, ignore_eos=True)) for p in PROMPTS[:2]]
     for _ in range(40):    # past prefill, and past a few block-table widths (new buckets)
         llm.step()
     before, buckets = _addresses(llm), set(llm.runner.runner._bindings)
-    rounds0 = llm.engine.stats.rounds
-    while llm.engine.stats.rounds < rounds0 + 100:
+    rounds0 = llm.round_loop.stats.rounds
+    while llm.round_loop.stats.rounds < rounds0 + 100:
         assert llm.scheduler.has_work(), "the sequences finished before 100 rounds"
         llm.step()
     assert all(s.finish_reason is None for s in seqs)
@@ -159,7 +159,7 @@ def test_pool_and_bucket_buffers_keep_their_addresses_over_100_rounds_and_are_wh
 
 # ---- bytes between host and backend ---------------------------------------------------------------------
 def _bytes_per_round(path, budget: int) -> tuple[list[int], LLM]:
-    llm = LLM(path, EngineConfig(max_num_seqs=4, memory_budget_bytes=budget))
+    llm = LLM(path, RuntimeConfig(max_num_seqs=4, memory_budget_bytes=budget))
     for p in PROMPTS:
         llm.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True, k=3))   # a fixed width: same calls
     moved = []

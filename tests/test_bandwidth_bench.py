@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tandem.bench import bandwidth_bound
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.plugins import cpu_kernels
 
 
@@ -24,7 +24,7 @@ def test_decode_steps_counts_tokens_not_engine_steps(engine_dirs, monkeypatch):
     the decode steps, and each segment's seconds per token its steps over its tokens."""
     clock = [0.0]
     monkeypatch.setattr(bandwidth_bound, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
-    llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False, decode_burst=4))
+    llm = LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False, decode_burst=4))
     seqs, per_step = [], []
     add_request, step = llm.add_request, llm.step
 
@@ -57,7 +57,7 @@ def test_kernel_shares_count_only_the_segments(engine_dirs, monkeypatch):
     clock, busy = [0.0], [0.0, 0.0]
     monkeypatch.setattr(bandwidth_bound, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
     monkeypatch.setattr(bandwidth_bound, "_busy", lambda kernels: (busy[0], busy[1]))
-    llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False, decode_burst=1))
+    llm = LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False, decode_burst=1))
     step = llm.step
 
     def timed_step():
@@ -90,5 +90,5 @@ def test_no_timers_without_the_switch(engine_dirs, monkeypatch):
     """The timers are read only where they were switched on before the first kernel: off, the
     shares are left out instead of reading zeros."""
     monkeypatch.delenv(cpu_kernels.TIMES_ENV, raising=False)
-    llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False))
+    llm = LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False))
     assert bandwidth_bound.timers_of(llm) is None

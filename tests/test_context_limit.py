@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.pipeline.llm import LLM, EngineConfig, RequestError
+from tandem.pipeline.llm import LLM, RequestError, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .pipeline_fixtures import OPTIONS
@@ -15,7 +15,7 @@ from .pipeline_fixtures import OPTIONS
 @pytest.fixture(scope="module")
 def llms(engine_dirs):
     # spec_k fixed: drafting stays on whatever the random heads' acceptance (no adaptive verdict)
-    return {spec: LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=spec, spec_k=3 if spec else None))
+    return {spec: LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=spec, spec_k=3 if spec else None))
             for spec in (True, False)}
 
 

@@ -19,7 +19,7 @@ from tandem.engines.options import BuildOptions, OptionsError
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
 from tandem.export.cpu_matmul_lowering import bf16_bits, lower_matmul_to_kernel, swiglu_panels, weight_panels
 from tandem.export.quantize import Bf16Weights
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.plugins import cpu_kernels
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
@@ -142,7 +142,7 @@ def test_bf16_engines_on_a_bfloat16_checkpoint_decode_as_float_ones(tmp_path):
     tokens = {}
     for w, d in dirs.items():
         for spec in (False, True):
-            llm = LLM(d, EngineConfig(speculative=spec, adaptive_width=False))
+            llm = LLM(d, RuntimeConfig(speculative=spec, adaptive_width=False))
             tokens[w, spec] = [r.token_ids for r in llm.generate(PROMPTS, params)]
             tokens[w, spec, 1] = [r.token_ids for r in llm.generate(PROMPTS[:1], params)]
     assert tokens["bf16", True] == tokens["bf16", False] and tokens["bf16", True, 1] == tokens["bf16", False, 1]

@@ -10,7 +10,7 @@ import pytest
 
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
@@ -35,19 +35,19 @@ def steps(request):
 
 
 def _open(engine_dir, burst: int, steps: str = "native", **config) -> LLM:
-    llm = LLM(engine_dir, EngineConfig(decode_burst=burst, **config))
-    if llm.engine.decode is not None:
-        assert llm.engine.decode.native is not None    # the test dirs carry the kernel library
+    llm = LLM(engine_dir, RuntimeConfig(decode_burst=burst, **config))
+    if llm.round_loop.decode is not None:
+        assert llm.round_loop.decode.native is not None    # the test dirs carry the kernel library
         if steps == "numpy":
-            llm.engine.decode.native = None
+            llm.round_loop.decode.native = None
     return llm
 
 
 def _generate(engine_dir, burst: int, params, prompts=PROMPTS, steps: str = "native", **config):
     llm = _open(engine_dir, burst, steps, **config)
     results = llm.generate(prompts, params)
-    if llm.engine.decode is not None:
-        assert (llm.engine.decode.native_calls > 0) == (steps == "native" and llm.engine.decode.bursts > 0)
+    if llm.round_loop.decode is not None:
+        assert (llm.round_loop.decode.native_calls > 0) == (steps == "native" and llm.round_loop.decode.bursts > 0)
     return [(r.token_ids, r.finish_reason) for r in results], llm
 
 
@@ -57,19 +57,19 @@ def test_bursts_emit_what_one_token_a_step_emits(built, max_tokens, steps):
     plain, one = _generate(built, 1, params)
     burst, llm = _generate(built, BURST, params, steps=steps)
     assert burst == plain
-    assert one.engine.decode is None
+    assert one.round_loop.decode is None
     assert llm.runner.calls["target_step"] == one.runner.calls["target_step"]    # no call more
     # a burst takes what the budget holds (no position past the request's is written): with the prompt's
     # token and the step that sends the first output, 3 tokens leave 1 (no burst), 4 leave 2
-    assert (llm.engine.decode.bursts > 0) == (max_tokens >= 4)
+    assert (llm.round_loop.decode.bursts > 0) == (max_tokens >= 4)
     if max_tokens > BURST:
-        assert llm.engine.stats.rounds < one.engine.stats.rounds
+        assert llm.round_loop.stats.rounds < one.round_loop.stats.rounds
 
 
 def _live_rows_at_finish(llm) -> dict:
     """Every pool's rows the finished request still held, by logical position (paged: the positions of
     the pages its tables held in each page group; states: its slot), taken as the scheduler lets it go."""
-    seen, finish = {}, llm.engine.scheduler.finish
+    seen, finish = {}, llm.round_loop.scheduler.finish
 
     def snapshot(seq, reason):
         page_size = llm.pools.page_size
@@ -84,7 +84,7 @@ def _live_rows_at_finish(llm) -> dict:
                 seen[f"{layer}.{name}"] = pool[seq.slot].copy()
         finish(seq, reason)
 
-    llm.engine.scheduler.finish = snapshot
+    llm.round_loop.scheduler.finish = snapshot
     return seen
 
 
@@ -94,11 +94,11 @@ def test_the_pools_after_a_burst_are_those_after_one_token_a_step(built, budget_
     for bit. By logical position: a window group's pages go back once per burst, not once a step, so
     after a burst the clock cut short the same rows may sit in other pages."""
     params = SamplingParams(max_tokens=BURST * 3 + 1, ignore_eos=True)
-    one = LLM(built, EngineConfig(decode_burst=1))
+    one = LLM(built, RuntimeConfig(decode_burst=1))
     burst = _open(built, BURST, steps, decode_burst_ms=budget_ms)
     rows_one, rows_burst = _live_rows_at_finish(one), _live_rows_at_finish(burst)
     assert one.generate(PROMPTS[:1], params)[0].token_ids == burst.generate(PROMPTS[:1], params)[0].token_ids
-    assert burst.engine.decode.calls >= BURST * 2
+    assert burst.round_loop.decode.calls >= BURST * 2
     assert rows_one.keys() == rows_burst.keys() and rows_one
     for name, rows in rows_one.items():
         assert np.array_equal(rows_burst[name], rows), name
@@ -143,12 +143,13 @@ def test_sampled_and_greedy_rows_burst_together(built, steps):
     expected = [_generate(built, 1, p, prompts=[prompt])[0][0] for prompt, p in zip(PROMPTS * 2, params)]
     llm = _open(built, BURST, steps)
     bursts = []
-    real = llm.engine.decode._burst
-    llm.engine.decode._burst = lambda seqs, *rest: bursts.append({s.params.greedy for s in seqs}) or real(seqs, *rest)
+    real = llm.round_loop.decode._burst
+    llm.round_loop.decode._burst = (lambda seqs, *rest:
+                                    bursts.append({s.params.greedy for s in seqs}) or real(seqs, *rest))
     results = llm.generate(PROMPTS * 2, params)
     assert [(r.token_ids, r.finish_reason) for r in results] == expected
     assert {False, True} in bursts           # greedy and sampled rows in one burst
-    assert llm.engine.decode.calls > llm.engine.decode.bursts
+    assert llm.round_loop.decode.calls > llm.round_loop.decode.bursts
 
 
 def test_rows_with_rules_and_logprobs_burst_as_one_token_a_step(built, steps):
@@ -176,7 +177,7 @@ def test_rows_with_rules_and_logprobs_burst_as_one_token_a_step(built, steps):
     expected, _ = run(1, prompts, params)
     got, llm = run(BURST, prompts, params)
     assert got == expected
-    assert llm.engine.decode.calls > 2 * llm.engine.decode.bursts > 0
+    assert llm.round_loop.decode.calls > 2 * llm.round_loop.decode.bursts > 0
 
 
 def test_greedy_rows_with_edits_only_burst_natively_as_one_token_a_step(built, monkeypatch):
@@ -211,7 +212,7 @@ def test_greedy_rows_with_edits_only_burst_natively_as_one_token_a_step(built, m
     edited, real = [], BurstPlan.edited
     monkeypatch.setattr(BurstPlan, "edited", lambda self, step, rows: edited.append(step) or real(self, step, rows))
     (expected, expected_state, _), (got, state, llm) = run(1, "native"), run(BURST, "native")
-    assert got == expected and len(edited) > llm.engine.decode.bursts   # the native edited step ran
+    assert got == expected and len(edited) > llm.round_loop.decode.bursts   # the native edited step ran
     for (ids, counts, values), (ids2, counts2, values2) in zip(expected_state, state):
         assert ids == ids2 and np.array_equal(counts, counts2) and np.array_equal(values, values2)
     numpy_steps = run(BURST, "numpy")
@@ -222,7 +223,7 @@ def test_sampled_rows_alone_burst(built):
     params = SamplingParams(max_tokens=BURST * 3, ignore_eos=True, temperature=1.0, seed=7)
     plain, _ = _generate(built, 1, params)
     burst, llm = _generate(built, BURST, params)
-    assert burst == plain and llm.engine.decode.bursts > 0
+    assert burst == plain and llm.round_loop.decode.bursts > 0
 
 
 def test_the_time_budget_ends_a_burst(built):
@@ -231,7 +232,7 @@ def test_the_time_budget_ends_a_burst(built):
     plain, _ = _generate(built, 1, params)
     burst, llm = _generate(built, BURST, params, decode_burst_ms=1e-6)
     assert burst == plain
-    assert llm.engine.decode.calls == llm.engine.decode.bursts > 0
+    assert llm.round_loop.decode.calls == llm.round_loop.decode.bursts > 0
 
 
 def test_an_interrupt_ends_each_burst_after_its_call(built, steps):
@@ -243,20 +244,21 @@ def test_an_interrupt_ends_each_burst_after_its_call(built, steps):
     polls = []
     llm.interrupt_bursts_when(lambda: polls.append(True) or True)
     assert [(r.token_ids, r.finish_reason) for r in llm.generate(PROMPTS, params)] == plain
-    assert llm.engine.decode.calls == llm.engine.decode.bursts > 0 and len(polls) == llm.engine.decode.bursts
+    decode = llm.round_loop.decode
+    assert decode.calls == decode.bursts > 0 and len(polls) == decode.bursts
     llm.interrupt_bursts_when(lambda: False)
-    calls, bursts = llm.engine.decode.calls, llm.engine.decode.bursts
+    calls, bursts = llm.round_loop.decode.calls, llm.round_loop.decode.bursts
     assert [(r.token_ids, r.finish_reason) for r in llm.generate(PROMPTS, params)] == plain
-    assert llm.engine.decode.calls - calls > llm.engine.decode.bursts - bursts > 0
+    assert llm.round_loop.decode.calls - calls > llm.round_loop.decode.bursts - bursts > 0
 
 
 def test_the_server_interrupts_bursts_while_a_command_waits(built):
-    from tandem.server.engine_loop import EngineLoop
+    from tandem.server.serve_loop import ServeLoop
     llm = _open(built, BURST)
-    loop = EngineLoop(llm, max_queued=4)
-    assert llm.engine.decode.interrupt is not None and not llm.engine.decode.interrupt()
+    loop = ServeLoop(llm, max_queued=4)
+    assert llm.round_loop.decode.interrupt is not None and not llm.round_loop.decode.interrupt()
     loop._commands.put(("abort", "req-none"))
-    assert llm.engine.decode.interrupt()
+    assert llm.round_loop.decode.interrupt()
 
 
 def test_a_request_at_the_length_limit(built):
@@ -272,4 +274,4 @@ def test_a_request_at_the_length_limit(built):
                                     {"decode_burst_ms": 0}])
 def test_out_of_range_bursts_are_refused(fields):
     with pytest.raises(ValueError, match="decode_burst"):
-        EngineConfig(**fields)
+        RuntimeConfig(**fields)

@@ -13,7 +13,7 @@ from tandem.checkpoint import open_checkpoint
 from tandem.engines.backends.onnxruntime_backend import open_served
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions, OptionsError
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .paged_driver import prefilled
@@ -57,7 +57,7 @@ def test_one_call_equals_n_committed_decode_steps_bit_for_bit(built, tiny_root):
 
 
 def _generate(engine_dir, decode_steps, params):
-    llm = LLM(engine_dir, EngineConfig(decode_steps=decode_steps, decode_burst=1))   # 1: one token a call
+    llm = LLM(engine_dir, RuntimeConfig(decode_steps=decode_steps, decode_burst=1))   # 1: one token a call
     results = llm.generate(PROMPTS, params)
     return [(r.token_ids, r.finish_reason) for r in results], llm.runner.calls
 

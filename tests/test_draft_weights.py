@@ -12,7 +12,7 @@ import pytest
 
 from tandem.engines.builder import build_engines
 from tandem.engines.options import DRAFT_INT8_PARAMS, BuildOptions, OptionsError
-from tandem.pipeline.llm import EngineConfig
+from tandem.pipeline.llm import RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .pipeline_fixtures import run
@@ -60,7 +60,7 @@ def test_every_draft_matmul_is_int8_and_no_target_one(int8_drafts):
 def test_speculative_equals_plain_with_int8_drafts(int8_drafts):
     """Batches 1 to 8, arriving one per step (staggered), drafting forced on."""
     prompts = [PROMPTS[i % len(PROMPTS)][: 3 + i] + [i] for i in range(8)]
-    drafting = EngineConfig(adaptive_width=False)   # random heads: the adaptive width would turn drafting off
+    drafting = RuntimeConfig(adaptive_width=False)   # random heads: the adaptive width would turn drafting off
     plain, _ = run(int8_drafts, prompts, SamplingParams(max_tokens=16, ignore_eos=True, speculative=False),
                    stagger=1)
     spec, llm = run(int8_drafts, prompts, SamplingParams(max_tokens=16, ignore_eos=True), drafting, stagger=1)

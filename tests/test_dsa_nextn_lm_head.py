@@ -16,7 +16,7 @@ from tandem.cli import main
 from tandem.engines.builder import build_engines
 from tandem.engines.manifest import read_manifest
 from tandem.engines.options import BuildOptions
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.dsa_reference import NextNReference, load_target
 from tandem.testing.tiny_checkpoints import write_safetensors, write_tiny_checkpoint
@@ -71,7 +71,7 @@ def test_drafts_equal_the_reference_with_the_chosen_head(heads, monkeypatch, kin
     assert not torch.equal(own.own["shared_head.head.weight"], with_lm_head.own["shared_head.head.weight"])
     chosen, other = (own, with_lm_head) if kind == "own" else (with_lm_head, own)
     rounds = record_drafts(monkeypatch)
-    LLM(engines, EngineConfig(round="multi", adaptive_width=False)).generate(
+    LLM(engines, RuntimeConfig(round="multi", adaptive_width=False)).generate(
         [PROMPT], SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(rounds) >= 4 and all(len(d) == round_drafts(t, [PROMPT], 12, 2) for t, d in rounds)
     for tokens, drafts in rounds:

@@ -16,8 +16,8 @@ import pytest
 from tandem.checkpoint.mla_specs import INDEX_KEYS, LATENT
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
-from tandem.pipeline.engine import Engine
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
+from tandem.pipeline.round_loop import RoundLoop
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.dsa_reference import NextNReference, load_target
 
@@ -84,7 +84,7 @@ def test_drafts_of_every_round_equal_the_nextn_reference(dsa, monkeypatch, kind,
     torch.set_num_threads(1)
     nextn = NextNReference(load_target(folder), folder)
     from_round = []     # per recorded round: were its drafts past d_1 made by a unified round graph?
-    real = Engine._draft
+    real = RoundLoop._draft
 
     def draft(self, seqs):
         ahead = [bool(x.ahead) for x in seqs]
@@ -92,9 +92,9 @@ def test_drafts_of_every_round_equal_the_nextn_reference(dsa, monkeypatch, kind,
         from_round.extend(a for a, x in zip(ahead, seqs) if out[x.request_id])   # (as record_drafts keeps them)
         return out
 
-    monkeypatch.setattr(Engine, "_draft", draft)
+    monkeypatch.setattr(RoundLoop, "_draft", draft)
     rounds = record_drafts(monkeypatch)
-    LLM(engines, EngineConfig(round=round_kind, adaptive_width=False)).generate(
+    LLM(engines, RuntimeConfig(round=round_kind, adaptive_width=False)).generate(
         [PROMPTS[0], PROMPTS[3]], SamplingParams(max_tokens=12, ignore_eos=True))
     assert len(rounds) >= 6 and all(len(d) == round_drafts(t, [PROMPTS[0], PROMPTS[3]], 12, 2) for t, d in rounds)
     assert any(from_round) == (round_kind == "unified")
@@ -109,7 +109,7 @@ def test_drafts_of_every_round_equal_the_nextn_reference(dsa, monkeypatch, kind,
 def test_speculative_equals_plain_greedy(dsa, plain, monkeypatch, drafter, round_kind, engines):
     if drafter != "heads":
         install_drafter(monkeypatch, drafter, {f"r{i}": out for i, out in plain.items()})
-    outputs, llm = run(dsa[engines][1], PROMPTS, GREEDY, EngineConfig(round=round_kind), stagger=2)
+    outputs, llm = run(dsa[engines][1], PROMPTS, GREEDY, RuntimeConfig(round=round_kind), stagger=2)
     assert outputs == plain
     metrics = [s.metrics for s in llm.test_sequences]
     assert sum(m.rounds for m in metrics) > 0
@@ -129,7 +129,7 @@ def test_glm_speculative_equals_plain(dsa):
 
 
 def test_under_preemption(dsa, plain):
-    config = EngineConfig(memory_budget_bytes=80_000, max_num_seqs=8)
+    config = RuntimeConfig(memory_budget_bytes=80_000, max_num_seqs=8)
     outputs, llm = run(dsa["deepseek_v32"][1], PROMPTS, GREEDY, config)
     assert outputs == plain
     assert sum(s.metrics.preemptions for s in llm.test_sequences) > 0
@@ -156,7 +156,7 @@ def test_commit_of_n_accepted_equals_n_plus_one_decode_steps(dsa, plain, monkeyp
     again = fresh.add_request(seq.tokens[:-1], SamplingParams(max_tokens=2, ignore_eos=True), request_id="y")
     fresh.scheduler.admit()
     while again.committed < seq.committed:
-        fresh.engine._prefill(fresh.scheduler.prefill_batch())
+        fresh.round_loop._prefill(fresh.scheduler.prefill_batch())
     assert again.head_committed == seq.head_committed > len(prompt)
     assert set(spec.pools.paged["mtp0"]) == {LATENT, INDEX_KEYS}
     for name in (LATENT, INDEX_KEYS):

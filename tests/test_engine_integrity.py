@@ -266,14 +266,14 @@ def test_a_symlinked_weights_file_is_refused_saying_how_to_copy(engines, tmp_pat
 
 def test_no_verify_checks_sizes_only(engines):
     """verify=False (`--no-verify`): a same-size change passes, a size change does not."""
-    from tandem.pipeline.llm import EngineConfig
+    from tandem.pipeline.llm import RuntimeConfig
 
     path = engines / "generation_config.json"
     text = path.read_text()
     path.write_text(text.replace(" ", "\t", 1) if " " in text else text)
-    assert LLM(engines, EngineConfig(verify=False)).verification.hashed == ()
+    assert LLM(engines, RuntimeConfig(verify=False)).verification.hashed == ()
     with pytest.raises(ManifestError, match="content differs"):
         LLM(engines)
     path.write_text(text + " ")
     with pytest.raises(ManifestError, match="size differs"):
-        LLM(engines, EngineConfig(verify=False))
+        LLM(engines, RuntimeConfig(verify=False))

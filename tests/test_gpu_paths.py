@@ -22,7 +22,7 @@ from tandem.engines.backends.memory import Replay, plan_buffers
 from tandem.engines.backends.onnxruntime_device import DeviceRunner
 from tandem.engines.backends.tensorrt_runner import Runner
 from tandem.engines.manifest import signed
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .fake_cuda import FakeCuda, copy_rows
@@ -70,7 +70,7 @@ def _device_pools(llm: LLM) -> dict[str, bytes]:
 
 def test_tensorrt_engine_dirs_serve_through_the_runner_like_onnxruntime(engine_dirs, fake_gpu):
     path, cuda = fake_gpu
-    config = EngineConfig(max_num_seqs=4, memory_budget_bytes=2 << 20)
+    config = RuntimeConfig(max_num_seqs=4, memory_budget_bytes=2 << 20)
     ort_llm = LLM(engine_dirs[KIND], config)
     want = [r.token_ids for r in ort_llm.generate(PROMPTS, GREEDY)]
     llm = LLM(path, config)
@@ -94,7 +94,7 @@ def test_plain_decoding_commits_on_the_device_like_the_host(engine_dirs, fake_gp
     page group, batch 1 by integer index) on CUDA device memory and on ONNX Runtime's device
     runner: tokens and every pool equal the host runner's, bitwise."""
     path, _ = fake_gpu
-    config = EngineConfig(max_num_seqs=4, memory_budget_bytes=2 << 20)
+    config = RuntimeConfig(max_num_seqs=4, memory_budget_bytes=2 << 20)
     plain = SamplingParams(max_tokens=12, ignore_eos=True, speculative=False)
     host = LLM(engine_dirs[KIND], config)
     want = [r.token_ids for r in host.generate(prompts, plain)]
@@ -110,7 +110,7 @@ def test_plain_decoding_commits_on_the_device_like_the_host(engine_dirs, fake_gp
 
 def test_bucket_buffers_follow_their_plan_and_keep_their_addresses(fake_gpu):
     path, cuda = fake_gpu
-    llm = LLM(path, EngineConfig(max_num_seqs=2, memory_budget_bytes=2 << 20))
+    llm = LLM(path, RuntimeConfig(max_num_seqs=2, memory_budget_bytes=2 << 20))
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4, ignore_eos=True))
     before = {k: (b.device, b.host, dict(b.addresses)) for k, b in llm.runner.runner._bindings.items()}
     mallocs = cuda.mallocs
@@ -179,7 +179,7 @@ def test_commit_kernel_copies_rows_by_index_like_its_reference():
 
 # ---- ONNX Runtime's device path, on the CPU provider --------------------------------------------------------
 def test_onnxruntime_device_runner_commits_in_place_with_the_commit_graph(engine_dirs, monkeypatch):
-    config = EngineConfig(max_num_seqs=4, memory_budget_bytes=2 << 20)
+    config = RuntimeConfig(max_num_seqs=4, memory_budget_bytes=2 << 20)
     host = LLM(engine_dirs[KIND], config)
     want = [r.token_ids for r in host.generate(PROMPTS, GREEDY)]
     device = lambda *a, **k: DeviceRunner(*a, **{**k, "device": "cpu", "cuda_graph": False})  # noqa: E731

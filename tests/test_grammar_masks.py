@@ -9,7 +9,7 @@ import pytest
 
 from tandem.pipeline import grammar as grammar_module
 from tandem.pipeline.grammar import GrammarSpec, fill_masks
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .test_structured_outputs import CODE_PROMPTS, SCHEMAS, grammars, shipped  # noqa: F401 (fixtures)
@@ -55,7 +55,7 @@ def test_a_round_computes_each_mask_once(shipped, monkeypatch):  # noqa: F811
     computed = []
     keep = grammar_module.Matcher.keep_mask
     monkeypatch.setattr(grammar_module.Matcher, "keep_mask", lambda self, row: (computed.append(1), keep(self, row)))
-    llm = LLM(shipped, EngineConfig(adaptive_width=False, prefix_cache=False))
+    llm = LLM(shipped, RuntimeConfig(adaptive_width=False, prefix_cache=False))
     g = GrammarSpec.json_schema(SCHEMAS["nested"])
     plain = llm.generate(CODE_PROMPTS[:2], SamplingParams(max_tokens=48, grammar=g, speculative=False))
     computed.clear()

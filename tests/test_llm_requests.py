@@ -80,7 +80,7 @@ def test_closing_a_stream_early_aborts_its_request(llm):
 
 def _container_sizes(llm: LLM) -> dict[str, int]:
     """len() of every dict/list/set the pipeline's long-lived objects hold."""
-    owners = {"llm": llm, "engine": llm.engine, "scheduler": llm.scheduler, "runner": llm.runner}
+    owners = {"llm": llm, "engine": llm.round_loop, "scheduler": llm.scheduler, "runner": llm.runner}
     return {f"{o}.{k}": len(v) for o, obj in owners.items() for k, v in vars(obj).items()
             if isinstance(v, (dict, list, set)) and f"{o}.{k}" not in _PER_BUCKET}
 

@@ -26,7 +26,7 @@ def test_stats_follow_the_requests(engine_dirs):
     done = llm.stats()
     assert done.running == 0 and done.prefix_cache_queries > busy.prefix_cache_queries
     assert done.prefix_cache_hits > 0 and done.prefix_cache_entries > 0
-    assert done.acceptance_per_position == llm.engine.stats.acceptance_per_position()
+    assert done.acceptance_per_position == llm.round_loop.stats.acceptance_per_position()
 
 
 def test_reset_and_run_stats_time_one_run(engine_dirs):

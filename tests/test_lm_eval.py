@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .test_server import Live
@@ -58,7 +58,7 @@ def test_lm_eval_local_completions_reads_the_pipelines_logprobs(engine_dirs, tin
     samples = out["samples"]["tiny_mc"]
     assert len(samples) == len(QUESTIONS)
 
-    plain = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False))
+    plain = LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False))
     for sample in samples:
         doc = sample["doc"]
         context = f"Question: {doc['question']}\nAnswer:"

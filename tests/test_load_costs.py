@@ -22,7 +22,7 @@ from tandem.engines.options import BuildOptions
 from tandem.engines.verification import fixed_inputs
 from tandem.export import exporter
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.plugins import cpu_kernels
 
@@ -81,7 +81,7 @@ def test_the_runner_serves_the_saved_graphs_and_generates_the_same_tokens(built,
     files = _engine_files(folder)
     assert onnxruntime_backend.serving_files(folder, files) == {f: optimized_name(f) for f in files}
     params = SamplingParams(max_tokens=12, ignore_eos=True)
-    served = [o.token_ids for o in LLM(folder, EngineConfig(memory_budget_bytes=8 << 20)).generate(PROMPTS, params)]
+    served = [o.token_ids for o in LLM(folder, RuntimeConfig(memory_budget_bytes=8 << 20)).generate(PROMPTS, params)]
     m = read_manifest(folder)
     # a manifest from another CPU: the lowered graphs, optimized at load, with a warning saying why
     (folder / MANIFEST).write_text(json.dumps(signed({**m, "versions": {**m["versions"], "cpu": "riscv64:"}})))
@@ -89,7 +89,7 @@ def test_the_runner_serves_the_saved_graphs_and_generates_the_same_tokens(built,
         with caplog.at_level(logging.WARNING):
             assert onnxruntime_backend.serving_files(folder, files) == {f: f for f in files}
         assert "cpu riscv64: ->" in caplog.text and "Rebuild the engine dir" in caplog.text
-        fallback = LLM(folder, EngineConfig(memory_budget_bytes=8 << 20)).generate(PROMPTS, params)
+        fallback = LLM(folder, RuntimeConfig(memory_budget_bytes=8 << 20)).generate(PROMPTS, params)
     finally:
         (folder / MANIFEST).write_text(json.dumps(signed(m)))
     assert [o.token_ids for o in fallback] == served
@@ -188,11 +188,11 @@ def test_a_checker_without_run_group_is_run_bucket_by_bucket(tiny_root, tmp_path
 def test_llm_opens_in_the_background_exactly_the_engines_a_first_request_calls(engine_dirs, kind):
     """LLM() starts opening sessions (several at once) for the target step, the drafting heads and
     each batch size's starting width's round engine; a first greedy request then opens nothing else."""
-    llm = LLM(engine_dirs[kind], EngineConfig(adaptive_width=False))
+    llm = LLM(engine_dirs[kind], RuntimeConfig(adaptive_width=False))
     sessions = llm.runner.runner.sessions
     started = set(sessions._pending) | set(sessions)
     width = llm.width_per_batch[1]
-    assert llm.runner.files[llm.engine.round_engine(width, False)[0].engine_key(width)] in started
+    assert llm.runner.files[llm.round_loop.round_engine(width, False)[0].engine_key(width)] in started
     out = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=4, ignore_eos=True))
     assert out[0].metrics.rounds > 0                      # it drafted and verified
     assert set(sessions) <= started and not any("sample" in f for f in started)
@@ -203,7 +203,7 @@ def test_an_adaptive_round_never_waits_for_a_session_to_open(engine_dirs):
     widest open width below it while the wanted one opens in the background; once open, rounds
     take it."""
     llm = LLM(engine_dirs["qwen3_5_mtp3"])
-    runner, engine, sessions = llm.runner, llm.engine, llm.runner.runner.sessions
+    runner, engine, sessions = llm.runner, llm.round_loop, llm.runner.runner.sessions
     seq = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True))
     llm.step()                                            # the prefill
     file_of = {w: runner.files[engine.round_engine(w, False)[0].engine_key(w)]

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.logits_processors import Processors, apply_edits
 from tandem.pipeline.sampling_params import SamplingParams
 
@@ -77,7 +77,7 @@ def test_masks_ban_what_they_name():
 @pytest.fixture(scope="module")
 def outputs(engine_dirs):
     """Per case: plain outputs with the processors, and without any."""
-    plain = LLM(engine_dirs[KIND], EngineConfig(speculative=False))
+    plain = LLM(engine_dirs[KIND], RuntimeConfig(speculative=False))
     ids = lambda p: [r.token_ids for r in plain.generate(PROMPTS, p)]  # noqa: E731
     return {"none": ids(BASE), **{name: ids(replace(BASE, **kw)) for name, kw in CASES.items()}}
 
@@ -104,7 +104,7 @@ def test_speculative_equals_plain_with_processors(engine_dirs, outputs, monkeypa
     for case, kw in CASES.items():
         plain = outputs[case][:batch]
         install_drafter(monkeypatch, drafter, {f"r{i}": o for i, o in enumerate(plain)}, vocab=VOCAB)
-        got, llm = run(engine_dirs[KIND], PROMPTS[:batch], replace(BASE, **kw), EngineConfig(adaptive_width=False),
+        got, llm = run(engine_dirs[KIND], PROMPTS[:batch], replace(BASE, **kw), RuntimeConfig(adaptive_width=False),
                        stagger=2 if batch > 1 else 0)
         assert [got[i] for i in range(batch)] == plain, case
         seqs = llm.test_sequences
@@ -127,19 +127,19 @@ def test_bad_words_are_never_generated(engine_dirs):
     for r in out:
         for w in ids:
             assert not any(tuple(r.token_ids[i : i + len(w)]) == w for i in range(len(r.token_ids)))
-    plain = LLM(engine_dirs[KIND], EngineConfig(speculative=False)).generate(PROMPTS, replace(BASE, bad_words=banned))
+    plain = LLM(engine_dirs[KIND], RuntimeConfig(speculative=False)).generate(PROMPTS, replace(BASE, bad_words=banned))
     assert [r.token_ids for r in plain] == [r.token_ids for r in out]
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "random"])
 def test_sampled_with_min_p_and_penalties_speculative_equals_plain(engine_dirs, monkeypatch, drafter):
     p = SamplingParams(max_tokens=20, temperature=1.0, min_p=0.2, presence_penalty=0.8, seed=77, ignore_eos=True)
-    plain = LLM(engine_dirs[KIND], EngineConfig(speculative=False))
+    plain = LLM(engine_dirs[KIND], RuntimeConfig(speculative=False))
     want = [r.token_ids for r in plain.generate(PROMPTS, p)]
     no_min_p = [r.token_ids for r in plain.generate(PROMPTS, replace(p, min_p=0.0))]
     assert want != no_min_p
     install_drafter(monkeypatch, drafter, {f"r{i}": o for i, o in enumerate(want)}, vocab=VOCAB)
-    got, llm = run(engine_dirs[KIND], PROMPTS, p, EngineConfig(adaptive_width=False))
+    got, llm = run(engine_dirs[KIND], PROMPTS, p, RuntimeConfig(adaptive_width=False))
     assert [got[i] for i in range(len(PROMPTS))] == want
     if drafter == "oracle":
         assert all(s.metrics.accepted == s.metrics.drafted > 0 for s in llm.test_sequences)
@@ -150,7 +150,7 @@ def test_the_heads_draft_under_the_edits_in_multi_call_rounds(engine_dirs):
     rounds: the re-anchor's head 0 and each draft step), so every draft is that token and accepted;
     drafting ignorant of the bias would propose the heads' own argmax and be rejected."""
     p = replace(BASE, logit_bias=((77, 60.0),))
-    llm = LLM(engine_dirs[KIND], EngineConfig(adaptive_width=False, spec_k=3, round="multi"))
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(adaptive_width=False, spec_k=3, round="multi"))
     out = llm.generate(PROMPTS[:2], p)
     assert all(set(r.token_ids) == {77} for r in out)
     assert all(r.metrics.drafted > 0 and r.metrics.accepted == r.metrics.drafted for r in out)

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .pipeline_fixtures import install_drafter, run
@@ -31,7 +31,7 @@ def _close(got, want, what: str) -> None:
 
 @pytest.fixture(scope="module")
 def plain(engine_dirs):
-    return LLM(engine_dirs[KIND], EngineConfig(speculative=False)).generate(PROMPTS, BASE)
+    return LLM(engine_dirs[KIND], RuntimeConfig(speculative=False)).generate(PROMPTS, BASE)
 
 
 def test_plain_logprobs_are_a_distribution_ranked(plain):
@@ -50,7 +50,7 @@ def test_plain_logprobs_are_a_distribution_ranked(plain):
 def test_speculative_logprobs_equal_plain(engine_dirs, plain, monkeypatch, drafter, batch):
     want = plain[:batch]
     install_drafter(monkeypatch, drafter, {f"r{i}": r.token_ids for i, r in enumerate(want)}, vocab=VOCAB)
-    got, llm = run(engine_dirs[KIND], PROMPTS[:batch], BASE, EngineConfig(adaptive_width=False),
+    got, llm = run(engine_dirs[KIND], PROMPTS[:batch], BASE, RuntimeConfig(adaptive_width=False),
                    stagger=2 if batch > 1 else 0)
     seqs = sorted(llm.test_sequences, key=lambda s: s.request_id)
     assert sum(s.metrics.rounds for s in seqs) > 0

@@ -16,7 +16,7 @@ try:
     from numpy._core.multiarray import _set_madvise_hugepage
 except ImportError:  # numpy 1.x
     from numpy.core.multiarray import _set_madvise_hugepage
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -57,10 +57,10 @@ def small_os_pages():
 
 def test_rss_flat_over_thousands_of_engine_calls(engine_dirs, small_os_pages):
     # default budget: a large pool; fixed widths: the adaptive width's probes open engines when first
-    # wanted (Engine._open_width), a one-time allocation whose timing the machine's load decides; no
+    # wanted (RoundLoop._open_width), a one-time allocation whose timing the machine's load decides; no
     # prefix cache: it keeps finished requests' pages until the pool is full (tests/test_prefix_cache.py
     # holds RSS flat once it is)
-    llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(adaptive_width=False, prefix_cache=False))
+    llm = LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(adaptive_width=False, prefix_cache=False))
     rng = np.random.default_rng(0)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     batch, prompt_len, half = 8, 32, 20

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.server.chat_template import ChatTemplate
 
@@ -40,7 +40,7 @@ def client(live):
 
 @pytest.fixture(scope="module")
 def plain(engine_dirs):
-    return LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False))
+    return LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False))
 
 
 def _same_logprobs(got: list[float], want) -> None:

@@ -10,7 +10,7 @@ from tandem import contract as c
 from tandem.cli import main
 from tandem.engines.manifest import signed
 from tandem.pipeline.detokenizer import IncrementalDetokenizer
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.width_control import WidthController
 
@@ -57,7 +57,7 @@ def test_commit_of_n_accepted_rows_equals_n_decode_steps(engine_dirs, monkeypatc
 
 
 def test_no_page_or_slot_leaks_after_many_requests_and_aborts(engine_dirs):
-    llm = LLM(engine_dirs["qwen3_next"], EngineConfig(memory_budget_bytes=2 << 20))
+    llm = LLM(engine_dirs["qwen3_next"], RuntimeConfig(memory_budget_bytes=2 << 20))
     pages0, slots0 = llm.pages.num_free, llm.slots.num_free
     rng = np.random.default_rng(0)
     live = []
@@ -121,7 +121,7 @@ def test_stops_eos_and_max_tokens(engine_dirs):
     if needle and "\ufffd" not in needle:
         cut = llm.generate([PROMPTS[1]], SamplingParams(max_tokens=12, stop=(needle,), ignore_eos=True))[0]
         assert cut.finish_reason == "stop" and cut.text == text[: text.index(needle)]
-        one = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False, decode_burst=1)).generate(
+        one = LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False, decode_burst=1)).generate(
             [PROMPTS[1]], SamplingParams(max_tokens=12, stop=(needle,), ignore_eos=True))[0]
         assert cut.token_ids == one.token_ids      # a round of several tokens ends where one a step ends
 
@@ -135,7 +135,7 @@ def test_a_round_ends_at_its_first_stop_id_or_at_max_tokens(engine_dirs):
         seq = llm.add_request([5, 17, 33], SamplingParams(max_tokens=max_tokens, stop_token_ids=(7,), ignore_eos=True))
         llm.scheduler.waiting.remove(seq)       # not run: its round's tokens are set here
         seq.tokens += new
-        out = llm.engine._postprocess(seq)
+        out = llm.round_loop._postprocess(seq)
         return out.finish_reason, out.token_ids
 
     assert output([1, 2, 3], 8) == (None, [1, 2, 3])
@@ -257,7 +257,7 @@ def test_drafts_match_the_reference_drafter(engine_dirs, tiny_root, monkeypatch,
     text_model, lm_head, cfg = load_target(tiny_root / "qwen3_5_mtp3")
     ref = MTPReference.from_checkpoint(tiny_root / "qwen3_5_mtp3", text_model, lm_head, cfg)
     seen = record_drafts(monkeypatch)
-    llm = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(mtp_mode=mode))
+    llm = LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(mtp_mode=mode))
     llm.generate(PROMPTS[:2], SamplingParams(max_tokens=10, ignore_eos=True))
     assert len(seen) >= 6
     for tokens, drafts in seen:
@@ -309,7 +309,7 @@ def test_verify_width_per_batch_comes_from_runtime_settings(engine_dirs, tmp_pat
 def test_global_metrics(engine_dirs):
     llm = LLM(engine_dirs["qwen3_next"])
     llm.generate(PROMPTS, SamplingParams(max_tokens=6, ignore_eos=True))
-    st = llm.engine.stats
+    st = llm.round_loop.stats
     assert st.finished == 3 and st.generated_tokens == 18 and st.prompt_tokens == sum(map(len, PROMPTS))
     assert st.verify_rounds > 0 and st.accept_length >= 1.0 and 0.0 <= st.host_share < 1.0
     assert len(st.acceptance_per_position()) >= 1 and set(llm.runner.seconds) >= {"target_step", "mtp_head_0"}
@@ -337,6 +337,6 @@ def test_more_sequences_than_the_largest_batch_equal_smaller_batches(engine_dirs
     prompts = [[int(x) for x in rng.integers(3, 300, 6)] for _ in range(16)]
     params = SamplingParams(max_tokens=8, ignore_eos=True, speculative=speculative)
     path = engine_dirs["qwen3_5_mtp3"]
-    wide = LLM(path, EngineConfig(max_num_seqs=16)).generate(prompts, params)
-    narrow = LLM(path, EngineConfig(max_num_seqs=8)).generate(prompts, params)
+    wide = LLM(path, RuntimeConfig(max_num_seqs=16)).generate(prompts, params)
+    narrow = LLM(path, RuntimeConfig(max_num_seqs=8)).generate(prompts, params)
     assert [o.token_ids for o in wide] == [o.token_ids for o in narrow]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .pipeline_fixtures import GREEDY, install_drafter, run
@@ -44,7 +44,7 @@ def test_batches_with_staggered_arrivals(engine_dirs, plain, batch):
 
 @pytest.mark.parametrize("mode", ["chained", "reused"])
 def test_chained_and_reused_heads(engine_dirs, plain, mode):
-    outputs, _ = run(engine_dirs["qwen3_5_mtp3"], PROMPTS, config=EngineConfig(mtp_mode=mode))
+    outputs, _ = run(engine_dirs["qwen3_5_mtp3"], PROMPTS, config=RuntimeConfig(mtp_mode=mode))
     assert outputs == plain["qwen3_5_mtp3"]
 
 
@@ -60,7 +60,7 @@ def test_oracle_drafts_are_all_accepted(engine_dirs, plain, monkeypatch):
 
 def test_under_preemption(engine_dirs, plain):
     # a budget of a few pages forces sequences out and back in (recomputed from their tokens)
-    config = EngineConfig(memory_budget_bytes=230_000, max_num_seqs=8)
+    config = RuntimeConfig(memory_budget_bytes=230_000, max_num_seqs=8)
     outputs, llm = run(engine_dirs["qwen3_5_mtp3"], PROMPTS, config=config)
     assert outputs == plain["qwen3_5_mtp3"]
     assert sum(s.metrics.preemptions for s in llm.test_sequences) > 0

@@ -11,7 +11,7 @@ import pytest
 
 from tandem.engines.options import BuildOptions
 from tandem.pipeline.allocator import SCRATCH, FreeList
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.prefix_cache import PrefixCache
 from tandem.pipeline.sampling_params import SamplingParams
 
@@ -131,8 +131,8 @@ def test_answers_after_a_hit_are_the_answers_after_a_miss(families, kind, specul
     """Five turns of six conversations at once (batches up to 8), speculation on or off: the same
     tokens with the cache and without, and most of every later prompt comes from the cache."""
     config = dict(speculative=speculative)
-    want = converse(LLM(families[kind], EngineConfig(prefix_cache=False, **config)), STARTS, 5, PARAMS)
-    llm = LLM(families[kind], EngineConfig(**config))
+    want = converse(LLM(families[kind], RuntimeConfig(prefix_cache=False, **config)), STARTS, 5, PARAMS)
+    llm = LLM(families[kind], RuntimeConfig(**config))
     assert converse(llm, STARTS, 5, PARAMS) == want
     stats = llm.prefix_cache.stats
     assert stats.hits > 0.6 * stats.queries, stats
@@ -145,9 +145,9 @@ def test_a_hit_survives_preemption_and_sampling(families):
     one = LLM(families["qwen3_5_mtp3"]).pools.snapshot_bytes
     config = dict(memory_budget_bytes=1 << 18, max_num_seqs=8, prefix_snapshot_mb=3.5 * one / 2**20)
     params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.8, seed=3)
-    base = LLM(families["qwen3_5_mtp3"], EngineConfig(prefix_cache=False, **config))
+    base = LLM(families["qwen3_5_mtp3"], RuntimeConfig(prefix_cache=False, **config))
     want = converse(base, STARTS * 2, 3, params)
-    llm = LLM(families["qwen3_5_mtp3"], EngineConfig(**config))
+    llm = LLM(families["qwen3_5_mtp3"], RuntimeConfig(**config))
     got = converse(llm, STARTS * 2, 3, params)
     assert got == want and llm.pools.snapshots == 3
     assert llm.prefix_cache.stats.hits > 0 and llm.prefix_cache.stats.evicted > 0
@@ -159,10 +159,10 @@ def test_the_heads_draft_after_a_hit_as_after_a_miss(families, kind, monkeypatch
     with the cache as without: the heads' rows (and chained heads' carries) came back with the pages."""
     rounds = record_drafts(monkeypatch)
     config = dict(adaptive_width=False, spec_k=2)
-    converse(LLM(families[kind], EngineConfig(prefix_cache=False, **config)), STARTS[:3], 4, PARAMS)
+    converse(LLM(families[kind], RuntimeConfig(prefix_cache=False, **config)), STARTS[:3], 4, PARAMS)
     miss = {tuple(tokens): drafts for tokens, drafts in rounds}
     rounds.clear()
-    llm = LLM(families[kind], EngineConfig(**config))
+    llm = LLM(families[kind], RuntimeConfig(**config))
     converse(llm, STARTS[:3], 4, PARAMS)
     hit = {tuple(tokens): drafts for tokens, drafts in rounds}
     assert llm.prefix_cache.stats.hits > 0 and hit == miss
@@ -171,7 +171,7 @@ def test_the_heads_draft_after_a_hit_as_after_a_miss(families, kind, monkeypatch
 def test_a_corrupted_snapshot_changes_the_answer(families):
     """The hit reads the snapshot: noise in every snapshot row after the first turn changes what the
     second turn answers (and without the noise it does not: the test above)."""
-    want = converse(LLM(families["qwen3_5_mtp3"], EngineConfig(prefix_cache=False)), STARTS[:2], 2, PARAMS)
+    want = converse(LLM(families["qwen3_5_mtp3"], RuntimeConfig(prefix_cache=False)), STARTS[:2], 2, PARAMS)
     llm = LLM(families["qwen3_5_mtp3"])
     first = llm.generate(STARTS[:2], PARAMS)
     rng = np.random.default_rng(0)
@@ -192,7 +192,7 @@ def test_prompt_logprobs_and_salts_and_the_switch(families):
     assert llm.prefix_cache.stats.hits == hits
     llm.generate([STARTS[0] * 3 + [5]], SamplingParams(max_tokens=2))
     assert llm.prefix_cache.stats.hits > hits
-    assert LLM(families["qwen3_5_mtp3"], EngineConfig(prefix_cache=False)).prefix_cache is None
+    assert LLM(families["qwen3_5_mtp3"], RuntimeConfig(prefix_cache=False)).prefix_cache is None
 
 
 def test_the_server_reports_cached_tokens_and_vllms_counters(engine_dirs):
@@ -233,7 +233,7 @@ def test_a_prefix_cached_without_drafting_resumes_without_drafting(families):
     """A request that ran plain leaves no head rows: a drafting request resuming from it runs plain,
     with the answer it has without the cache."""
     prompt = STARTS[0] * 3
-    base = LLM(families["qwen3_5_mtp3"], EngineConfig(prefix_cache=False))
+    base = LLM(families["qwen3_5_mtp3"], RuntimeConfig(prefix_cache=False))
     llm = LLM(families["qwen3_5_mtp3"])
     first = llm.generate([prompt], SamplingParams(max_tokens=8, ignore_eos=True, speculative=False))[0]
     seq = llm.add_request(prompt + first.token_ids + [5], PARAMS)
@@ -248,7 +248,7 @@ def test_a_full_cache_keeps_admitting_and_memory_stays_flat(families):
     recently used entries go), and RSS after warm-up stays flat over hundreds of multi-turn requests."""
     from .test_memory_flat import _rss
 
-    llm = LLM(families["qwen3_5_mtp3"], EngineConfig(memory_budget_bytes=1 << 20, adaptive_width=False))
+    llm = LLM(families["qwen3_5_mtp3"], RuntimeConfig(memory_budget_bytes=1 << 20, adaptive_width=False))
     rng = np.random.default_rng(1)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -266,16 +266,16 @@ def test_a_full_cache_keeps_admitting_and_memory_stays_flat(families):
 
 
 def test_drafting_stops_at_the_budget_so_the_answer_is_cached_to_its_end(families, monkeypatch):
-    """A round drafts no more than the request's budget leaves (Engine.round_k): with drafts that are
+    """A round drafts no more than the request's budget leaves (RoundLoop.round_k): with drafts that are
     always right, nothing is committed past the last token it emits, so the entry at its end holds
     the whole answer and the next turn, which resends it, resumes after it."""
     from .pipeline_fixtures import install_drafter
 
     prompt = STARTS[0] * 2
-    ref = LLM(families["qwen3_5_mtp3"], EngineConfig(prefix_cache=False)).generate(
+    ref = LLM(families["qwen3_5_mtp3"], RuntimeConfig(prefix_cache=False)).generate(
         [prompt], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
     install_drafter(monkeypatch, "oracle", {"a": ref})
-    llm = LLM(families["qwen3_5_mtp3"], EngineConfig(adaptive_width=False, spec_k=3))
+    llm = LLM(families["qwen3_5_mtp3"], RuntimeConfig(adaptive_width=False, spec_k=3))
     for max_tokens in (5, 6, 7, 9):
         seq = llm.add_request(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id="a")
         while seq.finish_reason is None:

@@ -54,7 +54,7 @@ def test_profile_writes_report_html_trace_and_tuned_widths(engine_copy, tmp_path
     # and the measured round costs, which the adaptive width starts from
     costs = llm.runtime_settings.round_seconds
     assert set(costs) == {1, 2} and all(set(c) == {1, 2, 3, 4} and min(c.values()) > 0 for c in costs.values())
-    assert llm.engine.width_control.estimates(1)[0].cost == costs[1][1]
+    assert llm.round_loop.width_control.estimates(1)[0].cost == costs[1][1]
     # and the HTML can be made again from report.json alone
     (out / "report.html").unlink()
     assert main(["profile", "--out", str(out), "--render", str(out / "report.json")]) == 0

@@ -13,7 +13,7 @@ from tandem.engines.options import BuildOptions, OptionsError
 from tandem.export.exporter import export_checkpoint
 from tandem.export.nbits_tiles import fits_half, tile_weights
 from tandem.export.quantize import WeightQuant, half_scales
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .pipeline_fixtures import run
@@ -79,7 +79,7 @@ def test_options_refuse_unknown_formats_and_blocks():
 def test_speculative_equals_plain_inside_quantized_engines(quantized_dirs, fmt):
     """Batches 1 to 8: one prompt alone, then eight arriving one per step (staggered)."""
     alone = SamplingParams(max_tokens=16, ignore_eos=True, speculative=False)
-    drafting = EngineConfig(adaptive_width=False)   # random heads: the adaptive width would turn drafting off
+    drafting = RuntimeConfig(adaptive_width=False)   # random heads: the adaptive width would turn drafting off
     llm = LLM(quantized_dirs[fmt], drafting)
     plain = llm.generate(PROMPTS[:1], alone)
     assert [o.token_ids for o in llm.generate(PROMPTS[:1], SamplingParams(max_tokens=16, ignore_eos=True))] == \

@@ -10,7 +10,7 @@ import onnx
 import pytest
 
 from tandem import contract as c
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.relaxed import RelaxedRows
 from tandem.pipeline.request_checks import RequestError
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
@@ -190,14 +190,14 @@ def test_pipeline_relaxed_on_accepts_wrong_drafts_and_thinking_only_outside_is_e
     path = engine_dirs["qwen3_5_mtp3"]
     install_drafter(monkeypatch, "wrong")        # every draft is the greedy token + 1: never accepted exactly
     prompts = [[5, 17, 33, 200, 7, 64, 91], [9, 120, 77, 301, 15]]
-    plain, _ = run(path, prompts, GREEDY, EngineConfig(speculative=False))
+    plain, _ = run(path, prompts, GREEDY, RuntimeConfig(speculative=False))
     anything = RelaxedAcceptance(top_k=1 << 20, delta=1.0)
     llm = LLM(path)
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True, relaxed=anything))
     assert all(r.metrics.accepted > 0 for r in outs)           # relaxed accepted wrong drafts
     # thinking-only with markers the sequences never contain: exact, token for token, nothing accepted
     # (the tiny tokenizer has no <think>: two ids stand in for the markers)
-    llm.engine.relaxed = RelaxedRows(RelaxedAcceptance(top_k=1 << 20, delta=1.0, thinking_only=True), (383, 382))
+    llm.round_loop.relaxed = RelaxedRows(RelaxedAcceptance(top_k=1 << 20, delta=1.0, thinking_only=True), (383, 382))
     outs = llm.generate(prompts, SamplingParams(max_tokens=24, ignore_eos=True))
     assert [r.token_ids for r in outs] == [plain[0], plain[1]] and all(r.metrics.accepted == 0
                                                                                     for r in outs)
@@ -224,8 +224,8 @@ def test_request_validation(engine_dirs):
     assert e.value.param == "relaxed_acceptance"
     with pytest.raises(RequestError, match="relaxed_acceptance.top_k"):
         llm.check_request("def f():", SamplingParams(relaxed=RelaxedAcceptance(1 << 64, 0.1)))
-    with pytest.raises(ValueError, match="EngineConfig.relaxed_acceptance is thinking_only.*tokenizer.json"):
-        LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(relaxed_acceptance=RelaxedAcceptance(2, 0.1, True)))
+    with pytest.raises(ValueError, match="RuntimeConfig.relaxed_acceptance is thinking_only.*tokenizer.json"):
+        LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(relaxed_acceptance=RelaxedAcceptance(2, 0.1, True)))
 
 
 def test_server_takes_relaxed_acceptance(engine_dirs):
@@ -264,7 +264,7 @@ def test_engines_built_before_relaxed_acceptance_load_and_run_exact(tiny_root, t
         build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "old", BuildOptions(
             batch_sizes=(1, 2), spec_k=2, prefill_chunk=8, max_seq_len=128, page_size=4), show_progress=False)
     prompts = [[5, 17, 33, 200, 7, 64, 91], [9, 120, 77, 301, 15]]
-    plain = LLM(tmp_path / "old", EngineConfig(speculative=False)).generate(prompts, GREEDY)
+    plain = LLM(tmp_path / "old", RuntimeConfig(speculative=False)).generate(prompts, GREEDY)
     install_drafter(monkeypatch, "wrong")
     llm = LLM(tmp_path / "old")
     verify_files = [e["file"] for e in llm.manifest["engines"] if e["graph"].startswith("verify")]

@@ -162,17 +162,17 @@ def test_sampling_fields_change_the_answer_as_offline(live, fields):
 
 
 def LLM_plain(live):  # noqa: N802 - a plain-decoding twin of the server's pipeline, made once
-    from tandem.pipeline.llm import LLM, EngineConfig
+    from tandem.pipeline.llm import LLM, RuntimeConfig
 
     if not hasattr(live, "plain_twin"):
-        live.plain_twin = LLM(live.app.state.engine_loop.llm.engine_dir, EngineConfig(speculative=False))
+        live.plain_twin = LLM(live.app.state.serve_loop.llm.engine_dir, RuntimeConfig(speculative=False))
     return live.plain_twin
 
 
 def test_skip_special_tokens_false_writes_them(live):
     """An end token forced by logit_bias (ignore_eos: it does not stop the answer) is in the text with
     skip_special_tokens false and left out by default; echo of a token-id prompt follows the same flag."""
-    llm = live.app.state.engine_loop.llm
+    llm = live.app.state.serve_loop.llm
     eos = llm.desc.eos_token_ids[0]
     written = llm.tokenizer.decode([eos], skip_special_tokens=False)
     assert written

@@ -120,7 +120,7 @@ def test_no_request_gets_a_500(fuzz_server):
         if r.status_code >= 400:
             err = r.json()["error"]
             assert isinstance(err["message"], str) and err["code"] == r.status_code and err["type"]
-        assert fuzz_server.app.state.engine_loop.alive()
+        assert fuzz_server.app.state.serve_loop.alive()
 
     one()
     h.close()
@@ -132,6 +132,6 @@ def test_the_engine_survived_the_fuzzing(fuzz_server):
     r = httpx.post(f"{fuzz_server.url}/v1/completions", json={"model": "tiny", "prompt": "def add(a, b):",
                                                               "max_tokens": 4, "ignore_eos": True}, timeout=30)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
-    loop = fuzz_server.app.state.engine_loop
+    loop = fuzz_server.app.state.serve_loop
     assert loop.idle() and not loop.llm.scheduler.has_work()
     assert loop.llm.pages.available == loop.llm.pages.size - 1

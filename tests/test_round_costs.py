@@ -112,7 +112,7 @@ def test_a_schema_judged_off_leaves_free_requests_drafting(shipped):  # noqa: F8
     """On the engine: the constrained bucket judged off, a schema request decodes plain from its
     prefill while a free request at the same batch size drafts (the shipped model's heads agree)."""
     llm = LLM(shipped)
-    ctl = llm.engine.width_control
+    ctl = llm.round_loop.width_control
     for _ in range(300):
         w = ctl.width(1, constrained=True)
         ctl.observe(1, w, {1: 1.0, 2: 1.6, 3: 1.9, 4: 2.2}[w], [w - 1], [0], constrained=True)

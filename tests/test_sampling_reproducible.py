@@ -15,7 +15,7 @@ from tandem import contract as c
 from tandem.engines.backends.onnxruntime_backend import session
 from tandem.export import acceptance
 from tandem.export.builder import IR_VERSION, OPSET, GraphBuilder, value_info
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampler import _filtered_rows, filtered_probs, sample, sample_rows, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.sequence import Sequence
@@ -103,13 +103,13 @@ def test_any_verify_width_per_request(llm, plain, k):
 
 
 def test_any_verify_width_per_engine(engine_dirs, plain):
-    assert run_in_batch(LLM(engine_dirs[KIND], EngineConfig(spec_k=1)), SAMPLED, 2, stagger=0) == plain
+    assert run_in_batch(LLM(engine_dirs[KIND], RuntimeConfig(spec_k=1)), SAMPLED, 2, stagger=0) == plain
 
 
 def test_under_preemption(engine_dirs, plain):
     # a budget of a few pages forces sequences out and back in (recomputed from their tokens)
     # (one token a step: greedy companions that burst finish before the pages run out)
-    llm = LLM(engine_dirs[KIND], EngineConfig(memory_budget_bytes=230_000, max_num_seqs=8, decode_burst=1))
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(memory_budget_bytes=230_000, max_num_seqs=8, decode_burst=1))
     assert run_in_batch(llm, SAMPLED, 7, stagger=2) == plain
     assert sum(s.metrics.preemptions for s in llm.test_sequences) > 0
 
@@ -119,7 +119,7 @@ def test_whatever_the_drafts(engine_dirs, plain, monkeypatch, drafter):
     # oracle drafts are the sampled tokens themselves: every row's uniform must be its position's.
     # A fixed width: the adaptive controller of a shared LLM may have turned drafting off after the
     # random heads of earlier tests, and this test is about what happens to the drafts it makes.
-    llm = LLM(engine_dirs[KIND], EngineConfig(adaptive_width=False))
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(adaptive_width=False))
     install_drafter(monkeypatch, drafter, {"me": plain})
     seq = llm.add_request(PROMPT, SAMPLED, request_id="me")
     while seq.finish_reason is None:

@@ -124,10 +124,10 @@ def test_stream_interval_merges_outputs_and_an_unstreamed_request_gets_one(engin
     streamed request's outputs are merged until they hold N tokens; a request that is not streamed
     is handed its final output only. The text is the same either way."""
     from tandem.pipeline.outputs import StepOutput
-    from tandem.server import engine_loop
+    from tandem.server import serve_loop
 
-    sent, real = [], engine_loop._send
-    monkeypatch.setattr(engine_loop, "_send", lambda req, item: (sent.append((req.id, item)), real(req, item))[1])
+    sent, real = [], serve_loop._send
+    monkeypatch.setattr(serve_loop, "_send", lambda req, item: (sent.append((req.id, item)), real(req, item))[1])
     ref = offline(PROMPTS[0], max_tokens=32)
     with Live(engine_dirs["qwen3_5_mtp3"], stream_interval=8) as live:
         c = client(live)
@@ -246,7 +246,7 @@ def test_api_key_body_limit_and_backpressure(engine_dirs):
 def test_a_transient_engine_error_fails_nobody(live, offline, monkeypatch):
     """A step that raises once: the request is recomputed alone, passes, and completes as if
     nothing happened (a fault that persists is isolated: tests/test_server_reliability.py)."""
-    llm = live.app.state.engine_loop.llm
+    llm = live.app.state.serve_loop.llm
     real = llm.step
     calls = {"n": 0}
 

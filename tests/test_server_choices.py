@@ -8,7 +8,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.server.responses import INT64, candidate_params
 
@@ -41,7 +41,7 @@ def test_seeded_choices_differ_and_repeat(client):
 
 
 def test_greedy_choices_are_the_greedy_answer(client, engine_dirs):
-    plain = LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False))
+    plain = LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False))
     want = plain.generate([PROMPT], SamplingParams(max_tokens=10, ignore_eos=True))[0]
     r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, n=2, temperature=0,
                                   extra_body={"ignore_eos": True})
@@ -102,7 +102,7 @@ PROMPTS = [[5, 17, 33], [9, 120, 77, 301], "def f(x):"]
 
 @pytest.fixture(scope="module")
 def plain(engine_dirs):
-    return LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False))
+    return LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False))
 
 
 def test_several_prompts_each_get_their_choices(client, plain):

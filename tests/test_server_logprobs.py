@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .test_server import Live
@@ -30,7 +30,7 @@ def client(live):
 
 @pytest.fixture(scope="module")
 def plain(engine_dirs):
-    return LLM(engine_dirs["qwen3_5_mtp3"], EngineConfig(speculative=False))
+    return LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False))
 
 
 def test_chat_logprobs_in_openai_shape_streamed_or_not(client):

@@ -19,7 +19,7 @@ import pytest
 
 from tandem.pipeline.request_checks import INT64_MAX, INT64_MIN
 from tandem.server.app import ServerSettings
-from tandem.server.engine_loop import EngineLoop
+from tandem.server.serve_loop import ServeLoop
 
 from .test_server import PROMPTS, Live, _free_port, wait_ready
 
@@ -160,7 +160,7 @@ def test_bad_input_table(live):
 
 
 def test_a_request_that_makes_steps_raise_fails_alone(live, monkeypatch):
-    llm = live.app.state.engine_loop.llm
+    llm = live.app.state.serve_loop.llm
     prompts = PROMPTS[:3]
     alone = {p: _stream_text(live.url, p, 24) for p in prompts}
     real, raised = llm.runner._call, []
@@ -227,7 +227,7 @@ def test_a_chunked_body_over_the_limit_is_refused(live):
 
 
 def test_a_non_streamed_request_is_aborted_when_its_client_hangs_up(live, monkeypatch):
-    llm = live.app.state.engine_loop.llm
+    llm = live.app.state.serve_loop.llm
     real = llm.step
 
     def slow():  # about 10 s for the whole request: it cannot finish by itself within the test
@@ -258,17 +258,17 @@ def _broken_reset(self, error):
     raise RuntimeError("injected: the reset is broken too")
 
 
-_REAL_ITERATE = EngineLoop._iterate
+_REAL_ITERATE = ServeLoop._iterate
 
 
 def test_a_dead_engine_thread_is_not_ready_and_fails_requests(engine_dirs, monkeypatch):
-    monkeypatch.setattr(EngineLoop, "_iterate", _die_on_the_first_request)
-    monkeypatch.setattr(EngineLoop, "_reset", _broken_reset)
+    monkeypatch.setattr(ServeLoop, "_iterate", _die_on_the_first_request)
+    monkeypatch.setattr(ServeLoop, "_reset", _broken_reset)
     with Live(engine_dirs["qwen3_5_mtp3"]) as server:
         assert httpx.get(f"{server.url}/ready").status_code == 200
         r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
         assert r.status_code == 500 and _is_openai_error(r, 500) and "engine thread stopped" in r.text
-        assert not server.app.state.engine_loop.alive()
+        assert not server.app.state.serve_loop.alive()
         assert httpx.get(f"{server.url}/ready").status_code == 503
         assert httpx.get(f"{server.url}/health").status_code == 503
         r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
@@ -278,8 +278,8 @@ def test_a_dead_engine_thread_is_not_ready_and_fails_requests(engine_dirs, monke
 def test_serve_exits_1_when_the_engine_thread_dies(engine_dirs, monkeypatch, capsys):
     from tandem.cli import main
 
-    monkeypatch.setattr(EngineLoop, "_iterate", _die_on_the_first_request)
-    monkeypatch.setattr(EngineLoop, "_reset", _broken_reset)
+    monkeypatch.setattr(ServeLoop, "_iterate", _die_on_the_first_request)
+    monkeypatch.setattr(ServeLoop, "_reset", _broken_reset)
     port, result = _free_port(), {}
     argv = ["serve", str(engine_dirs["qwen3_5_mtp3"]), "--port", str(port), "--model-name", "tiny"]
     thread = threading.Thread(target=lambda: result.setdefault("status", main(argv)), daemon=True)
@@ -296,7 +296,7 @@ def test_serve_exits_1_when_the_engine_thread_dies(engine_dirs, monkeypatch, cap
 def test_openapi_off_by_default_and_non_ascii_names(live):
     from tandem.server.app import create_app
 
-    llm = live.app.state.engine_loop.llm  # create_app starts nothing: the engine loop starts with the server
+    llm = live.app.state.serve_loop.llm  # create_app starts nothing: the serve loop starts with the server
     on = create_app(llm, ServerSettings(model_name="tiny", openapi=True))
     assert (on.openapi_url, on.docs_url, on.redoc_url) == ("/openapi.json", "/docs", "/redoc")
     assert (live.app.openapi_url, live.app.docs_url, live.app.redoc_url) == (None, None, None)

@@ -28,7 +28,7 @@ def post(live, path: str, body: dict, **kw) -> httpx.Response:
 
 def test_prompt_ids_are_what_a_completion_reads(live):
     r = post(live, "/tokenize", {"model": "tiny", "prompt": "hello world", "return_token_strs": True}).json()
-    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == live.app.state.engine_loop.llm.max_seq_len
+    assert r["count"] == len(r["tokens"]) > 0 and r["max_model_len"] == live.app.state.serve_loop.llm.max_seq_len
     assert len(r["token_strs"]) == r["count"] and all(isinstance(s, str) for s in r["token_strs"])
     done = post(live, "/v1/completions", {"model": "tiny", "prompt": "hello world", "max_tokens": 1}).json()
     assert done["usage"]["prompt_tokens"] == r["count"]

@@ -10,7 +10,7 @@ import pytest
 from tandem.checkpoint import open_checkpoint
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 MODEL = Path(__file__).resolve().parents[1] / "models" / "tandem-tiny-code"
@@ -39,7 +39,7 @@ def test_shipped_model_greedy_equals_transformers(engines, mode):
     transformers.logging.set_verbosity_error()
     model = transformers.AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32)
     tok = transformers.AutoTokenizer.from_pretrained(MODEL)
-    llm = LLM(engines, EngineConfig(mtp_mode=mode))
+    llm = LLM(engines, RuntimeConfig(mtp_mode=mode))
     spec = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True))
     plain = llm.generate(PROMPTS, SamplingParams(max_tokens=24, ignore_eos=True, speculative=False))
     for prompt, s, p in zip(PROMPTS, spec, plain):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tandem.pipeline.allocator import FreeList
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.model_runner import ModelRunner
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.sequence import Status
@@ -88,7 +88,7 @@ def test_a_padded_batch_is_not_placed(engine_dirs, monkeypatch):
 
 # bursts of their steps whatever the machine's load: the same calls; no prefix cache, whose prefill split
 # before a prompt's last token would shift when the sequences join the batch
-NO_BUDGET = EngineConfig(decode_burst_ms=1e6, prefix_cache=False)
+NO_BUDGET = RuntimeConfig(decode_burst_ms=1e6, prefix_cache=False)
 
 
 def _four_then_a_fifth(engine_dirs, monkeypatch, second_tokens: int, joins) -> tuple[list, list]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 from .pipeline_fixtures import (
@@ -70,7 +70,7 @@ def test_drafts_of_every_round_equal_the_nextn_reference_with_own_heads(step, ta
     folder, engines = step["step3p5"]
     nextn = ref.NextNReference(target, folder)
     rounds = record_drafts(monkeypatch)
-    llm = LLM(engines, EngineConfig(spec_k=k))
+    llm = LLM(engines, RuntimeConfig(spec_k=k))
     max_tokens = 20 if k == 3 else 10
     llm.generate([PROMPTS[0], PROMPTS[3]], SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     assert len(rounds) >= 6
@@ -89,7 +89,7 @@ def test_drafts_equal_transformers_generate_use_mtp_rounds(step, monkeypatch):
     mtp = ref.load_mtp_model(target, folder)
     tokens, theirs = ref.mtp_generate(target, mtp, PROMPTS[0], 24)
     rounds = record_drafts(monkeypatch)
-    out = LLM(engines, EngineConfig(spec_k=3)).generate([PROMPTS[0]], SamplingParams(max_tokens=24, ignore_eos=True))
+    out = LLM(engines, RuntimeConfig(spec_k=3)).generate([PROMPTS[0]], SamplingParams(max_tokens=24, ignore_eos=True))
     assert out[0].token_ids == tokens
     ours = {tuple(t): d for t, d in rounds}
     common = [r for r in theirs if tuple(r.committed) in ours]
@@ -113,13 +113,13 @@ def test_speculative_equals_plain_greedy(step, plain, monkeypatch, drafter):
 @pytest.mark.parametrize("batch", [1, 3, 8])
 @pytest.mark.parametrize("mode", ["chained", "reused"])
 def test_batches_staggered_and_both_head_modes(step, plain, batch, mode):
-    outputs, _ = run(step["step3p5"][1], PROMPTS[:batch], config=EngineConfig(mtp_mode=mode), stagger=3)
+    outputs, _ = run(step["step3p5"][1], PROMPTS[:batch], config=RuntimeConfig(mtp_mode=mode), stagger=3)
     assert outputs == {i: plain[i] for i in range(batch)}
 
 
 def test_under_preemption(step, plain):
     # 18 full-attention pages (the window group's take rows in flight: bursts of 8 steps at most)
-    config = EngineConfig(memory_budget_bytes=300_000, max_num_seqs=8, decode_burst=8)
+    config = RuntimeConfig(memory_budget_bytes=300_000, max_num_seqs=8, decode_burst=8)
     outputs, llm = run(step["step3p5"][1], PROMPTS, config=config)
     assert outputs == plain
     assert sum(s.metrics.preemptions for s in llm.test_sequences) > 0
@@ -157,7 +157,7 @@ def test_commit_of_n_accepted_equals_n_plus_one_decode_steps_and_a_fresh_prefill
     again = fresh.add_request(seq.tokens[:-1], SamplingParams(max_tokens=2, ignore_eos=True), request_id="y")
     fresh.scheduler.admit()
     while again.committed < seq.committed:
-        fresh.engine._prefill(fresh.scheduler.prefill_batch())
+        fresh.round_loop._prefill(fresh.scheduler.prefill_batch())
     assert again.head_committed == seq.head_committed and again.tokens == seq.tokens
     for j in range(spec.mtp_layers):
         rows = range(0, seq.head_committed - j)
@@ -168,7 +168,7 @@ def test_commit_of_n_accepted_equals_n_plus_one_decode_steps_and_a_fresh_prefill
 def test_window_pages_stay_bounded_over_a_long_generation(step, target):
     """300 tokens with a window of 8: the window group's pages held stay at their bound at every step
     while the full group's grow with the length, and the output still equals transformers'."""
-    llm = LLM(step["step3p5"][1], EngineConfig(max_num_seqs=1))
+    llm = LLM(step["step3p5"][1], RuntimeConfig(max_num_seqs=1))
     seq = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=300, ignore_eos=True), request_id="long")
     page = llm.page_size
     most = full = 0

@@ -19,7 +19,7 @@ from tandem.checkpoint import open_checkpoint
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
 from tandem.pipeline.grammar import Grammars, GrammarSpec, allowed, allowed_tokens
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.request_checks import RequestError
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.acceptance_reference import accept
@@ -189,7 +189,7 @@ def shipped(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["unified", "multi"])
 def test_every_output_validates_and_speculative_greedy_equals_plain(shipped, mode):
     """unified: every schema, greedy and sampled; multi-call rounds: greedy (the same masks, other callers)."""
-    llm = LLM(shipped, EngineConfig(round=mode, adaptive_width=False))   # fixed k: rounds every step
+    llm = LLM(shipped, RuntimeConfig(round=mode, adaptive_width=False))   # fixed k: rounds every step
     temps = (0.0, 0.9) if mode == "unified" else (0.0,)
     for name, schema in SCHEMAS.items():
         g = GrammarSpec.json_schema(schema)
@@ -209,7 +209,7 @@ def test_every_output_validates_and_speculative_greedy_equals_plain(shipped, mod
 def test_a_grammar_request_in_the_batch_leaves_the_others_unchanged(shipped):
     """Rows without a grammar get all-ones masks inside the masked branch: their tokens are plain greedy
     decoding's (speculative, one round call with the grammar request)."""
-    llm = LLM(shipped, EngineConfig(adaptive_width=False))
+    llm = LLM(shipped, RuntimeConfig(adaptive_width=False))
     free = SamplingParams(max_tokens=40, ignore_eos=True)
     alone = llm.generate(CODE_PROMPTS[:2], SamplingParams(max_tokens=40, ignore_eos=True, speculative=False))
     grammar = SamplingParams(max_tokens=40, grammar=GrammarSpec.json_schema(SCHEMAS["nested"]))
@@ -397,7 +397,7 @@ def test_every_draft_of_a_grammar_request_is_one_its_grammar_allows(shipped, mon
         return new, masks
 
     monkeypatch.setattr(grammar_module.Matcher, "draft_masks", check)
-    llm = LLM(shipped, EngineConfig(adaptive_width=False))
+    llm = LLM(shipped, RuntimeConfig(adaptive_width=False))
     for schema in SCHEMAS.values():
         llm.generate(CODE_PROMPTS[:2], SamplingParams(max_tokens=40, k=K, grammar=GrammarSpec.json_schema(schema)))
     assert max(seen) == K and sum(seen) > 50 and not refused, (seen, refused[:5])

@@ -17,8 +17,8 @@ from tandem.engines.buckets import plan, unified_round_kinds
 from tandem.engines.builder import build_engines
 from tandem.engines.manifest import read_manifest
 from tandem.engines.options import BuildOptions
-from tandem.pipeline.engine import Engine
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
+from tandem.pipeline.round_loop import RoundLoop
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
@@ -27,7 +27,7 @@ from .pipeline_fixtures import GREEDY, OPTIONS, install_drafter, run
 PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3], [44], [3, 250, 8, 160, 21, 6, 7],
            [300, 12, 12, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [77, 78], [101, 5, 9]]
 # both rounds at the same widths, round by round (the adaptive width controller, where there is one, off)
-FIXED = {"adaptive_width": False} if "adaptive_width" in EngineConfig.__dataclass_fields__ else {}
+FIXED = {"adaptive_width": False} if "adaptive_width" in RuntimeConfig.__dataclass_fields__ else {}
 OFF = SamplingParams(max_tokens=24, ignore_eos=True, speculative=False)
 
 
@@ -52,7 +52,7 @@ def _round_calls(llm) -> int:
 @pytest.mark.parametrize("drafter", ["wrong", "oracle", "prefix:1"])
 def test_any_drafts_equal_plain_greedy_staggered(dirs, plain, monkeypatch, drafter):
     install_drafter(monkeypatch, drafter, {f"r{i}": out for i, out in plain["qwen3_5_mtp3"].items()})
-    outputs, llm = run(dirs["qwen3_5_mtp3"], PROMPTS, config=EngineConfig(**FIXED), stagger=2)
+    outputs, llm = run(dirs["qwen3_5_mtp3"], PROMPTS, config=RuntimeConfig(**FIXED), stagger=2)
     assert outputs == plain["qwen3_5_mtp3"]
     assert _round_calls(llm) > 0 and "verify_greedy" not in llm.runner.calls
     metrics = [s.metrics for s in llm.test_sequences]
@@ -63,7 +63,7 @@ def test_any_drafts_equal_plain_greedy_staggered(dirs, plain, monkeypatch, draft
 
 
 def test_under_preemption(dirs, plain):
-    config = EngineConfig(memory_budget_bytes=230_000, max_num_seqs=8, **FIXED)
+    config = RuntimeConfig(memory_budget_bytes=230_000, max_num_seqs=8, **FIXED)
     outputs, llm = run(dirs["qwen3_5_mtp3"], PROMPTS, config=config)
     assert outputs == plain["qwen3_5_mtp3"]
     assert sum(s.metrics.preemptions for s in llm.test_sequences) > 0 and _round_calls(llm) > 0
@@ -74,7 +74,7 @@ def _lockstep(path, params, prompts, check, monkeypatch, drafter=None):
     step the tokens, accepted counts, the drafts each round verified and check(unified, multi) agree."""
     if drafter:
         install_drafter(monkeypatch, *drafter)
-    real = Engine._draft
+    real = RoundLoop._draft
     seen: dict[int, list] = {}
 
     def record(self, seqs):
@@ -82,15 +82,15 @@ def _lockstep(path, params, prompts, check, monkeypatch, drafter=None):
         seen.setdefault(id(self), []).append(dict(drafts))
         return drafts
 
-    monkeypatch.setattr(Engine, "_draft", record)
-    config = EngineConfig(memory_budget_bytes=4 << 20, **FIXED)
+    monkeypatch.setattr(RoundLoop, "_draft", record)
+    config = RuntimeConfig(memory_budget_bytes=4 << 20, **FIXED)
     llms = [LLM(path, replace(config, round=mode)) for mode in ("unified", "multi")]
     seqs = [[llm.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)] for llm in llms]
     while any(s.finish_reason is None for s in seqs[0]):
         for llm in llms:
             llm.step()
         check(*llms)
-        assert seen.get(id(llms[0].engine)) == seen.get(id(llms[1].engine))
+        assert seen.get(id(llms[0].round_loop)) == seen.get(id(llms[1].round_loop))
         for a, b in zip(*seqs):
             assert a.tokens == b.tokens and a.metrics.accepted == b.metrics.accepted
             assert (a.committed, a.head_committed) == (b.committed, b.head_committed)
@@ -99,7 +99,7 @@ def _lockstep(path, params, prompts, check, monkeypatch, drafter=None):
     # and a round wider than the last one's drafts (the batch shrank)
     # (where a sequence's budget leaves it fewer drafts than the others', its round is a call of its own
     # width, or a plain step where it leaves none)
-    rounds = llms[0].engine.stats.rounds
+    rounds = llms[0].round_loop.stats.rounds
     assert rounds - len(prompts) <= _round_calls(llms[0]) <= rounds + len(prompts)
     heads = [sum(n for name, n in llm.runner.calls.items() if name.startswith("mtp_head")) for llm in llms]
     assert 3 * heads[0] < heads[1]

@@ -10,13 +10,13 @@ import pytest
 
 from tandem.bench.with_library import with_library
 from tandem.engines.manifest import check_files, read_manifest
-from tandem.pipeline.llm import LLM, EngineConfig
+from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.plugins import cpu_kernels
 
 
 def _tokens(engine_dir) -> list[int]:
-    llm = LLM(engine_dir, EngineConfig(speculative=False))
+    llm = LLM(engine_dir, RuntimeConfig(speculative=False))
     return llm.generate([[5, 7, 11, 13]], SamplingParams(max_tokens=6, temperature=0.0))[0].token_ids
 
 

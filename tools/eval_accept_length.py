@@ -17,7 +17,7 @@ from train_small_model import read, stdlib_files  # noqa: E402
 
 from tandem.engines.builder import build_engines  # noqa: E402
 from tandem.engines.options import BuildOptions  # noqa: E402
-from tandem.pipeline.llm import LLM, EngineConfig  # noqa: E402
+from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 
 
@@ -52,9 +52,9 @@ def main() -> None:
     for k in (1, 2, 3):
         cells = []
         for mode in ("chained", "reused"):
-            llm = LLM(args.engines, EngineConfig(mtp_mode=mode, spec_k=k))
+            llm = LLM(args.engines, RuntimeConfig(mtp_mode=mode, spec_k=k))
             results = llm.generate(prompts, params)
-            st = llm.engine.stats
+            st = llm.round_loop.stats
             per_pos = ", ".join(f"{x:.2f}" for x in st.acceptance_per_position())
             cells.append(f"{st.accept_length:.2f} (per position {per_pos})")
             assert sum(r.metrics.rounds for r in results) == st.verify_rounds

@@ -1,4 +1,4 @@
-"""The engine: one `step()` = admit, prefill chunks, one decode round, emit outputs.
+"""The round loop: one `step()` = admit, prefill chunks, one decode round, emit outputs.
 
 The speculative round, for a sequence whose pending token T sits at position p (committed = p),
 with head 0's draft d_1 and hidden g_0 already in hand from the last re-anchor:
@@ -36,7 +36,7 @@ from tandem.pipeline.decode_burst import DecodeBurst
 from tandem.pipeline.logits_processors import prepare_masks
 from tandem.pipeline.model_runner import ModelRunner, Outputs, Rows
 from tandem.pipeline.multi_step_decode import MultiStepDecode
-from tandem.pipeline.outputs import EngineStats, StepOutput
+from tandem.pipeline.outputs import RoundStats, StepOutput
 from tandem.pipeline.pools import Pools
 from tandem.pipeline.prefix_cache import PrefixCache
 from tandem.pipeline.relaxed import RelaxedRows
@@ -75,7 +75,7 @@ def _sampling_inputs(p: SamplingParams) -> dict:
             "min_p_log": min_p_log(p.min_p)}
 
 
-class Engine:
+class RoundLoop:
     def __init__(self, runner: ModelRunner, pools: Pools, scheduler: Scheduler, eos_ids: tuple[int, ...],
                  mtp_layers: int, chained: bool = True, synthetic_acceptance: float | None = None,
                  width_per_batch: dict[int, int] | None = None, width_control: WidthController | None = None,
@@ -105,7 +105,7 @@ class Engine:
         scheduler.decode_steps, scheduler.decode_samples = (decode.steps, decode.samples) if decode else (1, False)
         self.waits_for: set[tuple[GraphKind, int]] = set()   # round engines opening from the start (_open_width)
         self._open: set[tuple[GraphKind, int]] = set()       # round engines known to be open (_open_width)
-        self.stats = EngineStats()
+        self.stats = RoundStats()
         self.prefix_cache: PrefixCache | None = None   # LLM sets it when prefix caching is on
         self.relaxed = RelaxedRows()   # relaxed acceptance: LLM sets the engine's default and <think> markers
         self.trace: list[tuple[str, float, float]] | None = None  # (phase, start, end) when profiling

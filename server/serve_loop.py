@@ -1,8 +1,8 @@
 """One thread owns the pipeline; HTTP handlers talk to it through a command queue.
 
-    handler --submit()--> [commands] --> engine thread: add/abort between steps, llm.step()
+    handler --submit()--> [commands] --> serve loop thread: add/abort between steps, llm.step()
                                          (a decode burst in a step ends once a command waits)
-    handler <--asyncio.Queue-- outputs (StepOutput, or an EngineError) <-- call_soon_threadsafe
+    handler <--asyncio.Queue-- outputs (StepOutput, or a ServeLoopError) <-- call_soon_threadsafe
 
 Requests arrive checked (the handler ran LLM.check_request). Whatever still raises fails one
 request, never the loop:
@@ -41,7 +41,7 @@ from tandem.server import metrics as m
 log = logging.getLogger("tandem.server")
 
 
-class EngineError(RuntimeError):
+class ServeLoopError(RuntimeError):
     pass
 
 
@@ -60,7 +60,7 @@ class _Request:
     sent: bool = False                # whether an output went out (the first with a token goes at once)
 
 
-class EngineLoop:
+class ServeLoop:
     def __init__(self, llm: LLM, max_queued: int, model_name: str = ""):
         self.llm = llm
         self.vllm = m.VllmSeries(model_name)   # the vLLM-named series
@@ -134,7 +134,7 @@ class EngineLoop:
         longer touches these structures, so the event loop may)."""
         for kind, item in self._pending_commands():
             if kind == "add":
-                _settle(item.future, error=EngineError(message))
+                _settle(item.future, error=ServeLoopError(message))
         for rid in list(self._live):
             self._fail(rid, message)
 
@@ -145,7 +145,7 @@ class EngineLoop:
                 try:
                     self._iterate()
                 except Exception as e:  # noqa: BLE001 - the loop's own bookkeeping failed: start afresh
-                    log.exception("engine loop error; failing the requests in flight")
+                    log.exception("serve loop error; failing the requests in flight")
                     self._reset(e)
         except BaseException as e:  # the reset failed too: nothing is left to trust
             self.fatal = e
@@ -180,7 +180,7 @@ class EngineLoop:
                     item.seq = self.llm.add_request(item.prompt, item.params, request_id=item.id)
                 except Exception as e:  # noqa: BLE001 - a request that cannot be added fails alone
                     _settle(item.future, error=e if isinstance(e, ValueError) else
-                            EngineError(f"engine error while adding the request: {type(e).__name__}: {e}"))
+                            ServeLoopError(f"engine error while adding the request: {type(e).__name__}: {e}"))
                     continue
                 self._live[item.id] = item
                 if not _settle(item.future, result=item.id):  # the client left before it was added
@@ -258,7 +258,7 @@ class EngineLoop:
         self._last_token.pop(request_id, None)
         self.vllm.forget(request_id)
         if req is not None:
-            _send(req, EngineError(message))
+            _send(req, ServeLoopError(message))
             m.REQUESTS.labels(status="error").inc()
 
     def _drop(self, request_id: str) -> None:
