@@ -3,7 +3,7 @@ the node's `selected` input is a constant with K = 0 (every graph of a model wit
 indexer). The math is the function body's (export/ops/paged_sparse_attention.py) minus its
 selection branch, and the visibility mask is built once per graph and sliding window, then
 shared by every attention layer (the body rebuilds it in each layer from that layer's shapes:
-about 30 small nodes, a third of the tiny model's decode step in the profile; docs/performance.md).
+about 30 small nodes, a third of the tiny model's decode step in the profile of bench/where_time_goes.py).
 
 Shared, per (block tables, context lens, window, graph pass), built before the first such node:
 

@@ -80,7 +80,7 @@ def lower_matmul_nbits_to_kernel(model: onnx.ModelProto, tensors=None) -> bool:
     points become the kernel's column tiles (export/nbits_tiles.py), written with `tensors`
     (array(tensor) -> ndarray; add(name, array) -> TensorProto: the saved graph's tensor store;
     None: inside the graph). 8-bit nodes moved once the norm, residual and gate fusions came with
-    the kernel (150M int8 plain decode 1.13x: docs/performance.md)."""
+    the kernel (150M int8 plain decode 1.13x against the nodes left to MLAS)."""
     tensors = tensors or _InlineTensors()
     inits = {t.name: t for t in model.graph.initializer}
     tiled: dict[str, tuple[str, str, str]] = {}           # (B, scales, zeros) -> the tiles' names

@@ -123,7 +123,7 @@ def linears(b: GraphBuilder, w: Weights, x: str, names: tuple[str, ...], scope: 
     """x @ W_i^T for every name, as one MatMul over the weights side by side and a Split of its
     last axis into each W_i's output rows. At batch 1 every MatMul node is a pass over the
     input, a thread-pool dispatch and (int8 / int4) a quantization of x: one node for the
-    projections that share an input costs less than one each (docs/performance.md)."""
+    projections that share an input costs less than one each."""
     if len(names) == 1:
         return [linear(b, w, x, names[0], scope)]
     y = b.op("MatMul", x, w.matmul_t(b, tuple(names)), name=f"{scope}/MatMul")

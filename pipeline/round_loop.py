@@ -349,7 +349,7 @@ class RoundLoop:
         the heads would re-anchor over are kept until drafting resumes or lag_rows rows wait (rows
         kept since a preemption are dropped). Returns the tokens each sequence took: the controller
         weighs drafting against the cost of a plain token, and a burst's token costs less than a
-        step's (docs/performance.md, "Speculation against plain decoding with bursts")."""
+        step's (docs/performance.md, "Decode bursts and the native host sampler")."""
         kept: list[np.ndarray] = []     # per call, [n, H]
         room = self.lag_rows - max(len(self._lagging.get(s, (0, ()))[1]) for s in seqs)
         if not isinstance(self.decode, DecodeBurst) or self.decode.run(seqs, room, kept):

@@ -1,4 +1,4 @@
-"""The offline API's side of issue 12: `LLM.add_request` refuses what the engines cannot run (the
+"""The offline API's side of bad input: `LLM.add_request` refuses what the engines cannot run (the
 same checks the server runs), and a failed request never stays in the scheduler."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One bad request never takes the server down (issue 12): a live uvicorn on 127.0.0.1.
+"""One bad request never takes the server down: a live uvicorn on 127.0.0.1.
 
 - every bad input of the issue, and the ones that already passed, in one table: the right 4xx in
   the OpenAI error shape, an innocent stream running alongside unaffected, the server serving after;
@@ -99,7 +99,7 @@ TABLE = [
     ("/docs off", "GET /docs", None, 404, ""),
     ("/redoc off", "GET /redoc", None, 404, ""),
     ("/openapi.json off", "GET /openapi.json", None, 404, ""),
-    # already handled before issue 12
+    # malformed bodies
     ("bad JSON", COMPLETIONS, b"{not json", 400, "json"),
     ("body not an object", COMPLETIONS, b"[1, 2]", 400, "body"),
     ("unknown model", COMPLETIONS, _body(model="nope"), 404, "model 'nope' does not exist"),

@@ -330,7 +330,7 @@ class _Sessions(dict):
     def prefetch(self, files: list[str]) -> None:
         """Start opening `files` in background threads, as many at once as there are cores: each
         open is mostly single-threaded (reading the graph, packing its weights), and several open
-        together in less time than one after the other (docs/performance.md)."""
+        together in less time than one after the other (measured by bench/load_and_build.py)."""
         todo = [f for f in dict.fromkeys(files) if f in self.files and f not in self and f not in self._pending]
         if not todo:
             return
