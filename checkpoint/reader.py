@@ -23,7 +23,8 @@ from tandem.checkpoint.config_values import check_config_values
 from tandem.checkpoint.description import ModelDescription
 from tandem.checkpoint.errors import CheckpointError
 from tandem.checkpoint.families import FAMILIES, MODEL_TYPES
-from tandem.checkpoint.families.qwen_hybrid import ConfigError, Source, uses_per_expert
+from tandem.checkpoint.families.base import ConfigError, Source
+from tandem.checkpoint.families.layer_tensors import uses_per_expert
 from tandem.checkpoint.safetensors_files import TensorIndex
 
 # small files the reader and its checks read from the checkpoint folder (besides the weights)

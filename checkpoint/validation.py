@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tandem.checkpoint.description import MTPSpec
-from tandem.checkpoint.families.qwen_hybrid import MTPLayout, Source
+from tandem.checkpoint.families.base import MTPLayout, Source
 from tandem.checkpoint.safetensors_files import FLOAT_DTYPES, TensorIndex, fp8_scale_shape
 
 MIN_SPEC_K, MAX_SPEC_K = 1, 8

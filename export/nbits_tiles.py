@@ -10,7 +10,8 @@ from com.microsoft::MatMulNBits' inputs at build time, and the ONNX nodes that u
 
 Every tensor is its columns' bytes transposed, so a 64-byte load of B is the next dword (4 inputs
 at 8 bits, 8 at 4 bits) of 16 columns: one vpdpbusd lane each, no shuffle in the kernel (its
-gain over MLAS: docs/performance.md, "tandem's own CPU kernels"). Columns past N are zeros (weights, scales and zero points).
+gain over MLAS: docs/performance.md, "tandem's own CPU kernels"). Columns past N are zeros
+(weights, scales and zero points).
 The build's verification runs ONNX Runtime's node on the untiled tensors (untile_nodes):
 Transpose, Reshape and Slice, bytes only, and the scales cast back to float32 (exact), so the copy
 reads exactly the values the kernel reads.

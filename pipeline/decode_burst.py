@@ -53,8 +53,9 @@ from tandem.pipeline.sequence import Sequence
 # Target steps a burst may run, and the time it may take, about. A one-step burst pays the engine's
 # whole Python step (150M int4: about 150 of 2,700 µs a token), a longer one that once. Measured on a
 # 2-core AMD EPYC (Zen 4), the same dir with either setting, interleaved (docs/performance.md,
-# "Decode bursts and the native host sampler"): 150M int4 (2.6 ms a step) 12 ms against 4 ms 1.04x (8 ms 1.02-1.08x), int8 1.03x, bf16 and
-# float32 the same (their steps fill the budget alone); the tiny model 16 steps against 8 1.05x.
+# "Decode bursts and the native host sampler"): 150M int4 (2.6 ms a step) 12 ms against 4 ms 1.04x
+# (8 ms 1.02-1.08x), int8 1.03x, bf16 and float32 the same (their steps fill the budget alone); the
+# tiny model 16 steps against 8 1.05x.
 # Arrivals do not wait for a burst where the server interrupts it (DecodeBurst.interrupt).
 DEFAULT_STEPS = 16
 DEFAULT_BUDGET_MS = 12.0

@@ -27,7 +27,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from tandem.checkpoint.families import FAMILIES
+from tandem.checkpoint.families import FAMILIES, FAMILY_MODULES
 from tandem.testing.tiny_dsa import DSA_BENCH_KINDS, DSA_KINDS, dsa_config, finish_tensors
 from tandem.testing.tokenizer_files import SPECIAL_TOKENS, save_tokenizer, train_byte_level_bpe
 
@@ -93,6 +93,9 @@ _STEP3P5 = dict(
 )
 # kind -> heads' own lm heads are copies of lm_head.weight (the Hub's text-only model, model_type "step3p5").
 STEP3P5_KINDS = {"step3p5": False, "step3p5_tied_heads": True}
+# kinds the families declare themselves (base.TinyKind), by name
+FAMILY_KINDS = {kind: spec for module in FAMILY_MODULES.values()
+                for kind, spec in getattr(module, "TINY_KINDS", {}).items()}
 _TOKENIZER_TEXT = [
     "def add(a, b):\n    return a + b\n",
     "The quick brown fox jumps over the lazy dog. Speculative decoding drafts tokens and verifies them.",
@@ -241,24 +244,35 @@ def write_tiny_tokenizer(folder: Path, vocab_size: int = 300) -> dict[str, int]:
     return save_tokenizer(train_byte_level_bpe(_TOKENIZER_TEXT, vocab_size), folder)
 
 
-def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype: str = "float32") -> Path:
-    """Write a complete tiny checkpoint folder of `kind` (see TINY_KINDS) and return its path."""
+def write_tiny_checkpoint(folder: str | Path, kind: str, *, seed: int = 0, dtype: str = "float32",
+                          overrides: dict | None = None) -> Path:
+    """Write a complete tiny checkpoint folder of `kind` (see TINY_KINDS) and return its path.
+    `overrides`: text-config values on top of the kind's (the tensors follow them)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    if kind in STEP3P5_KINDS or BENCH_KINDS.get(kind, ("",))[0] in STEP3P5_KINDS:
+    spec = FAMILY_KINDS.get(kind)
+    if spec is not None:  # declared by its family (checkpoint/families/*: TINY_KINDS)
+        config, per_expert, shards = spec.config(dtype), spec.per_expert, spec.shards
+        shapes = stored_shapes(config, per_expert)
+    elif kind in STEP3P5_KINDS or BENCH_KINDS.get(kind, ("",))[0] in STEP3P5_KINDS:
         config, per_expert, shards = step3p5_config(dtype, kind), False, 1
         shapes = stored_shapes(config)
     elif kind in DSA_KINDS or kind in DSA_BENCH_KINDS:  # the Hub's per-expert tensors
-        config, shards = dsa_config(kind, dtype), 1
-        shapes = stored_shapes(config, per_expert=True)
+        config, per_expert, shards = dsa_config(kind, dtype), True, 1
+        shapes = stored_shapes(config, per_expert)
     else:
         _, _, per_expert, shards = TINY_KINDS[BENCH_KINDS.get(kind, (kind,))[0]]
         config = tiny_config(kind, dtype)
+        shapes = stored_shapes(config, per_expert)
+    if overrides:
+        config.get("text_config", config).update(overrides)
         shapes = stored_shapes(config, per_expert)
     np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
     rng = np.random.default_rng(seed)
     tensors = {name: _init(name, shape, rng).astype(np.float32).astype(np_dtype)
                for name, shape in sorted(shapes.items())}
+    if spec is not None and spec.finish is not None:
+        tensors = spec.finish(config, tensors, rng)
     if kind in DSA_KINDS or kind in DSA_BENCH_KINDS:
         tensors = finish_tensors(kind, tensors, rng)
     if STEP3P5_KINDS.get(kind):  # each NextN head's own lm head := the target's
@@ -282,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Write a tiny random checkpoint (no download).")
     parser.add_argument("out", help="folder to write")
     parser.add_argument("--kind", choices=sorted(TINY_KINDS) + sorted(STEP3P5_KINDS) + sorted(DSA_KINDS)
-                        + sorted(BENCH_KINDS) + sorted(DSA_BENCH_KINDS),
+                        + sorted(BENCH_KINDS) + sorted(DSA_BENCH_KINDS) + sorted(FAMILY_KINDS),
                         default="qwen3_5_mtp3")
     parser.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
     parser.add_argument("--seed", type=int, default=0)

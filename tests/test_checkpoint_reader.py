@@ -37,7 +37,8 @@ def test_description_from_config(tiny_root, kind, no_weight_reads):
 @pytest.mark.parametrize("kind", TINY_KINDS)
 def test_every_canonical_weight_reads_with_its_shape(tiny_root, kind):
     ckpt = open_checkpoint(tiny_root / kind)
-    from tandem.checkpoint.families.qwen_hybrid import mtp_shapes, trunk_shapes
+    from tandem.checkpoint.families.layer_tensors import trunk_shapes
+    from tandem.checkpoint.families.qwen_hybrid import mtp_shapes
 
     shapes = {**trunk_shapes(ckpt.description), **mtp_shapes(ckpt.description)}
     assert set(ckpt.canonical_names()) == set(shapes)

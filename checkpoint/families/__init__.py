@@ -1,15 +1,25 @@
-"""The model-family registry: one dict from config.json `architectures[0]` to the family
-module. Each family module exports the same names: FAMILY, ARCHITECTURES (architecture ->
-(model_type, text-weight prefix, text-config key)), IGNORED_PREFIXES, text_config(),
-mtp_layout(text_cfg), describe(), sources(desc, per_expert), CHAT_FORMATS (architecture -> the tool-call
-and reasoning formats the server parses, docs/structured_outputs.md). Optional: BLOCK_FP8 (the family reads
-DeepSeek's fp8 block-quantized releases), unused_tensors(desc) (stored names that may be present
-and are never read) and fit_mtp_to_tensors(desc, stored names) (the MTP spec as the stored tensors
-have it, where config.json cannot say: DeepSeek's optional NextN `shared_head.head`)."""
+"""The model-family registry: config.json `architectures[0]` -> the family module that reads it.
 
-from tandem.checkpoint.families import deepseek_dsa, qwen3_5, qwen3_5_moe, qwen3_next, step3p5
+Every module or package in this folder that defines `FAMILY` is a family (the interface is
+`base.Family`) and is registered here when this package is imported; nothing else lists them.
+"""
 
-FAMILIES = {arch: module for module in (qwen3_5, qwen3_5_moe, qwen3_next, step3p5, deepseek_dsa)
-            for arch in module.ARCHITECTURES}
+import importlib
+import pkgutil
+
+from tandem.checkpoint.families.base import Family
+
+
+def _discover() -> list[Family]:
+    found = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        if hasattr(module, "FAMILY"):
+            found.append(module)
+    return found
+
+
+FAMILY_MODULES: dict[str, Family] = {module.FAMILY: module for module in _discover()}
+FAMILIES: dict[str, Family] = {arch: module for module in FAMILY_MODULES.values() for arch in module.ARCHITECTURES}
 # model_type -> architecture, for configs without an `architectures` list
 MODEL_TYPES = {spec[0]: arch for arch, module in FAMILIES.items() for spec in [module.ARCHITECTURES[arch]]}

@@ -4,8 +4,8 @@ MTP tensors live at the top level (`mtp.*`) in both."""
 
 from __future__ import annotations
 
-from tandem.checkpoint.families import qwen_hybrid
-from tandem.checkpoint.families.qwen_hybrid import Source
+from tandem.checkpoint.families import base, qwen_hybrid
+from tandem.checkpoint.families.base import Source
 
 FAMILY = "qwen3_5"
 # architecture -> (model_type, prefix of the text weights, config key holding the text config)
@@ -21,7 +21,7 @@ mtp_layout = qwen_hybrid.mtp_layout  # the heads under `mtp.`
 
 
 def text_config(config: dict, architecture: str) -> dict:
-    return qwen_hybrid.text_config(config, ARCHITECTURES[architecture][2])
+    return base.text_config(config, ARCHITECTURES[architecture][2])
 
 
 def describe(config: dict, architecture: str, *, mtp_layers: int, mtp_source: str):

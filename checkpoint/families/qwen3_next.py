@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from tandem.checkpoint.families import qwen_hybrid
-from tandem.checkpoint.families.qwen_hybrid import Source
+from tandem.checkpoint.families.base import Source
 
 FAMILY = "qwen3_next"
 ARCHITECTURES = {"Qwen3NextForCausalLM": ("qwen3_next", "model.", None)}

@@ -33,22 +33,24 @@ A sliding MTP layer gets the full-attention head count in transformers (`get_mtp
 
 from __future__ import annotations
 
-import re
-
 import numpy as np
 
 from tandem.checkpoint.description import AttentionSpec, LayerSpec, MLPKind, ModelDescription, MoESpec, MTPSpec
-from tandem.checkpoint.families import qwen_hybrid
-from tandem.checkpoint.families.qwen_hybrid import (
+from tandem.checkpoint.families import base
+from tandem.checkpoint.families.base import (
     SUPPORTED_ROPE_TYPES,
-    TORCH_DTYPES,
     ConfigError,
-    MTPLayout,
     Shape,
     Source,
-    _get,
+    checkpoint_dtype,
+    config_value,
+    eos_token_ids,
+    nextn_layout,
+    nextn_shapes,
+    nextn_stored,
     single,
 )
+from tandem.checkpoint.families.layer_tensors import layer_shapes, trunk_shapes
 
 FAMILY = "step3p5"
 # architecture -> (model_type, prefix of the text weights, config key holding the text config)
@@ -62,7 +64,6 @@ IGNORED_PREFIXES = ("vision_model.", "vit_large_projector.")
 # <parameter=key>value</parameter></function></tool_call>), which Step-3.5-Flash's own parsers read
 CHAT_FORMATS = {arch: {"tool_calls": "qwen3_xml", "reasoning": "think"} for arch in ARCHITECTURES}
 LAYER_TYPES = ("full_attention", "sliding_attention")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 # canonical -> stored name pieces, applied in order after the layer index is mapped
 _RENAMES = ((".mlp.gate.e_score_correction_bias", ".moe.router_bias"), (".mlp.gate.weight", ".moe.gate.weight"),
             (".mlp.experts.down_proj", ".moe.down_proj.weight"), (".mlp.shared_expert.", ".share_expert."),
@@ -71,19 +72,10 @@ _RENAMES = ((".mlp.gate.e_score_correction_bias", ".moe.router_bias"), (".mlp.ga
 
 
 def text_config(config: dict, architecture: str) -> dict:
-    return qwen_hybrid.text_config(config, ARCHITECTURES[architecture][2])
+    return base.text_config(config, ARCHITECTURES[architecture][2])
 
 
-def mtp_layout(cfg: dict) -> MTPLayout:
-    """NextN head j is stored as decoder layer N+j (`model.layers.{N+j}.*`)."""
-    n = int(_get(cfg, "num_hidden_layers"))
-
-    def layer_of(name: str) -> int | None:
-        m = _LAYER.match(name)
-        return int(m.group(1)) - n if m and int(m.group(1)) >= n else None
-
-    return MTPLayout("num_nextn_predict_layers", f"NextN (model.layers.{n}.* and up)",
-                     lambda name: layer_of(name) is not None, layer_of, lambda j: f"model.layers.{n + j}.")
+mtp_layout = nextn_layout  # NextN head j stored as decoder layer N+j
 
 
 def _per_layer(cfg: dict, key: str, count: int, default):
@@ -141,8 +133,8 @@ def _rope(cfg: dict, types: list[str], head_dim: int) -> dict[str, tuple[int, fl
 
 def _attention(cfg: dict, types: list[str], window) -> dict[str, AttentionSpec]:
     """layer type -> its attention spec (sliding layers: their own query head count and window)."""
-    heads, head_dim = int(_get(cfg, "num_attention_heads")), int(_get(cfg, "head_dim"))
-    kv = int(_get(cfg, "num_attention_groups", cfg.get("num_key_value_heads")))
+    heads, head_dim = int(config_value(cfg, "num_attention_heads")), int(config_value(cfg, "head_dim"))
+    kv = int(config_value(cfg, "num_attention_groups", cfg.get("num_key_value_heads")))
     other = cfg.get("attention_other_setting") or {}
     for key, value in (("num_attention_groups", kv), ("head_dim", head_dim)):
         if key in other and int(other[key]) != value:
@@ -157,7 +149,8 @@ def _attention(cfg: dict, types: list[str], window) -> dict[str, AttentionSpec]:
         specs[t] = AttentionSpec(
             num_heads=sliding_heads if t == "sliding_attention" else heads, num_kv_heads=kv, head_dim=head_dim,
             rotary_dim=rotary, rope_theta=theta, output_gate=False, head_gate=True, qk_norm=True,
-            bias=bool(cfg.get("attention_bias", False)), window=window if t == "sliding_attention" else None,
+            bias=bool(cfg.get("attention_bias", False)), o_bias=bool(cfg.get("attention_bias", False)),
+            window=window if t == "sliding_attention" else None,
             softmax_scale=float(scalar) ** -0.5 if scalar else None)
     return specs
 
@@ -165,7 +158,7 @@ def _attention(cfg: dict, types: list[str], window) -> dict[str, AttentionSpec]:
 def describe(config: dict, architecture: str, *, mtp_layers: int, mtp_source: str) -> ModelDescription:
     cfg = text_config(config, architecture)
     _refuse_unsupported(cfg)
-    n = int(_get(cfg, "num_hidden_layers"))
+    n = int(config_value(cfg, "num_hidden_layers"))
     total = n + mtp_layers
     types = list(cfg.get("layer_types") or ["full_attention"] * n)
     if len(types) == n and cfg.get("mtp_layer_types"):  # transformers' saved form keeps them apart
@@ -173,7 +166,7 @@ def describe(config: dict, architecture: str, *, mtp_layers: int, mtp_source: st
     types = _per_layer({"layer_types": types}, "layer_types", total, None)
     if unknown := sorted(set(types) - set(LAYER_TYPES)):
         raise ConfigError(f"layer_types holds {unknown}; expected {' or '.join(LAYER_TYPES)}")
-    window = int(_get(cfg, "sliding_window")) if "sliding_attention" in types else None
+    window = int(config_value(cfg, "sliding_window")) if "sliding_attention" in types else None
     attention = _attention(cfg, types, window)
 
     enum = cfg.get("moe_layers_enum")
@@ -204,29 +197,24 @@ def describe(config: dict, architecture: str, *, mtp_layers: int, mtp_source: st
     moe = None
     if moe_set & set(range(total)):
         moe = MoESpec(
-            num_experts=int(_get(cfg, "moe_num_experts", cfg.get("n_routed_experts"))),
-            top_k=int(_get(cfg, "moe_top_k", cfg.get("num_experts_per_tok"))),
-            expert_intermediate_size=int(_get(cfg, "moe_intermediate_size")),
-            shared_expert_intermediate_size=int(_get(cfg, "share_expert_dim")), norm_topk_prob=True,
+            num_experts=int(config_value(cfg, "moe_num_experts", cfg.get("n_routed_experts"))),
+            top_k=int(config_value(cfg, "moe_top_k", cfg.get("num_experts_per_tok"))),
+            expert_intermediate_size=int(config_value(cfg, "moe_intermediate_size")),
+            shared_expert_intermediate_size=int(config_value(cfg, "share_expert_dim")), norm_topk_prob=True,
             router="sigmoid", score_correction_bias=bool(cfg.get("use_moe_router_bias", True)),
             routed_scaling_factor=float(cfg.get("moe_router_scaling_factor", 1.0)), shared_expert_gate=False)
     mtp = None
     if mtp_layers:
         mtp = MTPSpec(tuple(layer(n + j) for j in range(mtp_layers)), mtp_source, form="nextn", own_lm_head=True,
                       anchor="previous_head")
-    eos = config.get("eos_token_id", cfg.get("eos_token_id"))
-    dtype = str(config.get("dtype") or config.get("torch_dtype") or cfg.get("dtype") or cfg.get("torch_dtype")
-                or "float32")
-    if dtype not in TORCH_DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not supported (use bfloat16, float16 or float32)")
     return ModelDescription(
         family=FAMILY, architecture=architecture, model_type=ARCHITECTURES[architecture][0],
-        vocab_size=int(_get(cfg, "vocab_size")), hidden_size=int(_get(cfg, "hidden_size")),
+        vocab_size=int(config_value(cfg, "vocab_size")), hidden_size=int(config_value(cfg, "hidden_size")),
         intermediate_size=int(cfg.get("intermediate_size") or 0), layers=tuple(layer(i) for i in range(n)), moe=moe,
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
-        max_position_embeddings=int(cfg.get("max_position_embeddings", 128000)), dtype=TORCH_DTYPES[dtype],
-        mtp=mtp, eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 128000)), dtype=checkpoint_dtype(config, cfg),
+        mtp=mtp, eos_token_ids=eos_token_ids(config, cfg),
         bos_token_id=config.get("bos_token_id", cfg.get("bos_token_id")))
 
 
@@ -234,18 +222,15 @@ def describe(config: dict, architecture: str, *, mtp_layers: int, mtp_source: st
 
 def canonical_shapes(d: ModelDescription) -> dict[str, Shape]:
     """Trunk tensors, then per NextN head j its projection, own final norm and lm head and its layer."""
-    h, out = d.hidden_size, qwen_hybrid.trunk_shapes(d)
+    out = trunk_shapes(d)
     for j, layer in enumerate(d.mtp.layers if d.mtp else ()):
-        p = f"mtp.layers.{j}."
-        out.update({p + "enorm.weight": (h,), p + "hnorm.weight": (h,), p + "eh_proj.weight": (h, 2 * h),
-                    p + "shared_head.norm.weight": (h,), p + "shared_head.head.weight": (d.vocab_size, h)})
-        out.update(qwen_hybrid.layer_shapes(d, p, layer))
+        out.update(nextn_shapes(d, j))
+        out.update(layer_shapes(d, f"mtp.layers.{j}.", layer))
     return out
 
 
 def _stored(canonical: str, prefix: str, n: int) -> str:
-    m = re.match(r"^mtp\.layers\.(\d+)\.", canonical)
-    name = f"layers.{n + int(m.group(1))}.{canonical[m.end():]}" if m else canonical
+    name = nextn_stored(canonical, n)
     for ours, theirs in _RENAMES:
         name = name.replace(ours, theirs)
     return prefix + name
