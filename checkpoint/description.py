@@ -46,7 +46,8 @@ class AttentionSpec:
     """GQA with optional gates. `output_gate`: q_proj gives [Hq, 2*head_dim] (query | gate) per
     head and the output is multiplied elementwise by sigmoid(gate) (Qwen). `head_gate`: g_proj
     [Hq, H] gives one sigmoid gate per head (Step-3.5). `window`: the layer attends to the last
-    `window` positions only (None: full attention). `softmax_scale` None: head_dim^-0.5."""
+    `window` positions only (None: full attention). `softmax_scale` None: head_dim^-0.5. `bias`: q/k/v
+    projections carry biases; `o_bias`: o_proj does (Qwen, Step: both from attention_bias; GLM: q/k/v only)."""
 
     num_heads: int
     num_kv_heads: int
@@ -56,6 +57,7 @@ class AttentionSpec:
     output_gate: bool = True
     qk_norm: bool = True
     bias: bool = False
+    o_bias: bool = False
     mrope_section: tuple[int, ...] | None = None  # text-only input: all three streams equal
     window: int | None = None
     head_gate: bool = False

@@ -53,13 +53,7 @@ from tandem.graph_kinds import TARGET_STEP, GraphKind
 
 def check_exportable(desc: ModelDescription) -> None:
     """Refuse, naming the layer, what the descriptions can say but the graphs do not build yet:
-    attention projections with a bias, MTP head layers that are not attention."""
-    named = [(f"layer {i}", x) for i, x in enumerate(desc.layers)]
-    named += [(f"MTP head layer {j}", x) for j, x in enumerate(desc.mtp.layers if desc.mtp else ())]
-    for name, layer in named:
-        if isinstance(layer.mixer, AttentionSpec) and layer.mixer.bias:
-            raise ValueError(f"{desc.architecture} {name}: attention projections with a bias are not implemented "
-                             f"yet in the exporter")
+    MTP head layers that are not attention."""
     for j, layer in enumerate(desc.mtp.layers if desc.mtp else ()):
         if layer.kind != LayerKind.FULL_ATTENTION:
             raise ValueError(f"{desc.architecture} MTP head layer {j}: a {layer.kind.value} head layer is not "

@@ -8,10 +8,10 @@ Precision: activations and weights are in the export dtype (float32 or float16).
 the Gated DeltaNet recurrence (its inputs, gate math, state and gated norm) and the MoE router
 stay float32; attention scores are float32 inside PagedSparseAttention.
 
-    attention:        x -> q_proj -> q per head ([q | gate] with the packed output gate); q_norm, k_norm;
-                      partial NeoX RoPE with the layer's own (rotary_dim, theta)
+    attention:        x -> q_proj, k_proj, v_proj [+ biases] -> q per head ([q | gate] with the packed output
+                      gate); [q_norm, k_norm]; partial NeoX RoPE with the layer's own (rotary_dim, theta)
                       -> PagedSparseAttention(q, k, v, pools, the page group's table, scale, window)
-                      [* sigmoid(g_proj(x)) per head]  [* sigmoid(gate) elementwise] -> o_proj
+                      [* sigmoid(g_proj(x)) per head]  [* sigmoid(gate) elementwise] -> o_proj [+ bias]
     Gated DeltaNet:   x -> in_proj_qkv -> causal conv (with the K-1 window) -> SiLU -> q | k | v
                       q, k: L2 norm; beta = sigmoid(b); g = -exp(A_log) * softplus(a + dt_bias)
                       -> GatedDeltaNet -> RMSNormGated(., z) -> out_proj
@@ -118,6 +118,9 @@ def attention(b: GraphBuilder, desc: ModelDescription, a: AttentionSpec, w: Weig
     with b.scope("attn"):
         projections = [p + f"self_attn.{n}_proj.weight" for n in ("q", "k", "v", "g")[: 3 + a.head_gate]]
         q, k, v, *g = linears(b, w, x, tuple(projections), "qkv_proj")   # one MatMul: same input
+        if a.bias:  # q/k/v biases (GLM, Qwen with attention_bias), before the heads are split
+            q, k, v = (b.op("Add", y, w.plain(b, p + f"self_attn.{n}_proj.bias"), name=f"{n}_proj/bias")
+                       for y, n in ((q, "q"), (k, "k"), (v, "v")))
         if a.output_gate:  # [Hq, 2D] per head: query | elementwise gate
             qg = b.reshape(q, [0, 0, a.num_heads, 2 * hd])
             q = b.slice(qg, [0], [hd], [3])                                   # [B, W, Hq, D]
@@ -142,6 +145,8 @@ def attention(b: GraphBuilder, desc: ModelDescription, a: AttentionSpec, w: Weig
         if a.output_gate:
             attn = b.op("Mul", attn, b.op("Sigmoid", gate))
         out = linear(b, w, attn, p + "self_attn.o_proj.weight", "o_proj")
+        if a.o_bias:
+            out = b.op("Add", out, w.plain(b, p + "self_attn.o_proj.bias"), name="o_proj/bias")
     return out, k, v
 
 

@@ -162,3 +162,21 @@ def test_head_graphs_reproduce_reference_drafting(exported, references, chained)
         drafts.append(int(o[c.DRAFT_TOKEN][0]))
         chain_h.append(o[c.HIDDEN_OUT][0])
     assert drafts == drafts_ref
+
+
+def test_attention_biases_match_transformers(tmp_path):
+    """q/k/v/o biases (`attention_bias`) are part of the exported attention: a tiny Qwen3.5 with them
+    gives transformers' logits; without the bias Adds the graph is the bias-free model's."""
+    from tandem.testing.mtp_reference import load_target
+    from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
+
+    folder = write_tiny_checkpoint(tmp_path / "biased", "qwen3_5_mtp3", overrides={"attention_bias": True})
+    ckpt = open_checkpoint(folder)
+    desc = ckpt.description
+    assert desc.layers[1].mixer.bias and desc.layers[1].mixer.o_bias
+    logits, hidden = run_chunks(desc, session(target_step(desc, Weights(ckpt))), PROMPTS, [16])
+    ref = load_target(folder)
+    for b, prompt in enumerate(PROMPTS):
+        ref_h, ref_logits = hf_forward(ref, prompt)
+        assert np.abs(logits[b] - ref_logits).max() < TOL
+        assert np.abs(hidden[b] - ref_h).max() < TOL

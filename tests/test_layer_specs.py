@@ -130,11 +130,3 @@ def test_per_layer_rope_gets_its_own_tables(ckpt):
     model = target_step(replace(d, layers=layers), Weights(ckpt))
     cos = [n.name for n in model.graph.node if n.op_type == "Cos"]
     assert cos == ["/rotary/cos", f"/rotary.{d.attention.rotary_dim}.123/cos"]
-
-
-def test_export_refuses_attention_bias_naming_the_layer(ckpt):
-    d = ckpt.description
-    i = d.layer_indices(LayerKind.FULL_ATTENTION)[-1]
-    layers = tuple(replace(x, mixer=replace(d.attention, bias=True)) if j == i else x for j, x in enumerate(d.layers))
-    with pytest.raises(ValueError, match=rf"layer {i}: attention projections with a bias are not implemented yet"):
-        target_step(replace(d, layers=layers), Weights(ckpt))
