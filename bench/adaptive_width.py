@@ -17,21 +17,19 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from collections import Counter
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine  # noqa: E402
-from tandem.engines.builder import build_engines  # noqa: E402
-from tandem.engines.options import BuildOptions  # noqa: E402
+from bench.checkpoints import build, checkpoint, workdir  # noqa: E402
+from bench.common import interleaved, machine  # noqa: E402
 from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 from tandem.pipeline.width_control import WidthController  # noqa: E402
-from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 MODES = {  # name -> RuntimeConfig fields (acceptance filled in per run)
     "plain": {"speculative": False},
@@ -47,8 +45,8 @@ class Recording(WidthController):
         super().__init__(*args)
         self.ran: list[int] = []
 
-    def width(self, batch: int) -> int:
-        self.ran.append(super().width(batch))
+    def width(self, batch: int, constrained: bool = False) -> int:
+        self.ran.append(super().width(batch, constrained))
         return self.ran[-1]
 
 
@@ -78,8 +76,8 @@ def decode_run(engine_dir: Path, batch: int, mode: str, acceptance: float, max_t
             "choice": control.choice(batch) if control is not None else None}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="qwen3_5_mtp3,qwen3_5_150m")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=12, help="decode rounds not timed")
@@ -88,32 +86,34 @@ def main() -> None:
     parser.add_argument("--acceptance", default="0,1", help="synthetic acceptance values, comma-separated")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=None, help="per request (default: 160 for 150m, else 400)")
-    args = parser.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bench-"))
+    args = parser.parse_args(argv)
+    work = workdir(args.workdir)
     print(f"machine: {machine()}; k = {args.k}, warm-up {args.warmup} rounds, best of {args.repeats}")
+    figures = {}
     for kind in args.kinds.split(","):
-        src = Path(kind) if Path(kind).is_dir() else work / kind
-        if not (src / "config.json").exists():
-            write_tiny_checkpoint(src, kind, dtype="bfloat16" if "150m" in kind else "float32")
+        src = checkpoint(kind, work)
         kind = src.name
         engines = work / f"{kind}-engines-k{args.k}-float32"
-        built = build_engines(src, engines, BuildOptions(batch_sizes=(1, 8), spec_k=args.k, prefill_chunk=64,
-                                                         max_seq_len=1024), show_progress=False)
+        built = build(src, engines, batch_sizes=(1, 8), spec_k=args.k, prefill_chunk=64, max_seq_len=1024)
         print(f"\n{kind}: build {built.status} in {built.seconds:.1f} s")
+        figures[kind] = rows = []
         max_tokens = args.max_tokens or (160 if "150m" in kind else 400)
         print("  acceptance batch | plain tok/s | fixed k/plain | adaptive/plain | adaptive widths (rounds), end")
         for acceptance in [float(a) for a in args.acceptance.split(",")]:
             for batch in [int(b) for b in args.batches.split(",")]:
-                best: dict[str, dict] = {}
-                for _ in range(args.repeats):
-                    for mode in MODES:
-                        r = decode_run(engines, batch, mode, acceptance, max_tokens, args.warmup)
-                        if mode not in best or r["tok_s"] > best[mode]["tok_s"]:
-                            best[mode] = r
+                run = partial(decode_run, engines, batch, acceptance=acceptance, max_tokens=max_tokens,
+                              warmup=args.warmup)
+                got = interleaved({mode: lambda _, mode=mode, run=run: run(mode) for mode in MODES}, args.repeats)
+                best = {mode: max(runs, key=lambda r: r["tok_s"]) for mode, runs in got.items()}   # the best run
                 plain = best["plain"]["tok_s"]
                 ran = dict(sorted(Counter(best["adaptive"]["widths"]).items()))
+                rows.append({"acceptance": acceptance, "batch": batch, "plain_tokens_per_s": plain,
+                             "fixed_over_plain": best["fixed"]["tok_s"] / plain,
+                             "adaptive_over_plain": best["adaptive"]["tok_s"] / plain, "adaptive_widths": ran,
+                             "adaptive_choice": best["adaptive"]["choice"]})
                 print(f"  {acceptance:10.1f} {batch:5} | {plain:11.1f} | {best['fixed']['tok_s'] / plain:13.2f} | "
                       f"{best['adaptive']['tok_s'] / plain:14.2f} | {ran}, {best['adaptive']['choice']}")
+    return figures
 
 
 if __name__ == "__main__":

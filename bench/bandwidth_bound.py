@@ -15,7 +15,7 @@ moves by 1.5-2x within seconds, so decoding (`--tokens` per decode, `--rounds` d
 dirs in turn) is timed in segments of `--segment` tokens (an engine step may take several: a decode
 burst), host work included, each divided by the GEMV run just before and just after it (their mean,
 one call each); the figure is the median over the segments. Then the same against
-ONNX Runtime's GEMV alone, the yardstick issue 15 was written with. The bound for int8 / int4
+ONNX Runtime's GEMV alone (its own MatMul, which tandem's GEMV outruns). The bound for int8 / int4
 engines is the same bytes/s: fewer bytes per token should give proportionally more tokens/s.
 
 Where the shortfall is, from tandem's kernel timers (plugins/cpu/kernel_times.cc; on unless
@@ -30,7 +30,7 @@ Runtime's or the dir's library predates the timers.
 Each engine dir is decoded from a fresh copy (a temporary dir, removed at exit; `--in-place` reads it
 where it lies), so its weights sit in memory written in this run, as the GEMV's do. The memory a
 page lies in can stream slower than freshly written memory: on the sandbox's VM (restored from a
-snapshot), the 150M float dir built in an earlier session decoded at 78% of the bound (76-82%) and
+snapshot), a 150M float dir written before the VM was restored decoded at 78% of the bound (76-82%) and
 its fresh copy at 90% (86-92%), alternated in one run; the 48 matmuls alone, run over the old file's
 pages, a fresh copy's and a file written in one go, streamed at 22.0, 24.8 and 25.3 GB/s.
 """
@@ -53,7 +53,8 @@ import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine  # noqa: E402
+from bench.common import decode_speed as tokens_per_s  # noqa: E402
+from bench.common import interleaved, machine  # noqa: E402
 from tandem.engines.backends.onnxruntime_backend import session  # noqa: E402
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN  # noqa: E402
 from tandem.export.cpu_matmul_lowering import weight_panels  # noqa: E402
@@ -129,8 +130,8 @@ class GemvProbe:
         return speeds
 
     def bound(self) -> tuple[float, float]:
-        """Bytes/s now (one call each) of the faster GEMV, and of ONNX Runtime's (the issue's own
-        yardstick, which tandem's GEMV outruns)."""
+        """Bytes/s now (one call each) of the faster GEMV, and of ONNX Runtime's (its own MatMul,
+        which tandem's GEMV outruns)."""
         speeds = self.measure(calls=1)
         return max(speeds.values()), speeds["onnxruntime"]
 
@@ -139,9 +140,7 @@ def decode_speed(llm: LLM, tokens: int) -> float:
     """Tokens/s of one plain greedy decode at batch 1 (32-token prompt; the first token not counted)."""
     params = SamplingParams(max_tokens=tokens, ignore_eos=True, speculative=False)
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, llm.desc.vocab_size, 32)]
-    result = llm.generate([prompt], params)[0]
-    m = result.metrics
-    return (len(result.token_ids) - 1) / (m.finished - m.first_token)
+    return tokens_per_s(llm.generate([prompt], params))
 
 
 MATMUL_OPS = ("MatMul", "MatMulNBits")      # tandem's matmul kernels (float32 / bf16, int8 / int4)
@@ -219,7 +218,7 @@ def shares(segments: list[Segment], bytes_per_token: float) -> str:
     return f"{matmul:.0%} | {other:.0%} | {speed:.0%}"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("engine_dirs", type=Path, nargs="+")
     parser.add_argument("--tokens", type=int, default=64)
@@ -230,30 +229,28 @@ def main() -> None:
                         help="decode each engine dir where it lies instead of from a fresh copy")
     parser.add_argument("--no-kernel-times", dest="kernel_times", action="store_false",
                         help="leave tandem's kernel timers off (no shares columns)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.kernel_times:
         os.environ[cpu_kernels.TIMES_ENV] = "1"     # read when the process first runs a kernel
     with tempfile.TemporaryDirectory(prefix="tandem-bandwidth-") as scratch:
         dirs = args.engine_dirs if args.in_place else [
             Path(shutil.copytree(d, Path(scratch) / f"{i}-{d.name}")) for i, d in enumerate(args.engine_dirs)]
-        measure(dict(zip(args.engine_dirs, dirs)), args)
+        return measure(dict(zip(args.engine_dirs, dirs)), args)
 
 
-def measure(dirs: dict[Path, Path], args: argparse.Namespace) -> None:
-    """Decode each engine dir (named by its key, read from its value) against the GEMV bound."""
+def measure(dirs: dict[Path, Path], args: argparse.Namespace) -> dict:
+    """Decode each engine dir (named by its key, read from its value) against the GEMV bound: the
+    figures printed, per dir and of the bound."""
     llms = {d: LLM(at, RuntimeConfig(speculative=False)) for d, at in dirs.items()}
     probe = GemvProbe(args.gemv_mib, cpu_kernels.library() if cpu_kernels.f32_matmul() else None)
     timers = {d: timers_of(llm) for d, llm in llms.items()}
     for d, llm in llms.items():
         decode_steps(llm, 8, probe, args.segment, timers[d])   # warm-up: sessions, bindings
     print(f"machine: {machine()}; onnxruntime {ort.__version__}; plain decoding, batch 1, {args.tokens} tokens")
-    segments: dict[Path, list[Segment]] = {d: [] for d in llms}
-    speeds: dict[Path, list[float]] = {d: [] for d in llms}
-    for _ in range(args.rounds):
-        for d, llm in llms.items():
-            speed, steps = decode_steps(llm, args.tokens, probe, args.segment, timers[d])
-            speeds[d].append(speed)
-            segments[d] += steps
+    got = interleaved({d: lambda _, d=d, llm=llm: decode_steps(llm, args.tokens, probe, args.segment, timers[d])
+                       for d, llm in llms.items()}, args.rounds)
+    speeds = {d: [speed for speed, _ in runs] for d, runs in got.items()}
+    segments = {d: [seg for _, steps in runs for seg in steps] for d, runs in got.items()}
     bounds = [seg.bound for steps in segments.values() for seg in steps]
     gemvs = probe.measure()
     print(f"GEMV bound: {statistics.median(bounds) / 1e9:.1f} GB/s (median over {len(bounds)} segments; "
@@ -262,13 +259,23 @@ def measure(dirs: dict[Path, Path], args: argparse.Namespace) -> None:
     print("engine dir | weight MiB per token | tokens/s | bound tokens/s | achieved / bound (median segment; "
           "quartiles) | achieved / ONNX Runtime's GEMV | matmul kernels' share of decode time | other "
           "kernels' share | matmuls' speed / bound")
+    figures = {"bound_gb_s": statistics.median(bounds) / 1e9,
+               "bound_range_gb_s": [min(bounds) / 1e9, max(bounds) / 1e9],
+               "gemv_at_end_gb_s": {name: g / 1e9 for name, g in gemvs.items()}, "dirs": {}}
     for d, steps in segments.items():
         per_token = weight_bytes_per_token(d)
         q1, q2, q3 = statistics.quantiles([per_token / seg.seconds_per_token / seg.bound for seg in steps], n=4)
-        print(f"{d} | {per_token / 2**20:.1f} | {statistics.median(speeds[d]):.1f} | "
-              f"{statistics.median(bounds) / per_token:.1f} | {q2:.0%} ({q1:.0%}-{q3:.0%}) | "
-              f"{statistics.median(per_token / seg.seconds_per_token / seg.onnxruntime for seg in steps):.0%} | "
-              f"{shares(steps, per_token)}")
+        row = {"weight_mib_per_token": per_token / 2**20, "tokens_per_s": statistics.median(speeds[d]),
+               "bound_tokens_per_s": statistics.median(bounds) / per_token, "achieved_over_bound": q2,
+               "achieved_over_bound_quartiles": [q1, q3],
+               "achieved_over_onnxruntime": statistics.median(per_token / seg.seconds_per_token / seg.onnxruntime
+                                                              for seg in steps),
+               "shares": shares(steps, per_token)}
+        figures["dirs"][str(d)] = row
+        print(f"{d} | {row['weight_mib_per_token']:.1f} | {row['tokens_per_s']:.1f} | "
+              f"{row['bound_tokens_per_s']:.1f} | {q2:.0%} ({q1:.0%}-{q3:.0%}) | "
+              f"{row['achieved_over_onnxruntime']:.0%} | {row['shares']}")
+    return figures
 
 
 if __name__ == "__main__":

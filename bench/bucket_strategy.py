@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -18,13 +17,13 @@ import onnx
 import onnxruntime as ort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checkpoints import checkpoint, workdir  # noqa: E402
 from bench.common import machine, timeit  # noqa: E402
 from tandem import contract as c  # noqa: E402
 from tandem.checkpoint import open_checkpoint  # noqa: E402
 from tandem.export.exporter import export_checkpoint  # noqa: E402
 from tandem.export.lowering import lower_for_onnxruntime  # noqa: E402
 from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY  # noqa: E402
-from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 
 def feeds_for(desc, sess, batch, rows, ctx=256, page=16):
@@ -64,15 +63,13 @@ def fix_shapes(model: onnx.ModelProto, batch: int, rows: int) -> onnx.ModelProto
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", default="qwen3_5_150m")
     parser.add_argument("--workdir", default=None)
-    args = parser.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bucket-"))
-    src = work / args.kind
-    if not (src / "config.json").exists():
-        write_tiny_checkpoint(src, args.kind, dtype="bfloat16")
+    args = parser.parse_args(argv)
+    work = workdir(args.workdir, prefix="tandem-bucket-")
+    src = checkpoint(args.kind, work, dtype="bfloat16")
     ckpt = open_checkpoint(src)
     exp = work / f"{args.kind}-onnx"
     if not (exp / "export.json").exists():
@@ -80,7 +77,7 @@ def main() -> None:
     print(f"machine: {machine()}; onnxruntime {ort.__version__}; {args.kind}")
     print(f"{'graph':<14}{'B':>3}{'W':>3}  {'static: build+save s':>21} {'load s':>7} {'call ms (p90)':>16}"
           f"  {'dynamic: load s':>16} {'call ms (p90)':>16}")
-    dynamic_cache = {}
+    dynamic_cache, table = {}, []
     for graph, rows in ((TARGET_STEP.name, 1), (VERIFY_GREEDY.name, 4)):
         base = onnx.load(str(exp / f"{graph}.onnx"), load_external_data=False)
         lowered = lower_for_onnxruntime(base, rows=rows)
@@ -112,9 +109,13 @@ def main() -> None:
                 for o in sess.get_outputs():
                     binding.bind_output(o.name)
                 results.append(timeit(lambda s=sess, b=binding: s.run_with_iobinding(b), warmup=3, runs=15))
+            table.append({"graph": graph, "batch": batch, "width": rows, "static_build_s": t_build,
+                          "static_load_s": t_load_static, "static_call_ms": results[0], "dynamic_load_s": t_load_dyn,
+                          "dynamic_call_ms": results[1]})
             print(f"{graph:<14}{batch:>3}{rows:>3}  {t_build:>21.2f} {t_load_static:>7.2f} "
                   f"{results[0][0]:>9.2f} ({results[0][1]:5.2f})  {t_load_dyn:>16.2f} "
                   f"{results[1][0]:>9.2f} ({results[1][1]:5.2f})")
+    return {"kind": args.kind, "rows": table}
 
 
 if __name__ == "__main__":

@@ -72,16 +72,19 @@ def measure(pool_rows: int, rows: int, row: int, repeat: int) -> dict:
             "same_bytes": pool.tobytes() == pool2.tobytes()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=32, help="rows per commit (batch 8 x width 4)")
     ap.add_argument("--row", type=int, default=256, help="floats per row (2 KV heads x 128)")
     ap.add_argument("--repeat", type=int, default=300)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    results = []
     for pool_rows in (1 << 14, 1 << 17):
         r = measure(pool_rows, args.rows, args.row, args.repeat)
+        results.append({"pool_rows": pool_rows, **r})
         print(f"pool {r['pool_MiB']:7.1f} MiB  {args.rows} rows x {args.row}: numpy {r['numpy_us']:7.1f} us   "
               f"ORT commit graph {r['ort_graph_us']:8.1f} us   same bytes: {r['same_bytes']}")
+    return {"rows": args.rows, "row": args.row, "pools": results}
 
 
 if __name__ == "__main__":

@@ -19,29 +19,30 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.bandwidth_bound import decode_speed  # noqa: E402
-from bench.common import machine  # noqa: E402
+from bench.common import interleaved, machine, summary  # noqa: E402
 from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir_a", type=Path)
     parser.add_argument("dir_b", type=Path)
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--tokens", type=int, default=64)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     llms = [LLM(d, RuntimeConfig(speculative=False)) for d in (args.dir_a, args.dir_b)]
     for llm in llms:
         decode_speed(llm, 8)                         # warm-up: sessions, bindings
-    speeds: list[list[float]] = [[], []]
-    for r in range(args.rounds):
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-            speeds[i].append(decode_speed(llms[i], args.tokens))
+    got = interleaved({"A": lambda _: decode_speed(llms[0], args.tokens),
+                       "B": lambda _: decode_speed(llms[1], args.tokens)}, args.rounds, alternate=True)
+    speeds = [got["A"], got["B"]]
     ratios = [b / a for a, b in zip(*speeds)]
     print(f"{machine()}; plain decoding, batch 1, {args.tokens} tokens, {args.rounds} interleaved rounds")
     print(f"  A = {args.dir_a}: {statistics.median(speeds[0]):.1f} tok/s")
     print(f"  B = {args.dir_b}: {statistics.median(speeds[1]):.1f} tok/s")
     print(f"  B / A per round: median {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
+    return {"a": str(args.dir_a), "b": str(args.dir_b), "tokens": args.tokens,
+            "a_tokens_per_s": summary(speeds[0]), "b_tokens_per_s": summary(speeds[1]), "b_over_a": summary(ratios)}
 
 
 if __name__ == "__main__":

@@ -21,15 +21,14 @@ is n plain greedy steps, not an approximation of them.
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ helpers
-from bench.common import machine  # noqa: E402
+from bench.common import decode_speed, interleaved, machine, medians  # noqa: E402
+from bench.report import write_json  # noqa: E402
 from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 
@@ -39,13 +38,10 @@ def timed_generation(llm: LLM, prompts: list[list[int]], params: SamplingParams)
     stats = llm.round_loop.stats
     wall, engine = stats.round_seconds, stats.engine_seconds
     results = llm.generate(prompts, params)
-    first = max(r.metrics.first_token for r in results)
-    last = max(r.metrics.finished for r in results)
-    tokens = sum(len(r.token_ids) - 1 for r in results)
     wall, engine = stats.round_seconds - wall, stats.engine_seconds - engine
     host = wall - engine
     made = sum(len(r.token_ids) for r in results) / len(results)
-    return (tokens / (last - first), host / wall if wall else 0.0, 1e6 * host / max(1.0, made),
+    return (decode_speed(results), host / wall if wall else 0.0, 1e6 * host / max(1.0, made),
             [r.token_ids for r in results])
 
 
@@ -68,29 +64,26 @@ def compare(engine_dir: Path, batch: int, tokens: int, rounds: int, prompt_len: 
                              seed=i) for i in range(batch)]
     for llm in modes.values():           # warm-up: sessions open, bindings made
         llm.generate(prompts, params)
-    got = {label: [] for label in modes}
-    for _ in range(rounds):
-        outputs = {}
-        for label, llm in modes.items():
-            speed, share, host_us, ids = timed_generation(llm, prompts, params)
-            got[label].append((speed, share, host_us))
-            outputs[label] = ids
-        if outputs["multi-step"] != outputs["one per call"]:
+
+    def same_tokens(this: dict) -> None:
+        if this["multi-step"][3] != this["one per call"][3]:
             raise SystemExit(f"batch {batch}: the multi-step decode emitted other tokens than one per call")
+
+    got = interleaved({label: lambda _, llm=llm: timed_generation(llm, prompts, params)
+                       for label, llm in modes.items()}, rounds, each_pass=same_tokens)
     decode = modes["multi-step"].round_loop.decode
     report = {"batch": batch, "steps": decode.steps, "mode": "burst" if burst else "graph"}
     if burst:    # how many target steps a burst ran, on average (its time budget may end it early)
         report["steps_per_burst"] = decode.calls / max(1, decode.bursts)
     for label, runs in got.items():
-        report[label] = {"tokens_per_s": statistics.median(r[0] for r in runs),
-                         "host_share": statistics.median(r[1] for r in runs),
-                         "host_us_per_token": statistics.median(r[2] for r in runs),
+        speed, share, host_us = medians(runs, 0, 1, 2)
+        report[label] = {"tokens_per_s": speed, "host_share": share, "host_us_per_token": host_us,
                          "runs": [round(r[0], 1) for r in runs]}
     report["speedup"] = report["multi-step"]["tokens_per_s"] / report["one per call"]["tokens_per_s"]
     return report
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("engine_dir", type=Path)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -106,7 +99,7 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=0, help="the sampled requests' top-k (0: off)")
     parser.add_argument("--top-p", type=float, default=1.0, help="the sampled requests' top-p (1: off)")
     parser.add_argument("--json", type=Path, default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.temperature and not args.burst:
         parser.error("--temperature needs --burst N: a multi-step decode graph takes greedy rows only")
     what = (f"sampled (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p})" if args.temperature
@@ -126,7 +119,8 @@ def main() -> None:
         extra = f", {r['steps_per_burst']:.1f} target steps a burst" if "steps_per_burst" in r else ""
         print(f"  batch {batch}: {r['mode']} / one per call = {r['speedup']:.2f}x, same tokens{extra}")
     if args.json:
-        args.json.write_text(json.dumps(reports, indent=2) + "\n")
+        write_json(args.json, reports)
+    return {"batches": reports}
 
 
 if __name__ == "__main__":

@@ -120,7 +120,7 @@ def op_rows(busy_a: dict[str, float], busy_b: dict[str, float], calls: int) -> l
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir_a", type=Path)
     parser.add_argument("dir_b", type=Path)
@@ -133,7 +133,7 @@ def main() -> None:
                         help="ONNX Runtime threads (default: every core; 1 when another job holds a core)")
     parser.add_argument("--no-kernel-times", dest="kernel_times", action="store_false",
                         help="leave tandem's kernel timers off (no per-op table)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.kernel_times:   # before any session runs a kernel: the library reads it once
         os.environ.setdefault(cpu_kernels.TIMES_ENV, "1")
     libraries = [engine_library(d) if args.kernel_times else None for d in (args.dir_a, args.dir_b)]
@@ -145,6 +145,7 @@ def main() -> None:
     a, b = (_served(d, args.graph, args.rows, args.threads) for d in (args.dir_a, args.dir_b))
     print(f"{machine()}; {args.graph}, {args.rows} row(s), context {args.context}, {args.calls} calls each, "
           f"interleaved\n  A = {args.dir_a}\n  B = {args.dir_b}")
+    figures = {"graph": args.graph, "rows": args.rows, "context": args.context, "batches": {}}
     for batch in args.batch:
         # one set of inputs; each session takes the ones it has (an optional input one lacks: the
         # grammar mask, all ones, or relaxed acceptance, off, so both compute the same)
@@ -165,8 +166,13 @@ def main() -> None:
         ma, mb = (statistics.median(times[k][10:]) * 1e3 for k in "ab")
         print(f"  batch {batch}: A {ma:.3f} ms, B {mb:.3f} ms per call, A/B {ma / mb:.2f}x; "
               f"largest output difference {diff:.1e}" + ("" if diff < 1e-4 else "  <-- outputs differ"))
-        for row in op_rows(*(kernel_busy(library) for library in libraries), args.calls):
+        busy = [kernel_busy(library) for library in libraries]
+        for row in op_rows(*busy, args.calls):
             print(row)
+        figures["batches"][batch] = {"a_ms": ma, "b_ms": mb, "a_over_b": ma / mb, "largest_difference": diff,
+                                     "op_us_per_call": {side: {op: us / args.calls for op, us in b.items()}
+                                                        for side, b in zip("ab", busy)}}
+    return figures
 
 
 if __name__ == "__main__":

@@ -25,10 +25,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checkpoints import build  # noqa: E402
 from bench.common import acceptance_per_position, machine  # noqa: E402
 from bench.quant_quality import held_out_windows  # noqa: E402
-from tandem.engines.builder import build_engines  # noqa: E402
-from tandem.engines.options import BuildOptions  # noqa: E402
 from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 
@@ -68,13 +67,12 @@ def engine_dirs(ckpt: Path, work: Path, given: str | None, max_seq_len: int) -> 
     for mode in ("on", "off"):
         out[mode] = work / f"share_{mode}"
         t0 = time.time()
-        build_engines(ckpt, out[mode], BuildOptions(batch_sizes=(1, 8), spec_k=K, max_seq_len=max_seq_len,
-                                                    index_share=mode == "on"), show_progress=False)
+        build(ckpt, out[mode], batch_sizes=(1, 8), spec_k=K, max_seq_len=max_seq_len, index_share=mode == "on")
         print(f"built {out[mode]} in {time.time() - t0:.0f} s", flush=True)
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/index_share_acceptance"))
@@ -83,7 +81,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--seed", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if not (args.checkpoint / "tokenizer.json").exists():
         raise SystemExit(f"{args.checkpoint}: no tokenizer.json; give a checkpoint written by tools/train_dsa_model.py")
     dirs = engine_dirs(args.checkpoint, args.workdir, args.engines, max_seq_len=1024)
@@ -104,6 +102,12 @@ def main() -> None:
     print(f"accept length on - off per prompt: mean {diff.mean():+.4f}, standard error "
           f"{diff.std(ddof=1) / np.sqrt(len(diff)):.4f}, prompts on > off / equal / < off: {(diff > 0).sum()} / "
           f"{(diff == 0).sum()} / {(diff < 0).sum()}")
+    return {"prompts": len(prompts), "outputs_equal": same,
+            "modes": {mode: {"accept_length": r.accept_length, "given": r.given, "rounds": r.rounds,
+                             "spec_equals_plain": r.spec_equals_plain, "spec_seconds": r.spec_seconds}
+                      for mode, r in results.items()},
+            "accept_length_on_minus_off": {"mean": float(diff.mean()),
+                                           "standard_error": float(diff.std(ddof=1) / np.sqrt(len(diff)))}}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ import json
 import resource
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -40,12 +39,11 @@ def _rss() -> dict:
 
 
 def child_build(model: str, out: str, weights: str, batches: str) -> dict:
-    from tandem.engines.builder import build_engines
-    from tandem.engines.options import BuildOptions
+    from bench.checkpoints import build
+    from tandem.engines import builder  # noqa: F401  (imported before the clock starts)
 
     start = time.perf_counter()
-    options = BuildOptions(weights=weights, batch_sizes=tuple(int(b) for b in batches.split(",")), max_seq_len=1024)
-    built = build_engines(model, out, options, show_progress=False)
+    built = build(model, out, weights=weights, batch_sizes=tuple(int(b) for b in batches.split(",")), max_seq_len=1024)
     return {"seconds": time.perf_counter() - start, "bytes": built.size_bytes, **_rss()}
 
 
@@ -84,7 +82,7 @@ def _in_child(*args: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/tandem-tiny-code", help="checkpoint folder or tiny/bench kind")
     parser.add_argument("--weights", default="float,int8")
@@ -93,42 +91,43 @@ def main() -> None:
     parser.add_argument("--reuse", action="store_true", help="keep engine dirs already built in the workdir")
     parser.add_argument("--loads", type=int, default=2, help="loads per engine dir (the first one hashes the files)")
     parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.child:
         kind, *rest = args.child
         print(json.dumps({"build": child_build, "read": child_read, "load": child_load}[kind](*rest)))
-        return
+        return {}
+    from bench.checkpoints import checkpoint, workdir
     from bench.common import machine
-    from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-load-"))
-    work.mkdir(parents=True, exist_ok=True)
-    src = Path(args.model) if Path(args.model).is_dir() else work / args.model
-    if not (src / "config.json").exists():
-        write_tiny_checkpoint(src, args.model, dtype="bfloat16" if "150m" in args.model else "float32")
+    work = workdir(args.workdir, prefix="tandem-load-")
+    src = checkpoint(args.model, work)
     ckpt_bytes = sum(p.stat().st_size for p in src.glob("*.safetensors"))
     print(f"machine: {machine()}; {src.name}: checkpoint {ckpt_bytes / _MIB:.0f} MiB; batches {args.batches}; "
           "reads and loads are warm (page cache)")
+    figures = {"checkpoint_mib": ckpt_bytes / _MIB, "formats": {}}
     for fmt in args.weights.split(","):
         out = work / f"{src.name}-{fmt}"
+        figures["formats"][fmt] = got = {"loads": []}
         if args.reuse and (out / "manifest.json").exists():
             print(f"\n{fmt}: reusing {out}")
         else:
-            b = _in_child("build", str(src), str(out), fmt, args.batches)
+            b = got["build"] = _in_child("build", str(src), str(out), fmt, args.batches)
             print(f"\n{fmt}: build {b['seconds']:.1f} s (CPU {b['cpu_seconds']:.1f} s), "
                   f"peak RSS {b['peak_rss_mib']:.0f} MiB "
                   f"({b['peak_rss_mib'] * _MIB / ckpt_bytes:.1f}x checkpoint), engine dir {b['bytes'] / _MIB:.0f} MiB")
-        r = _in_child("read", str(out))
+        r = got["read"] = _in_child("read", str(out))
         print(f"  read every file: {r['seconds'] * 1e3:.0f} ms ({r['bytes'] / _MIB:.0f} MiB, "
               f"{r['bytes'] / _MIB / r['seconds']:.0f} MiB/s)")
         for i in range(args.loads):
             load = _in_child("load", str(out))
+            got["loads"].append(load)
             print(f"  load {i + 1}: LLM() {load['construct_seconds'] * 1e3:.0f} ms (hashed {load['hashed']} files), "
                   f"first token at {load['first_token_seconds'] * 1e3:.0f} ms, "
                   f"CPU {load['load_cpu_seconds'] * 1e3:.0f} ms "
                   f"({load['sessions']} sessions open), "
                   f"{load['first_token_seconds'] / r['seconds']:.1f}x read; RSS {load['rss_mib']:.0f} MiB "
                   f"(peak {load['peak_rss_mib']:.0f})")
+    return figures
 
 
 if __name__ == "__main__":

@@ -84,7 +84,7 @@ def float_graph(domain: str, K: int, N: int, nodes: int, seed: int = 0, bf16: bo
     return model, nodes * K * N * (2 if bf16 else 4)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", default="768x3088,1024x768,768x4096,2048x768,768x32000")
     parser.add_argument("--bits", type=int, default=4, choices=(4, 8, 16, 32),
@@ -92,13 +92,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--mib", type=float, default=48.0)
     parser.add_argument("--rounds", type=int, default=7)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     library = cpu_kernels.library()
     if library is None:
         raise SystemExit("tandem's CPU kernels are not built here (no C++ compiler, or TANDEM_CPU_KERNELS=0)")
     fast = cpu_kernels.f32_matmul() if args.bits >= 16 else cpu_kernels.nbits_matmul()
     print(f"{machine()}; {args.bits}-bit, block {BLOCK}; tandem's kernel: "
           f"{'AVX-512' if fast else 'portable loop (the build would not use it here)'}")
+    table = []
     for shape in args.shapes.split(","):
         K, N = (int(v) for v in shape.split("x"))
         per_node = N * K * args.bits // 8
@@ -125,6 +126,10 @@ def main() -> None:
                   f"tandem {best['tandem'] * 1e3:.2f} ms ({nbytes / best['tandem'] / 1e9:.1f} GB/s), "
                   f"mlas {best['mlas'] * 1e3:.2f} ms ({nbytes / best['mlas'] / 1e9:.1f} GB/s), "
                   f"mlas / tandem {best['mlas'] / best['tandem']:.2f}x")
+            table.append({"K": K, "N": N, "nodes": nodes, "mib": nbytes / 2**20, "rows": rows,
+                          "tandem_ms": best["tandem"] * 1e3, "mlas_ms": best["mlas"] * 1e3,
+                          "mlas_over_tandem": best["mlas"] / best["tandem"]})
+    return {"bits": args.bits, "results": table}
 
 
 if __name__ == "__main__":

@@ -19,12 +19,12 @@ import multiprocessing as mp
 import os
 import socket
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checkpoints import tiny_engines, workdir  # noqa: E402
 from bench.common import machine  # noqa: E402
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -57,14 +57,16 @@ class Report:
         print(f"  {self.mode:7} {done:6d} requests  RSS {rss:8.1f} MiB  (+{rss - self.base[1]:6.1f} since "
               f"{self.base[0]}){extra}", flush=True)
 
-    def summary(self) -> None:
+    def summary(self) -> dict:
         (n0, r0), (n1, r1) = self.base, self.last
         per = (r1 - r0) * 1024 / (n1 - n0) if n1 > n0 else 0.0
         print(f"  {self.mode}: {r0:.1f} -> {r1:.1f} MiB over requests {n0}..{n1}: {per:+.2f} KiB per request",
               flush=True)
+        return {"requests": [n0, n1], "rss_mib": [r0, r1], "kib_per_request": per}
 
 
-def offline(engine_dir: str, requests: int, every: int) -> None:
+def offline(engine_dir: str, requests: int, every: int, answer=None) -> dict:
+    """(In a process of its own.) `answer`: a queue the summary is put on at the end."""
     from tandem.pipeline.llm import LLM
     from tandem.pipeline.sampling_params import SamplingParams
 
@@ -75,7 +77,10 @@ def offline(engine_dir: str, requests: int, every: int) -> None:
         llm.generate([prompt(i)], params)
         if i % every == 0:
             report.at(i, rss_mib(), f"  pages ever used {llm.pages.ever_used}")
-    report.summary()
+    summary = report.summary()
+    if answer is not None:
+        answer.put(summary)
+    return summary
 
 
 def _serve(engine_dir: str, port: int) -> None:
@@ -86,7 +91,7 @@ def _serve(engine_dir: str, port: int) -> None:
     uvicorn.run(build(engine_dir), host="127.0.0.1", port=port, log_level="warning")
 
 
-def server(engine_dir: str, requests: int, every: int, concurrency: int) -> None:
+def server(engine_dir: str, requests: int, every: int, concurrency: int) -> dict:
     import httpx
 
     with socket.socket() as s:
@@ -115,7 +120,7 @@ def server(engine_dir: str, requests: int, every: int, concurrency: int) -> None
                 block = range(start, min(start + every, requests + 1))
                 list(pool.map(lambda i: one(i, client), block))
                 report.at(block[-1], rss_mib(child.pid))
-        report.summary()
+        return report.summary()
     finally:
         child.terminate()
         child.join(10)
@@ -137,20 +142,7 @@ def _wait_ready(url: str, child: mp.Process) -> str:
     raise SystemExit("the server did not become ready within 60 s")
 
 
-def tiny_engines(work: Path) -> Path:
-    from tandem.engines.builder import build_engines
-    from tandem.engines.options import BuildOptions
-    from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
-
-    src, out = work / "qwen3_5_mtp3", work / "qwen3_5_mtp3-engines"
-    if not (src / "config.json").exists():
-        write_tiny_checkpoint(src, "qwen3_5_mtp3")
-    build_engines(src, out, BuildOptions(batch_sizes=(1, 2, 4, 8), spec_k=3, prefill_chunk=64, max_seq_len=1024),
-                  show_progress=False)
-    return out
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--engines", default=None, help="engine dir (default: build a tiny one in the workdir)")
     parser.add_argument("--requests", type=int, default=5000)
@@ -158,23 +150,28 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--modes", default="offline,server")
     parser.add_argument("--workdir", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.requests < 2 * args.every or args.every < 1:
         parser.error("--requests must cover at least two --every blocks (the first is the warm-up)")
-    engines = args.engines or str(tiny_engines(Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bench-"))))
+    engines = args.engines or str(tiny_engines(workdir(args.workdir)))
     print(f"machine: {machine()}; engines {engines}; {args.requests} requests of {MAX_TOKENS} tokens, RSS every "
           f"{args.every} (the first block is the warm-up)", flush=True)
+    figures = {}
     for mode in args.modes.split(","):
         if mode == "offline":   # in a process of its own: only the pipeline's memory is counted
-            p = mp.get_context("spawn").Process(target=offline, args=(engines, args.requests, args.every))
+            spawn = mp.get_context("spawn")
+            answer = spawn.SimpleQueue()
+            p = spawn.Process(target=offline, args=(engines, args.requests, args.every, answer))
             p.start()
             p.join()
             if p.exitcode:
                 raise SystemExit(f"offline failed (exit code {p.exitcode})")
+            figures[mode] = answer.get()
         elif mode == "server":
-            server(engines, args.requests, args.every, args.concurrency)
+            figures[mode] = server(engines, args.requests, args.every, args.concurrency)
         else:
             parser.error(f"unknown mode {mode!r}: offline or server")
+    return figures
 
 
 if __name__ == "__main__":

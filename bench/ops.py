@@ -7,6 +7,7 @@ Prints median / p90 ms per call; the ratio column is body / lowered (> 1: loweri
 
 from __future__ import annotations
 
+import argparse
 import sys
 from functools import partial
 from pathlib import Path
@@ -43,8 +44,10 @@ def gdn_case(b, w, hk, hv, d, emit):
     return model, inputs
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
+    argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     threads = 2
+    figures = {"gated_deltanet": [], "gated_deltanet_prefill": [], "paged_sparse_attention": []}
     print(f"machine: {machine()}; onnxruntime {ort.__version__}, {threads} threads")
     print("\nGatedDeltaNet (dk = dv = 128)                  body ms (p90)     lowered ms (p90)   body/lowered")
     for hk, hv in ((4, 8), (16, 32)):
@@ -57,6 +60,7 @@ def main() -> None:
             tl = timeit(partial(low.run, None, feeds))
             label = f"Hk={hk:2d} Hv={hv:2d} B={b} W={w:2d}" + (" row states" if emit else "")
             print(f"  {label:<44} {tb[0]:7.3f} ({tb[1]:6.3f})  {tl[0]:7.3f} ({tl[1]:6.3f})   {tb[0] / tl[0]:5.2f}x")
+            figures["gated_deltanet"].append({"case": label, "body_ms": tb, "lowered_ms": tl})
     print("\nGatedDeltaNet prefill, recurrent body vs chunked body (C=64) vs lowered       ms (p90)")
     for hk, hv in ((4, 8), (16, 32)):
         for w in (64, 256):
@@ -70,6 +74,8 @@ def main() -> None:
                      for m in (model, chunked, lower_for_onnxruntime(model))]
             print(f"  Hk={hk:2d} Hv={hv:2d} B=1 W={w:3d}   recurrent {times[0][0]:8.2f} ({times[0][1]:7.2f})   "
                   f"chunked {times[1][0]:7.2f} ({times[1][1]:7.2f})   lowered {times[2][0]:6.2f} ({times[2][1]:6.2f})")
+            figures["gated_deltanet_prefill"].append({"case": f"Hk={hk} Hv={hv} B=1 W={w}", "recurrent_ms": times[0],
+                                                      "chunked_ms": times[1], "lowered_ms": times[2]})
     print("\nPagedSparseAttention, function body (Hq=8, Hkv=2, D=128, page 16)   ms (p90)")
     rng = np.random.default_rng(0)
     for b, w, ctx in ((1, 1, 512), (1, 4, 512), (8, 1, 512), (8, 4, 512), (1, 1, 4096), (1, 64, 0)):
@@ -86,6 +92,8 @@ def main() -> None:
         feeds = {f"in{j}": a for j, a in enumerate(inputs)}
         t = timeit(partial(sess.run, None, feeds))
         print(f"  B={b} W={w:2d} context={ctx:5d}                                     {t[0]:7.3f} ({t[1]:6.3f})")
+        figures["paged_sparse_attention"].append({"case": f"B={b} W={w} context={ctx}", "body_ms": t})
+    return figures
 
 
 if __name__ == "__main__":

@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine, wait_for_engines  # noqa: E402
-from tandem.engines.builder import build_engines  # noqa: E402
-from tandem.engines.options import BuildOptions  # noqa: E402
+from bench.checkpoints import build, checkpoint, workdir  # noqa: E402
+from bench.common import accept_length, machine, wait_for_engines  # noqa: E402
 from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
-from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 
 def measure(engine_dir: Path, batch: int, spec: bool, acceptance: float | None, max_tokens: int, prompt_len: int,
@@ -60,14 +57,12 @@ def measure(engine_dir: Path, batch: int, spec: bool, acceptance: float | None, 
     rounds = st.rounds - rounds0
     round_s = st.round_seconds - round_s0
     engine_s = st.engine_seconds - engine_s0
-    accepted = sum(s.metrics.accepted for s in seqs)
-    verify_rounds = sum(s.metrics.rounds for s in seqs)
     return {"tok_s": tokens / wall, "t_round": round_s / rounds, "host_share": 1 - engine_s / round_s,
-            "accept_length": (accepted + verify_rounds) / verify_rounds if verify_rounds else 1.0}
+            "accept_length": accept_length(seqs)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="qwen3_5_mtp3,qwen3_5_150m")
     parser.add_argument("--acceptance", default="0.7", help="synthetic acceptance in [0, 1], or 'model'")
     parser.add_argument("--k", type=int, default=3)
@@ -81,21 +76,19 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=None,
                         help="new tokens per sequence (default 48 for 150M kinds, else 96); the adaptive width "
                              "settles over the warm-up request, which is as long")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     acceptance = None if args.acceptance == "model" else float(args.acceptance)
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bench-"))
+    work = workdir(args.workdir)
     print(f"machine: {machine()}; acceptance {args.acceptance}, k = {args.k}, dtype {args.dtype}, "
           f"weights {args.weights}")
+    figures = {}
     for kind in args.kinds.split(","):
-        src = Path(kind) if Path(kind).is_dir() else work / kind
-        if not (src / "config.json").exists():
-            write_tiny_checkpoint(src, kind, dtype="bfloat16" if "150m" in kind else "float32")
+        src = checkpoint(kind, work)
         kind = src.name
         engines = work / f"{kind}-engines-k{args.k}-{args.dtype}-{args.weights}-{args.draft_weights}"
-        built = build_engines(src, engines, BuildOptions(batch_sizes=(1, 8), spec_k=args.k, prefill_chunk=64,
-                                                         max_seq_len=1024, dtype=args.dtype, weights=args.weights,
-                                                         draft_weights=args.draft_weights),
-                              show_progress=False)
+        built = build(src, engines, batch_sizes=(1, 8), spec_k=args.k, prefill_chunk=64, max_seq_len=1024,
+                      dtype=args.dtype, weights=args.weights, draft_weights=args.draft_weights)
+        figures[kind] = {"build_seconds": built.seconds, "engine_mib": built.size_bytes / 2**20, "batches": {}}
         print(f"\n{kind} ({args.dtype}, {args.weights} weights): build {built.status} in {built.seconds:.1f} s, "
               f"engine dir {built.size_bytes / 2**20:.1f} MiB")
         max_tokens = args.tokens or (48 if "150m" in kind else 96)
@@ -106,9 +99,11 @@ def main() -> None:
             on = measure(engines, batch, True, acceptance, max_tokens, 32, args.threads, not args.fixed_width)
             speedup = on["tok_s"] / off["tok_s"]
             bound = on["accept_length"] * off["t_round"] / on["t_round"]
+            figures[kind]["batches"][batch] = {"off": off, "on": on, "speedup": speedup, "bound": bound}
             print(f"  {batch:>19} | {off['tok_s']:9.1f}  {off['t_round'] * 1e3:10.2f} {off['host_share'] * 100:4.1f} | "
                   f"{on['tok_s']:8.1f}  {on['t_round'] * 1e3:10.2f} {on['host_share'] * 100:4.1f}  "
                   f"{on['accept_length']:10.2f} | {speedup:7.2f}  {bound:5.2f}  {speedup / bound:6.0%}")
+    return figures
 
 
 if __name__ == "__main__":

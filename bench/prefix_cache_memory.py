@@ -27,17 +27,17 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("engine_dir")
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--budget-mb", type=float, default=8)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     llm = LLM(args.engine_dir, RuntimeConfig(memory_budget_bytes=int(args.budget_mb * 2**20)))
     rng = np.random.default_rng(0)
     vocab = llm.desc.vocab_size
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    done, start = 0, time.perf_counter()
+    done, start, rss = 0, time.perf_counter(), {}
     while done < args.requests:
         history = [[int(x) for x in rng.integers(3, vocab, 40)] for _ in range(4)]
         for _ in range(5):
@@ -45,10 +45,13 @@ def main() -> None:
                 history[i] = history[i] + r.token_ids + [int(x) for x in rng.integers(3, vocab, 8)]
                 done += 1
                 if done % 200 == 0:
-                    print(f"{done} requests: RSS {rss_mib():.1f} MiB", flush=True)
-    s = llm.prefix_cache.stats
-    print(f"{done} requests in {time.perf_counter() - start:.0f} s; prefix cache: {s.hits} of {s.queries} prompt "
+                    rss[done] = rss_mib()
+                    print(f"{done} requests: RSS {rss[done]:.1f} MiB", flush=True)
+    s, seconds = llm.prefix_cache.stats, time.perf_counter() - start
+    print(f"{done} requests in {seconds:.0f} s; prefix cache: {s.hits} of {s.queries} prompt "
           f"tokens restored, {s.entries_made} entries made, {s.evicted} evicted")
+    return {"requests": done, "seconds": seconds, "rss_mib": rss, "restored": s.hits, "queried": s.queries,
+            "entries_made": s.entries_made, "evicted": s.evicted}
 
 
 if __name__ == "__main__":

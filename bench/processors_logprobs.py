@@ -14,13 +14,13 @@ medians of tokens/s and accept length are printed with each setup's ratio to the
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ helpers
-from bench.common import machine, wait_for_engines  # noqa: E402
+from bench.common import accept_length, interleaved, machine, medians, wait_for_engines  # noqa: E402
+from bench.report import print_ratios  # noqa: E402
 from tandem.pipeline.llm import LLM  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 
@@ -37,33 +37,32 @@ def run_once(llm: LLM, batch: int, tokens: int, fields: dict) -> tuple[float, fl
     t = time.perf_counter()
     out = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(batch)], params)
     wall = time.perf_counter() - t
-    rounds = sum(o.metrics.rounds for o in out)
-    accept = (sum(o.metrics.accepted for o in out) + rounds) / rounds if rounds else 1.0
-    return sum(len(o.token_ids) for o in out) / wall, accept
+    return sum(len(o.token_ids) for o in out) / wall, accept_length(out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("engine_dir")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--passes", type=int, default=5)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     llm = LLM(args.engine_dir)
     wait_for_engines(llm)
     print(f"{machine()}; {args.engine_dir}; {args.tokens} tokens, medians of {args.passes} round-robin passes")
-    print("batch | setup | tokens/s | ratio to plain | accept length")
+    figures = {"tokens": args.tokens, "passes": args.passes, "batches": {}}
     for batch in args.batch:
         for fields in SETUPS.values():      # warm: sessions open at every width the setups use
             run_once(llm, batch, 16, fields)
-        got = {name: [] for name in SETUPS}
-        for _ in range(args.passes):
-            for name, fields in SETUPS.items():
-                got[name].append(run_once(llm, batch, args.tokens, fields))
-        plain = statistics.median(r[0] for r in got["plain"])
-        for name, runs in got.items():
-            tps, accept = (statistics.median(r[i] for r in runs) for i in range(2))
-            print(f"{batch} | {name} | {tps:.1f} | {tps / plain:.2f}x | {accept:.2f}")
+        got = interleaved({name: lambda _, batch=batch, fields=fields: run_once(llm, batch, args.tokens, fields)
+                           for name, fields in SETUPS.items()}, args.passes)
+        speeds = {name: medians(runs, 0)[0] for name, runs in got.items()}
+        accepts = {name: medians(runs, 1)[0] for name, runs in got.items()}
+        print(f"batch {batch}: tokens/s, ratio to plain, accept length")
+        ratios = print_ratios(speeds, "plain", extra={name: f"accept length {a:.2f}" for name, a in accepts.items()})
+        figures["batches"][batch] = {name: {"tokens_per_s": speeds[name], "vs_plain": ratios[name],
+                                     "accept_length": accepts[name]} for name in got}
+    return figures
 
 
 if __name__ == "__main__":

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,11 +38,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checkpoints import build, workdir  # noqa: E402
 from bench.common import acceptance_per_position, machine  # noqa: E402
 from bench.weight_formats import agreement  # noqa: E402
 from tandem import contract as c  # noqa: E402
-from tandem.engines.builder import build_engines  # noqa: E402
-from tandem.engines.options import BuildOptions  # noqa: E402
 from tandem.pipeline import host_tokens  # noqa: E402
 from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
@@ -188,14 +186,14 @@ def greedy_with_drift(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[
 def engine_dir_for(fmt: Format, src: Path, work: Path, given: dict[str, str]) -> Path:
     if fmt.label in given:
         return Path(given[fmt.label])
-    options = BuildOptions(weights=fmt.weights, quant_block=fmt.block, batch_sizes=(1, 8), max_seq_len=1024)
     t = time.perf_counter()
-    built = build_engines(src, work / f"{src.name}-{fmt.label.replace(':', '-b')}", options, show_progress=False)
+    built = build(src, work / f"{src.name}-{fmt.label.replace(':', '-b')}", weights=fmt.weights, quant_block=fmt.block,
+                  batch_sizes=(1, 8), max_seq_len=1024)
     print(f"  built {fmt.label}: {built.size_bytes / 2**20:.1f} MiB in {time.perf_counter() - t:.0f} s", flush=True)
     return built.engine_dir
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/tandem-tiny-code")
     parser.add_argument("--formats", default="float,int8,int4,int4:64")
@@ -206,7 +204,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--engines", default="", help="existing engine dirs, e.g. float=DIR,int4:64=DIR")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     src = Path(args.model)
     if not (src / "tokenizer.json").is_file():
         raise SystemExit(f"{src / 'tokenizer.json'} not found: --model must be a checkpoint folder trained on the "
@@ -220,8 +218,7 @@ def main() -> None:
         if not sep or not (Path(folder) / "manifest.json").is_file():
             raise SystemExit(f"--engines {kv!r}: write FORMAT=ENGINE_DIR, the folder holding manifest.json")
         given[Format.parse(label).label] = folder
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-quant-quality-"))
-    work.mkdir(parents=True, exist_ok=True)
+    work = workdir(args.workdir, prefix="tandem-quant-quality-")
     held = held_out_windows(src / "tokenizer.json", args.windows, args.seq, args.seed)
     windows = held.windows
     prompts = [w[:32].tolist() for w in windows[: args.prompts]]
@@ -244,6 +241,11 @@ def main() -> None:
               f" | {agreement(q.greedy, ref.greedy):.0%} | {q.accept_length:.2f} ({q.rounds})"
               f" | {', '.join(f'{a:.3f}' for a in q.acceptance)} | {q.spec_equals_plain}/{len(prompts)}"
               f" | {q.rows_drift:.1e}")
+    return {"positions": int(windows.shape[0] * args.seq), "prompts": len(prompts), "formats": {
+        label: {"loss": q.loss, "top1_agreement": float((q.argmax == ref.argmax).mean()),
+                "greedy_agreement": agreement(q.greedy, ref.greedy), "accept_length": q.accept_length,
+                "acceptance": q.acceptance, "rounds": q.rounds, "spec_equals_plain": q.spec_equals_plain,
+                "rows_drift": q.rows_drift} for label, q in results.items()}}
 
 
 if __name__ == "__main__":

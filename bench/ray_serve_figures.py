@@ -25,6 +25,9 @@ from pathlib import Path
 
 import httpx
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.report import print_ratios  # noqa: E402
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -96,12 +99,12 @@ def single_process(engine_dir: str, streams: int, tokens: int) -> tuple[float, f
         proc.wait(60)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("engine_dir")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=128)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     import ray
     from ray import serve
 
@@ -140,15 +143,18 @@ def main() -> int:
 
     print(f"load average after: {os.getloadavg()}")
     print(f"{args.streams} concurrent streams x {args.tokens} tokens, greedy:")
-    print(f"  single process : {single_tps:7.1f} tokens/s   TTFT {single_ttft * 1000:6.1f} ms")
-    for n, (tps, first) in figures.items():
-        print(f"  Ray, {n} replica(s): {tps:7.1f} tokens/s ({tps / single_tps:.2f}x)   TTFT {first * 1000:6.1f} ms "
-              f"({first / single_ttft:.2f}x)")
+    speeds = {"single process": single_tps, **{f"Ray, {n} replica(s)": tps for n, (tps, _) in figures.items()}}
+    ttfts = {"single process": single_ttft, **{f"Ray, {n} replica(s)": first for n, (_, first) in figures.items()}}
+    print_ratios(speeds, "single process", unit="tokens/s", fmt="7.1f",
+                 extra={name: f"TTFT {t * 1000:6.1f} ms ({t / single_ttft:.2f}x)" for name, t in ttfts.items()})
     print(f"  2 vs 1 replica: {figures[2][0] / figures[1][0]:.2f}x")
     print(f"recovery after SIGKILL of a replica: {recovery:.1f} s to a running replacement; "
           f"{failed} of {sent} requests sent meanwhile failed")
-    return 0
+    return {"streams": args.streams, "tokens": args.tokens,
+            "single_process": {"tokens_per_s": single_tps, "ttft_s": single_ttft},
+            "ray": {n: {"tokens_per_s": tps, "ttft_s": first} for n, (tps, first) in figures.items()},
+            "recovery_s": recovery, "failed": failed, "sent": sent}
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -78,13 +78,13 @@ def compare(logits: np.ndarray, u: np.ndarray, setting: tuple, calls: int, round
     return {**{key: min(v) / len(logits) for key, v in times.items()}, "native_differ": differ}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, nargs="+", default=[384, 4096, 32000, 151936])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     library = cpu_kernels.library()
     native = NativeSampler(library) if library else None
     print(f"{machine()}; µs per row-token, best of {args.rounds} alternated windows"
@@ -110,6 +110,7 @@ def main() -> None:
                 print(line)
     if args.json:
         Path(args.json).write_text(json.dumps({"machine": machine(), "results": report}, indent=1))
+    return {"results": report}
 
 
 if __name__ == "__main__":

@@ -15,15 +15,14 @@ ratio to plain and the accept length ((accepted + rounds) / rounds) of each setu
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine, wait_for_engines  # noqa: E402
+from bench.common import interleaved, machine, medians, wait_for_engines  # noqa: E402
 from bench.processors_logprobs import PROMPTS  # noqa: E402
+from bench.report import print_ratios, write_json  # noqa: E402
 from tandem.pipeline.llm import LLM  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
 
@@ -40,7 +39,7 @@ def one_pass(llm: LLM, prompts: list[str], batch: int, tokens: int, fields: dict
     return made / (time.perf_counter() - start), (accepted + rounds) / rounds if rounds else 1.0
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("engine_dir")
     parser.add_argument("--batch", type=int, default=1)
@@ -49,7 +48,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8, help="how many prompts (cycling the eight)")
     parser.add_argument("--setups", help="which setups, comma-separated (default: all; plain always runs)")
     parser.add_argument("--json", help="write the figures here too")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     llm = LLM(args.engine_dir)
     wait_for_engines(llm)
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.prompts)]
@@ -59,23 +58,20 @@ def main() -> None:
         if wanted - set(setups):
             parser.error(f"--setups: {', '.join(sorted(wanted - set(setups)))} unknown; use {', '.join(setups)}")
         setups = {name: fields for name, fields in setups.items() if name in wanted}
-    for fields in setups.values():
-        one_pass(llm, prompts, args.batch, args.tokens, fields)
-    got: dict[str, list] = {name: [] for name in setups}
-    for _ in range(args.passes):
-        for name, fields in setups.items():
-            got[name].append(one_pass(llm, prompts, args.batch, args.tokens, fields))
-    plain = statistics.median(r[0] for r in got["plain"])
+    got = interleaved({name: lambda _, fields=fields: one_pass(llm, prompts, args.batch, args.tokens, fields)
+                       for name, fields in setups.items()}, args.passes, warmup=1)
     print(f"{machine()}; {args.engine_dir}; batch {args.batch}, {len(prompts)} prompts x {args.tokens} tokens, "
           f"median of {args.passes} passes")
-    rows = {}
-    for name, runs in got.items():
-        tok_s = statistics.median(r[0] for r in runs)
-        accept = statistics.median(r[1] for r in runs)
-        rows[name] = {"tokens_per_s": round(tok_s, 1), "vs_plain": round(tok_s / plain, 3), "accept_length": accept}
-        print(f"  {name:8} {tok_s:9.1f} tok/s  {tok_s / plain:5.2f}x plain  accept length {accept:.2f}")
+    speeds = {name: medians(runs, 0)[0] for name, runs in got.items()}
+    accepts = {name: medians(runs, 1)[0] for name, runs in got.items()}
+    ratios = print_ratios(speeds, "plain", width=8,
+                          extra={name: f"accept length {a:.2f}" for name, a in accepts.items()})
+    rows = {name: {"tokens_per_s": round(speeds[name], 1), "vs_plain": round(ratios[name], 3),
+                   "accept_length": accepts[name]} for name in got}
+    figures = {"batch": args.batch, "tokens": args.tokens, "setups": rows}
     if args.json:
-        Path(args.json).write_text(json.dumps({"batch": args.batch, "tokens": args.tokens, "setups": rows}, indent=2))
+        write_json(args.json, figures)
+    return figures
 
 
 if __name__ == "__main__":

@@ -14,13 +14,12 @@ as a share of the run's wall time.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/ helpers
-from bench.common import machine  # noqa: E402
+from bench.common import accept_length, interleaved, machine, medians  # noqa: E402
 from tandem.pipeline.grammar import GrammarSpec  # noqa: E402
 from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
@@ -44,13 +43,11 @@ def run_once(llm: LLM, batch: int, tokens: int, schema: bool, speculative: bool)
     t = time.perf_counter()
     out = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(batch)], params)
     wall = time.perf_counter() - t
-    generated = sum(len(o.token_ids) for o in out)
-    rounds = sum(o.metrics.rounds for o in out)
-    accept = (sum(o.metrics.accepted for o in out) + rounds) / rounds if rounds else 1.0
-    return generated / wall, accept, (llm.round_loop.stats.phase_seconds.get("grammar", 0.0) - before) / wall
+    generated, grammar = sum(len(o.token_ids) for o in out), llm.round_loop.stats.phase_seconds.get("grammar", 0.0)
+    return generated / wall, accept_length(out), (grammar - before) / wall
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("engine_dir")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -58,21 +55,23 @@ def main() -> None:
     parser.add_argument("--passes", type=int, default=3)
     parser.add_argument("--adaptive", action="store_true",
                         help="the engine's default width policy (without it: every round drafts k, forced)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     llm = LLM(args.engine_dir, RuntimeConfig(adaptive_width=args.adaptive))
     print(f"{machine()}; {args.engine_dir}; {args.tokens} tokens, medians of {args.passes} round-robin passes")
     print("batch | schema | speculation | tokens/s | accept length | grammar share")
+    rows = []
     for batch in args.batch:
         setups = [(schema, spec) for schema in (False, True) for spec in (False, True)]
-        got = {s: [] for s in setups}
         run_once(llm, batch, 8, True, True)   # warm: sessions open, grammar compiled
-        for _ in range(args.passes):
-            for schema, spec in setups:
-                got[(schema, spec)].append(run_once(llm, batch, args.tokens, schema, spec))
+        got = interleaved({(schema, spec): lambda _, batch=batch, schema=schema, spec=spec: run_once(
+            llm, batch, args.tokens, schema, spec) for schema, spec in setups}, args.passes)
         for (schema, spec), runs in got.items():
-            tps, acc, share = (statistics.median(r[i] for r in runs) for i in range(3))
+            tps, acc, share = medians(runs, 0, 1, 2)
+            rows.append({"batch": batch, "schema": "nested" if schema else "none", "speculation": spec,
+                         "tokens_per_s": tps, "accept_length": acc, "grammar_share": share})
             print(f"{batch} | {'nested' if schema else 'none'} | {'on' if spec else 'off'} | {tps:.1f} | "
                   f"{acc:.2f} | {share:.1%}")
+    return {"tokens": args.tokens, "passes": args.passes, "rows": rows}
 
 
 if __name__ == "__main__":

@@ -13,19 +13,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine  # noqa: E402
-from tandem.engines.builder import build_engines  # noqa: E402
-from tandem.engines.options import BuildOptions  # noqa: E402
+from bench.checkpoints import build, checkpoint, workdir  # noqa: E402
+from bench.common import accept_length, machine  # noqa: E402
 from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
-from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 MODES = {"plain": dict(speculative=False), "multi": dict(round="multi"), "unified": dict(round="unified")}
 
@@ -46,37 +43,37 @@ def measure(engine_dir: Path, mode: str, batch: int, k: int, max_tokens: int, pr
     wall = time.perf_counter() - t
     rounds, round_s, engine_s = st.rounds - start[0], st.round_seconds - start[1], st.engine_seconds - start[2]
     tokens = sum(len(s.output_ids()) for s in seqs) - start[3]
-    verify = sum(s.metrics.rounds for s in seqs)
     return {"tok_s": tokens / wall, "calls": (sum(llm.runner.calls.values()) - calls0) / rounds,
-            "host": 1 - engine_s / round_s, "t_round": round_s / rounds,
-            "accept": (sum(s.metrics.accepted for s in seqs) + verify) / verify if verify else 1.0}
+            "host": 1 - engine_s / round_s, "t_round": round_s / rounds, "accept": accept_length(seqs)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="qwen3_5_mtp3,models/tandem-tiny-code")
     parser.add_argument("--k", type=int, default=3)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--workdir", default=None)
-    args = parser.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-bench-"))
+    args = parser.parse_args(argv)
+    work = workdir(args.workdir)
     batches = [int(b) for b in args.batches.split(",")]
     print(f"machine: {machine()}; k = {args.k}, width {args.k + 1}, the heads' own drafts")
+    figures = {}
     for kind in args.kinds.split(","):
-        src = Path(kind) if Path(kind).is_dir() else work / kind
-        if not (src / "config.json").exists():
-            write_tiny_checkpoint(src, kind, dtype="bfloat16" if "150m" in kind else "float32")
+        src = checkpoint(kind, work)
         engines = work / f"{src.name}-engines-k{args.k}"
-        built = build_engines(src, engines, BuildOptions(batch_sizes=tuple(batches), spec_k=args.k, prefill_chunk=64,
-                                                         max_seq_len=1024), show_progress=False)
+        built = build(src, engines, batch_sizes=tuple(batches), spec_k=args.k, prefill_chunk=64, max_seq_len=1024)
+        figures[src.name] = {}
         print(f"\n{src.name}: build {built.status} in {built.seconds:.1f} s")
         print("  batch  mode     calls/step  tok/s   t_step ms  host%  accept_len  vs plain")
         for batch in batches:
             got = {mode: measure(engines, mode, batch, args.k, args.max_tokens, 32) for mode in MODES}
+            figures[src.name][batch] = {mode: {**r, "vs_plain": r["tok_s"] / got["plain"]["tok_s"]}
+                                        for mode, r in got.items()}
             for mode, r in got.items():
                 print(f"  {batch:>5}  {mode:<8} {r['calls']:10.2f}  {r['tok_s']:6.1f}  {r['t_round'] * 1e3:9.2f}  "
                       f"{r['host'] * 100:5.1f}  {r['accept']:10.2f}  {r['tok_s'] / got['plain']['tok_s']:7.2f}x")
+    return figures
 
 
 if __name__ == "__main__":

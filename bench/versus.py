@@ -285,22 +285,20 @@ def draw_prompts(args, batch: int, vocab: int) -> list[list[int]]:
 
 
 def compare(runtimes: list[tuple[str, str, str, Path, bool]], batch: int, args, vocab: int) -> list[dict]:
+    from bench.common import interleaved  # (here, not above: a worker runs in an interpreter without tandem)
+
     prompts = draw_prompts(args, batch, vocab)
     workers = [Worker(label, python, kind, path, args.threads, batch, spec,
                       args.work / f"worker-{i}-batch{batch}.log")
                for i, (label, python, kind, path, spec) in enumerate(runtimes)]
-    try:
-        for w in workers:
-            w.generate(prompts, args.tokens)            # warm-up
-        speeds = {w.label: [] for w in workers}
-        tokens = {}
-        for _ in range(args.rounds):
-            for w in workers:
-                speed, tokens[w.label] = w.generate(prompts, args.tokens)
-                speeds[w.label].append(speed)
+    try:                                                # a warm-up generation each, then the workers in turn
+        got = interleaved({w.label: lambda _, w=w: w.generate(prompts, args.tokens) for w in workers}, args.rounds,
+                          warmup=1)
     finally:
         for w in workers:
             w.close()
+    speeds = {label: [speed for speed, _ in runs] for label, runs in got.items()}
+    tokens = {label: runs[-1][1] for label, runs in got.items()}     # the last round's
     base = workers[0].label
     rows = []
     for w in workers:
@@ -311,7 +309,7 @@ def compare(runtimes: list[tuple[str, str, str, Path, bool]], batch: int, args, 
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checkpoint", type=Path, nargs="?")
     parser.add_argument("--tandem", type=Path, nargs="+", default=[], help="tandem engine dirs of the checkpoint")
@@ -331,9 +329,10 @@ def main() -> None:
     parser.add_argument("--spec", action="store_true", help="tandem's dirs speculative too (as served)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--worker", nargs=2, metavar=("KIND", "PATH"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.worker[0], args.worker[1], args.threads, args.batch[0], args.spec)
+        worker(args.worker[0], args.worker[1], args.threads, args.batch[0], args.spec)
+        return {}
     if args.checkpoint is None or not args.tandem:
         parser.error("give the checkpoint and --tandem DIR (an engine dir built from it)")
     if args.formats and (args.other_python is None or (args.llama_cpp is None and any(
@@ -353,19 +352,22 @@ def main() -> None:
     config = json.loads((args.checkpoint / "config.json").read_text())
     vocab = config.get("text_config", config)["vocab_size"]
     from bench.common import machine
+    from bench.report import print_ratios, write_json
     source = f"prompts from {', '.join(f.name for f in args.text)}" if args.text else "random prompts"
     print(f"{machine()}; {args.checkpoint}, {args.tokens} greedy tokens after a {args.prompt_len}-token prompt "
           f"({source}), "
           f"{args.rounds} rounds alternated")
     report = []
     for batch in args.batch:
-        for row in compare(runtimes, batch, args, vocab):
-            report.append(row)
-            print(f"  batch {batch}  {row['runtime']:<36} {row['tokens_per_s']:9.1f} tok/s  "
-                  f"{row['vs_tandem']:5.2f}x tandem  tokens agree {row['agreement']:4.0%}  "
-                  f"(runs {', '.join(f'{r:.0f}' for r in row['runs'])})")
+        rows = compare(runtimes, batch, args, vocab)
+        report += rows
+        print_ratios({row["runtime"]: row["tokens_per_s"] for row in rows}, rows[0]["runtime"], against="tandem",
+                     width=36, indent=f"  batch {batch}  ",
+                     extra={row["runtime"]: f"tokens agree {row['agreement']:4.0%}  "
+                            f"(runs {', '.join(f'{r:.0f}' for r in row['runs'])})" for row in rows})
     if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        write_json(args.json, report)
+    return {"rows": report}
 
 
 if __name__ == "__main__":

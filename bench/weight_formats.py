@@ -16,20 +16,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine  # noqa: E402
-from tandem.engines.builder import build_engines  # noqa: E402
-from tandem.engines.options import BuildOptions  # noqa: E402
+from bench.checkpoints import build, checkpoint, workdir  # noqa: E402
+from bench.common import interleaved, machine  # noqa: E402
 from tandem.pipeline import host_tokens  # noqa: E402
 from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
-from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 FORMATS = ("float", "int8", "int4")
 
@@ -71,26 +68,23 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> float:
     return same / sum(len(x) for x in a)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="models/tandem-tiny-code,qwen3_5_150m")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--workdir", default=None)
-    args = parser.parse_args()
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-weights-"))
-    work.mkdir(parents=True, exist_ok=True)
+    args = parser.parse_args(argv)
+    work = workdir(args.workdir, prefix="tandem-weights-")
     batches = [int(b) for b in args.batches.split(",")]
     print(f"machine: {machine()}; plain greedy decoding, {args.tokens} tokens, prompt 32")
+    figures = {}
     for model in args.models.split(","):
-        src = Path(model) if Path(model).is_dir() else work / model
-        if not (src / "config.json").exists():
-            write_tiny_checkpoint(src, model, dtype="bfloat16" if "150m" in model else "float32")
+        src = checkpoint(model, work)
         llms, sizes = {}, {}
         for fmt in FORMATS:
-            built = build_engines(src, work / f"{src.name}-{fmt}", BuildOptions(weights=fmt, batch_sizes=tuple(batches),
-                                                                                 no_mtp=True, max_seq_len=1024),
-                                  show_progress=False)
+            built = build(src, work / f"{src.name}-{fmt}", weights=fmt, batch_sizes=tuple(batches), no_mtp=True,
+                          max_seq_len=1024)
             sizes[fmt] = built.size_bytes
             llms[fmt] = LLM(built.engine_dir, RuntimeConfig(speculative=False, memory_budget_bytes=1 << 30))
         rng = np.random.default_rng(0)
@@ -99,11 +93,10 @@ def main() -> None:
         reference = greedy_with_first_logits(llms["float"], prompts[:4], 48)
         print(f"\n{src.name}: format | engine MiB | " + " | ".join(f"b{b} tok/s (x float)" for b in batches)
               + " | greedy agreement | first-token logit diff / range")
-        speeds = {fmt: {b: [] for b in batches} for fmt in FORMATS}
-        for _ in range(3):                       # interleaved: drift hits every format alike
-            for fmt in FORMATS:
-                for b in batches:
-                    speeds[fmt][b].append(decode_speed(llms[fmt], prompts[:b], args.tokens))
+        got = interleaved({(fmt, b): lambda _, llm=llms[fmt], rows=prompts[:b]: decode_speed(llm, rows, args.tokens)
+                           for fmt in FORMATS for b in batches}, 3)      # interleaved: drift hits every format alike
+        speeds = {fmt: {b: got[(fmt, b)] for b in batches} for fmt in FORMATS}
+        figures[src.name] = {}
         for fmt in FORMATS:
             tokens, logits = greedy_with_first_logits(llms[fmt], prompts[:4], 48)
             diff = np.abs(logits - reference[1]).max() / np.abs(reference[1]).max()
@@ -113,6 +106,13 @@ def main() -> None:
                 cols.append(f"{s:8.1f} ({s / statistics.median(speeds['float'][b]):.2f}x)")
             print(f"  {fmt:>6} | {sizes[fmt] / 2**20:10.1f} | " + " | ".join(cols)
                   + f" | {agreement(tokens, reference[0]):16.0%} | {diff:.3f}")
+            figures[src.name][fmt] = {
+                "engine_mib": sizes[fmt] / 2**20, "greedy_agreement": agreement(tokens, reference[0]),
+                "first_logit_diff_over_range": float(diff),
+                "tokens_per_s": {b: statistics.median(speeds[fmt][b]) for b in batches},
+                "vs_float": {b: statistics.median(speeds[fmt][b]) / statistics.median(speeds["float"][b])
+                             for b in batches}}
+    return figures
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Where a decode step's time goes: per graph kind, per op type, per layer (ONNX Runtime's
-profiler) and in the host loop between engine calls (issue 15).
+profiler) and in the host loop between engine calls.
 
     .venv/bin/python bench/where_time_goes.py ENGINE_DIR [--batch 1 8] [--tokens 64] [--spec|--no-spec]
                                               [--width W] [--prompt-len 32] [--top 15] [--json OUT.json]
@@ -321,7 +321,7 @@ def show(report: dict, top: int) -> None:
                       f"{fn['cumtime_us_per_step']:>8.0f}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("engine_dir", type=Path)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8])
@@ -336,7 +336,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path, default=None, help="also write the tables here")
     parser.add_argument("--kernel-times", action=argparse.BooleanOptionalAction, default=True,
                         help="table (e): tandem's kernels timed by their own clocks (two clock reads a call)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.kernel_times:
         os.environ[cpu_kernels.TIMES_ENV] = "1"     # read when the process first runs a kernel
     if not (args.engine_dir / "manifest.json").exists():
@@ -352,6 +352,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
         print(f"\nwrote {args.json}")
+    return report
 
 
 if __name__ == "__main__":

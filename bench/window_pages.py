@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.checkpoints import build, checkpoint, workdir  # noqa: E402
 from bench.common import machine  # noqa: E402
-from tandem.engines.builder import build_engines  # noqa: E402
-from tandem.engines.options import BuildOptions  # noqa: E402
 from tandem.pipeline.llm import LLM, RuntimeConfig  # noqa: E402
 from tandem.pipeline.sampling_params import SamplingParams  # noqa: E402
-from tandem.testing.tiny_checkpoints import write_tiny_checkpoint  # noqa: E402
 
 
 def held_at(engine_dir: Path, marks: list[int], prompt_len: int = 16) -> tuple[LLM, dict[int, dict[str, int]]]:
@@ -40,33 +37,34 @@ def held_at(engine_dir: Path, marks: list[int], prompt_len: int = 16) -> tuple[L
     return llm, out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kinds", default="step3p5,step3p5_150m")
     parser.add_argument("--at", default="64,512,2048")
     parser.add_argument("--workdir", default=None)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     marks = [int(x) for x in args.at.split(",")]
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="tandem-pages-"))
+    work = workdir(args.workdir, prefix="tandem-pages-")
     print(f"machine: {machine()}; one sequence, speculative (synthetic acceptance 0.7, k = 3)")
+    figures = {}
     for kind in args.kinds.split(","):
-        src = Path(kind) if Path(kind).is_dir() else work / kind
-        if not (src / "config.json").exists():
-            write_tiny_checkpoint(src, kind)
+        src = checkpoint(kind, work, dtype="float32")
         engines = work / f"{src.name}-pages-engines"
-        build_engines(src, engines, BuildOptions(batch_sizes=(1,), spec_k=3, prefill_chunk=64, page_size=16,
-                                                 max_seq_len=max(marks) + 64), show_progress=False)
+        build(src, engines, batch_sizes=(1,), spec_k=3, prefill_chunk=64, page_size=16, max_seq_len=max(marks) + 64)
         llm, held = held_at(engines, marks)
         sizes = page_bytes_per_group(llm)
         print(f"\n{src.name}: page size {llm.page_size}; bytes per page " +
               ", ".join(f"{'full' if w is None else f'window {w}'} {b / 1024:.0f} KiB" for w, b in sizes.items()))
         print("  tokens | " + " | ".join(held[marks[0]]) + " | one table for all (pages) | KV MiB: groups / one table")
         one_page = sum(sizes.values())
+        figures[src.name] = {"page_size": llm.page_size, "page_bytes": {str(w): b for w, b in sizes.items()},
+                             "held": held}
         for mark, per_group in held.items():
             full = max(per_group.values())   # a single table holds every layer's rows on each page
             mib = sum(n * sizes[_window(name)] for name, n in per_group.items()) / 2**20
             print(f"  {mark:>6} | " + " | ".join(f"{n:>{len(name)}}" for name, n in per_group.items()) +
                   f" | {full:>25} | {mib:.2f} / {full * one_page / 2**20:.2f}")
+    return figures
 
 
 def page_bytes_per_group(llm: LLM) -> dict[int | None, int]:

@@ -7,8 +7,8 @@ Every file of ENGINE_DIR but the library and the manifest is hard-linked into OU
 folder), the library copied in, and the manifest's hash and size of it rewritten. Why links, not
 copies: two copies of the weights lie on other physical pages, and on a 2-core AMD EPYC (Zen 4)
 that alone moved a copy's decode speed against its source by several percent, more than the
-kernel changes measured; stop 44's int4 prefetch and guided tasks looked 1.02-1.11x faster on
-copies and measured 0.94-1.00x with both dirs on the same pages (docs/performance.md). Both dirs
+kernel changes measured: an int4 prefetch and guided tasks looked 1.02-1.11x faster on copies and
+measured 0.94-1.00x with both dirs on the same pages (docs/performance.md). Both dirs
 then read one set of pages (the page cache's), so what differs between them is the library.
 
 LIBRARY: a built kernel library, e.g. the path `tandem.plugins.cpu_kernels.library()` returns after
@@ -53,17 +53,18 @@ def with_library(engine_dir: Path, library: Path, out: Path) -> Path:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("engine_dir", type=Path)
     parser.add_argument("library", type=Path)
     parser.add_argument("out_dir", type=Path)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     try:
         out = with_library(args.engine_dir, args.library, args.out_dir)
     except OSError as e:         # a link across file systems, say
         raise SystemExit(f"cannot make {args.out_dir}: {e} (put it on the engine dir's file system)") from e
     print(out)
+    return {"engine_dir": str(out)}
 
 
 if __name__ == "__main__":
