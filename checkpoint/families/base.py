@@ -117,6 +117,21 @@ def eos_token_ids(top: dict, cfg: dict) -> tuple[int, ...]:
     return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
+def rope_settings(cfg: dict, head_dim: int, default_partial_factor: float) -> tuple[int, float, tuple[int, ...] | None]:
+    """(rotary_dim, theta, mrope_section) from `rope_parameters` (transformers 5) or the older
+    top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` keys: NeoX RoPE on the first
+    rotary_dim dims of each head (mrope_section: Qwen3.5's text streams, all equal for text)."""
+    params = dict(cfg.get("rope_scaling") or {})
+    params.update(cfg.get("rope_parameters") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(f"rope_type {rope_type!r} is not supported yet (supported: {SUPPORTED_ROPE_TYPES})")
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default_partial_factor)))
+    mrope = params.get("mrope_section")
+    return int(head_dim * factor), theta, (tuple(mrope) if mrope else None)
+
+
 # ---- NextN heads: head j stored as decoder layer N + j (DeepSeek-V3, Step-3.5, GLM) ----------
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

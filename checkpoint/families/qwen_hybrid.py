@@ -20,7 +20,6 @@ from tandem.checkpoint.description import (
     MTPSpec,
 )
 from tandem.checkpoint.families.base import (
-    SUPPORTED_ROPE_TYPES,
     ConfigError,
     MTPLayout,
     Shape,
@@ -28,6 +27,7 @@ from tandem.checkpoint.families.base import (
     checkpoint_dtype,
     config_value,
     eos_token_ids,
+    rope_settings,
     single,
 )
 from tandem.checkpoint.families.layer_tensors import expert_sources, layer_shapes, trunk_shapes
@@ -39,20 +39,6 @@ def mtp_layout(cfg: dict) -> MTPLayout:
     """Qwen's MTP head: every tensor under the top-level `mtp.` (fc, norms, `mtp.layers.{j}.*`)."""
     return MTPLayout("mtp_num_hidden_layers", "mtp.*", lambda n: n.startswith("mtp."),
                      lambda n: int(m.group(1)) if (m := _MTP_LAYER.match(n)) else None, lambda j: f"mtp.layers.{j}.")
-
-
-def rope_settings(cfg: dict, head_dim: int) -> tuple[int, float, tuple[int, ...] | None]:
-    """(rotary_dim, theta, mrope_section) from `rope_parameters` (transformers 5) or the older
-    top-level `rope_theta` / `partial_rotary_factor` / `rope_scaling` keys."""
-    params = dict(cfg.get("rope_scaling") or {})
-    params.update(cfg.get("rope_parameters") or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ConfigError(f"rope_type {rope_type!r} is not supported yet (supported: {SUPPORTED_ROPE_TYPES})")
-    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
-    factor = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 0.25)))
-    mrope = params.get("mrope_section")
-    return int(head_dim * factor), theta, (tuple(mrope) if mrope else None)
 
 
 def layer_kinds(cfg: dict, num_layers: int) -> list[LayerKind]:
@@ -77,7 +63,7 @@ def describe(cfg: dict, *, family: str, architecture: str, model_type: str,
     n_layers = int(config_value(cfg, "num_hidden_layers"))
     n_heads = int(config_value(cfg, "num_attention_heads"))
     head_dim = int(config_value(cfg, "head_dim", hidden // n_heads))
-    rotary_dim, theta, mrope = rope_settings(cfg, head_dim)
+    rotary_dim, theta, mrope = rope_settings(cfg, head_dim, default_partial_factor=0.25)
     attention = AttentionSpec(
         num_heads=n_heads, num_kv_heads=int(config_value(cfg, "num_key_value_heads", n_heads)), head_dim=head_dim,
         rotary_dim=rotary_dim, rope_theta=theta, output_gate=bool(cfg.get("attn_output_gate", True)),
