@@ -1,0 +1,128 @@
+"""GLM-4.5 / 4.6 / 4.7: `Glm4MoeForCausalLM` (model_type glm4_moe, the Hub's zai-org/GLM-4.5*). GQA
+with q/k/v biases (no o_proj bias), optional q/k norms and NeoX RoPE on half of each head, plain
+RMSNorm (x * w); DeepSeek-V3's MLP layout (the first `first_k_dense_replace` layers dense, then
+sigmoid-routed MoE with groups and shared experts); NextN MTP layers, drafted as DeepSeek's are
+(every head anchored on the target's hidden state).
+
+Stored (Hub) -> canonical (transformers' Qwen3.5 text layout without `model.`):
+    model.layers.{i}.self_attn.{q,k,v}_proj.{weight,bias}, o_proj.weight, [q_norm, k_norm]  -> same names
+    model.layers.{i}.mlp.{gate,up,down}_proj.weight (dense) and mlp.gate.{weight,e_score_correction_bias}
+                                                                                       -> same names
+    model.layers.{i}.mlp.experts.{k}.{gate,up,down}_proj.weight (Hub) or stacked
+        mlp.experts.{gate_up_proj,down_proj} (transformers' save)                      -> stacked
+    model.layers.{i}.mlp.shared_experts.*                                              -> layers.{i}.mlp.shared_expert.*
+    model.layers.{N+j}.*                                -> mtp.layers.{j}.* (NextN head j: enorm, hnorm, eh_proj,
+        an MoE decoder layer, shared_head.{norm,head}; without shared_head.head it drafts with lm_head);
+        the Hub's copy of the embedding there is never read
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tandem.checkpoint.description import AttentionSpec, LayerSpec, MLPKind, ModelDescription, MTPSpec
+from tandem.checkpoint.families import deepseek_moe
+from tandem.checkpoint.families.base import (
+    ConfigError,
+    Source,
+    TinyKind,
+    checkpoint_dtype,
+    config_value,
+    eos_token_ids,
+    nextn_fit_lm_heads,
+    nextn_layout,
+    nextn_shapes,
+    nextn_stored,
+    nextn_unused_tensors,
+    rope_settings,
+    single,
+)
+from tandem.checkpoint.families.layer_tensors import expert_sources, layer_shapes, trunk_shapes
+
+FAMILY = "glm4_moe"
+ARCHITECTURES = {"Glm4MoeForCausalLM": ("glm4_moe", "model.", None)}
+IGNORED_PREFIXES = ()
+# GLM-4.5 writes <tool_call>NAME<arg_key>K</arg_key><arg_value>V</arg_value></tool_call> and thinks in <think>
+CHAT_FORMATS = {"Glm4MoeForCausalLM": {"tool_calls": "glm", "reasoning": "think"}}
+mtp_layout = nextn_layout              # NextN head j stored as decoder layer N+j
+unused_tensors = nextn_unused_tensors  # each NextN layer's copy of the embedding
+fit_mtp_to_tensors = nextn_fit_lm_heads
+
+
+def text_config(config: dict, architecture: str) -> dict:
+    return config
+
+
+def describe(config: dict, architecture: str, *, mtp_layers: int, mtp_source: str) -> ModelDescription:
+    cfg = config
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ConfigError(f"'hidden_act' is {cfg['hidden_act']!r}; GLM-4-MoE's MLPs are SwiGLU (silu)")
+    n, hidden, heads = (int(config_value(cfg, k)) for k in ("num_hidden_layers", "hidden_size", "num_attention_heads"))
+    head_dim = int(config_value(cfg, "head_dim", hidden // heads))
+    rotary_dim, theta, _ = rope_settings(cfg, head_dim, default_partial_factor=0.5)
+    attention = AttentionSpec(
+        num_heads=heads, num_kv_heads=int(config_value(cfg, "num_key_value_heads", heads)), head_dim=head_dim,
+        rotary_dim=rotary_dim, rope_theta=theta, output_gate=False, qk_norm=bool(cfg.get("use_qk_norm", False)),
+        bias=bool(cfg.get("attention_bias", False)), o_bias=False)
+    mlp_types = deepseek_moe.mlp_types(cfg, n, first_dense_default=1)
+    moe = deepseek_moe.moe_spec(cfg) if "sparse" in mlp_types or mtp_layers else None
+    layers = tuple(LayerSpec(attention, MLPKind.MOE if t == "sparse" else MLPKind.DENSE) for t in mlp_types)
+    mtp = None
+    if mtp_layers:  # a NextN layer's index is past first_k_dense_replace: an MoE layer
+        mtp = MTPSpec((LayerSpec(attention, MLPKind.MOE),) * mtp_layers, mtp_source, form="nextn", own_lm_head=True,
+                      anchor="target")
+    return ModelDescription(
+        family=FAMILY, architecture=architecture, model_type=ARCHITECTURES[architecture][0],
+        vocab_size=int(config_value(cfg, "vocab_size")), hidden_size=hidden,
+        intermediate_size=int(config_value(cfg, "intermediate_size")), layers=layers, moe=moe,
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)), tie_word_embeddings=bool(cfg.get("tie_word_embeddings")),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
+        dtype=checkpoint_dtype(config, cfg, default="bfloat16"), mtp=mtp, eos_token_ids=eos_token_ids(config, cfg),
+        bos_token_id=cfg.get("bos_token_id"), norm_zero_centred=False)
+
+
+def sources(desc: ModelDescription, per_expert: bool = False) -> dict[str, Source]:
+    """Every canonical tensor's stored form; experts per expert (the Hub) or stacked (transformers)."""
+    n, out = desc.num_layers, {}
+    shapes = trunk_shapes(desc)
+    for j, layer in enumerate(desc.mtp.layers if desc.mtp else ()):
+        shapes |= nextn_shapes(desc, j) | layer_shapes(desc, f"mtp.layers.{j}.", layer)
+    for canonical, shape in shapes.items():
+        stored = nextn_stored(canonical, n).replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+        if canonical == "lm_head.weight":
+            out[canonical] = single("model.embed_tokens.weight" if desc.tie_word_embeddings else canonical, shape)
+        elif ".mlp.experts." in canonical:
+            out[canonical] = expert_sources(stored, shape, "model.", per_expert)
+        else:
+            out[canonical] = single("model." + stored, shape)
+    return out
+
+
+# ---- tiny checkpoints (testing/tiny_checkpoints.py) ------------------------------------------
+# hidden 64, 3 layers (layer 0 dense, 1-2 MoE: 8 experts in 2 groups of which 1 is kept, top 2, one
+# shared expert), 4 query / 2 KV heads of 16 with q/k/v biases, RoPE on 8 dims, one NextN layer
+
+def _tiny_config(dtype: str) -> dict:
+    return dict(
+        architectures=["Glm4MoeForCausalLM"], model_type="glm4_moe", vocab_size=384, hidden_size=64,
+        intermediate_size=160, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        attention_bias=True, use_qk_norm=False, partial_rotary_factor=0.5, rope_theta=1e6,
+        num_nextn_predict_layers=1, rms_norm_eps=1e-5, max_position_embeddings=4096, hidden_act="silu",
+        tie_word_embeddings=False, dtype=dtype)
+
+
+def _tiny_finish(config: dict, tensors: dict[str, np.ndarray], rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Plain-RMSNorm weights around 1; each NextN layer's copy of the embedding and its lm head a copy
+    of lm_head, as the Hub has them (transformers' MtpModel projects with lm_head)."""
+    out = {name: (1.0 + 0.1 * rng.standard_normal(a.shape)).astype(a.dtype) if "norm.weight" in name else a
+           for name, a in tensors.items()}
+    n = config["num_hidden_layers"]
+    for j in range(config["num_nextn_predict_layers"]):
+        out[f"model.layers.{n + j}.embed_tokens.weight"] = out["model.embed_tokens.weight"].copy()
+        out[f"model.layers.{n + j}.shared_head.head.weight"] = out["lm_head.weight"].copy()
+    return out
+
+
+TINY_KINDS = {"glm4_moe": TinyKind(_tiny_config, per_expert=True, finish=_tiny_finish)}
