@@ -32,6 +32,7 @@ from tandem.pipeline import native_burst, native_sampler
 from tandem.pipeline.allocator import FreeList, PageGroups
 from tandem.pipeline.decode_burst import DEFAULT_BUDGET_MS, DEFAULT_STEPS, DecodeBurst
 from tandem.pipeline.detokenizer import IncrementalDetokenizer, byte_pieces
+from tandem.pipeline.failure_isolation import Isolation, isolate_failure
 from tandem.pipeline.grammar import Grammars
 from tandem.pipeline.logits_processors import Processors, TokenRules
 from tandem.pipeline.model_runner import ModelRunner
@@ -46,6 +47,7 @@ from tandem.pipeline.runtime_settings import read_runtime_settings
 from tandem.pipeline.sampler import HostSampler
 from tandem.pipeline.sampling_params import RelaxedAcceptance, SamplingParams
 from tandem.pipeline.scheduler import Scheduler
+from tandem.pipeline.scratch_calls import latency_cases
 from tandem.pipeline.sequence import RequestMetrics, Sequence
 from tandem.pipeline.unified_round import UnifiedRound
 from tandem.pipeline.width_control import WidthController
@@ -432,6 +434,27 @@ class LLM:
 
     def step(self) -> list[StepOutput]:
         return self.round_loop.step()
+
+    def latency_cases(self, batch: int, context: int) -> list[tuple[GraphKind, int, Callable[[], object]]]:
+        """(graph, rows per sequence, call) for every engine call a round at `batch` makes, on
+        scratch inputs at `context` (pipeline/scratch_calls.py): what `tandem profile` times."""
+        return latency_cases(self, batch, context)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work()
+
+    def abort_all(self) -> list[str]:
+        """Abort every request, running or queued; their ids."""
+        ids = [seq.request_id for seq in list(self.scheduler.running) + list(self.scheduler.waiting)]
+        for request_id in ids:
+            self.abort(request_id)
+        return ids
+
+    def isolate_failure(self) -> Isolation:
+        """After `step()` raised: run each request that was running alone to find the one(s) that
+        make rounds raise; those are aborted and returned with their errors, the others requeued
+        in their places (pipeline/failure_isolation.py)."""
+        return isolate_failure(self)
 
     def interrupt_bursts_when(self, check: Callable[[], bool] | None) -> None:
         """A decode burst ends after its current call once `check()` is true (the server: a request or

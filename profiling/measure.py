@@ -11,10 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tandem.graph_kinds import TARGET_STEP, VERIFY_GREEDY, GraphKind
-from tandem.pipeline.allocator import SCRATCH
 from tandem.pipeline.llm import LLM, RuntimeConfig
-from tandem.pipeline.model_runner import Rows
 from tandem.pipeline.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = Path(__file__).with_name("prompts.jsonl")
@@ -60,22 +57,11 @@ def time_calls(fn, warmup: int, runs: int) -> dict:
 
 def bucket_latencies(llm: LLM, batch_sizes: list[int], context: int, warmup: int = 2, runs: int = 8,
                      progress=None) -> list[dict]:
-    """Median / p90 per engine call at each (graph, batch, rows) the rounds use. Inputs point at
-    the scratch page and slot: the timing is real, the values are not used."""
-    pages = [SCRATCH] * (-(-(context + 16) // llm.page_size))
-    widths = sorted(llm.verify_widths)
+    """Median / p90 per engine call at each (graph, batch, rows) the rounds use, on scratch inputs
+    (LLM.latency_cases): the timing is real, the values are not used."""
     out = []
-
-    def rows(b, w, hidden=False):
-        h = np.zeros((w, llm.desc.hidden_size), np.float32) if hidden else None
-        return [Rows(ids=[1] * w, context=context, pages=pages, hidden=h) for _ in range(b)]
-
     for b in batch_sizes:
-        cases = [(TARGET_STEP, 1, lambda b=b: llm.runner.target_step(rows(b, 1)))]
-        cases += [(VERIFY_GREEDY, w, lambda b=b, w=w: llm.runner.verify(rows(b, w), sampling=False)) for w in widths]
-        if llm.mtp_layers:
-            cases += [(GraphKind.mtp_head(0), r, lambda b=b, r=r: llm.runner.head(0, rows(b, r, hidden=True)))
-                      for r in range(1, max(widths, default=1) + 1)]
+        cases = llm.latency_cases(b, context)
         for graph, w, fn in cases:
             out.append({"graph": graph.name, "batch": b, "rows": w, **time_calls(fn, warmup, runs)})
             if progress:

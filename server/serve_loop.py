@@ -7,14 +7,9 @@
 Requests arrive checked (the handler ran LLM.check_request). Whatever still raises fails one
 request, never the loop:
 - adding a request: that request's future carries the error;
-- a step: the culprit is isolated, the others go on as if nothing happened:
-
-      step raises -> preempt every running sequence (pages and slot freed; it is recomputed
-                     from its tokens, as after any preemption)
-                  -> each one alone: steps until it produces a new token (or finishes)
-                         ok     -> preempted again, back in the queue in its place
-                         raises -> aborted; its request gets the error (HTTP 500)
-  A fault that no request reproduces alone (a transient one) fails nobody.
+- a step: the culprit is isolated, the others go on as if nothing happened (`LLM.isolate_failure`,
+  pipeline/failure_isolation.py: each running request alone; the one that raises gets the error,
+  HTTP 500; a fault that no request reproduces alone fails nobody);
 - the loop's own bookkeeping: every request in flight fails and the scheduler is emptied. If
   even that raises, the thread ends: `alive()` turns false, /ready answers 503 and
   `tandem serve` exits 1 so that its supervisor restarts it.
@@ -153,7 +148,7 @@ class ServeLoop:
 
     def _iterate(self) -> None:
         self._take_commands()
-        if not self.llm.scheduler.has_work():
+        if not self.llm.has_unfinished_requests():
             self._wake.wait(0.05)
             self._wake.clear()
             return
@@ -210,46 +205,18 @@ class ServeLoop:
 
     # ---- failures ----------------------------------------------------------------------
     def _isolate(self, error: Exception) -> None:
-        sched = self.llm.scheduler
-        suspects = list(sched.running)
-        log.warning("a step raised %s: %s; running %d request(s) one at a time to find the cause",
-                    type(error).__name__, error, len(suspects))
-        for seq in reversed(suspects):  # reversed: preempt() puts each at the front of the queue
-            sched.preempt(seq)
-        queued = [s for s in sched.waiting if s not in suspects]  # never ran in the failed step
-        sched.waiting.clear()
-        survivors = []
-        for seq in suspects:
-            sched.waiting.append(seq)
-            try:
-                self._run_alone(seq)
-            except Exception as e:  # noqa: BLE001 - this request makes steps raise
-                log.error("request %s fails alone (%s: %s); failing it", seq.request_id, type(e).__name__, e)
-                self.llm.abort(seq.request_id)
-                self._fail(seq.request_id, f"engine error: {type(e).__name__}: {e}")
-                continue
-            if seq.status != Status.FINISHED:
-                sched.preempt(seq)
-                sched.waiting.remove(seq)
-                survivors.append(seq)
-        sched.waiting.extend(survivors + queued)
+        log.warning("a step raised %s: %s; running each request alone to find the cause", type(error).__name__, error)
+        found = self.llm.isolate_failure()
+        self._deliver(found.outputs)
+        for rid, e in found.failed.items():
+            log.error("request %s fails alone (%s: %s); failing it", rid, type(e).__name__, e)
+            self._fail(rid, f"engine error: {type(e).__name__}: {e}")
         for rid, req in list(self._live.items()):  # ended inside the failed step, before its output
             if req.seq is not None and req.seq.status == Status.FINISHED:
                 self._fail(rid, f"engine error: {type(error).__name__}: {error}")
 
-    def _run_alone(self, seq: Sequence) -> None:
-        """Steps with `seq` the only sequence, until it commits a token past those it had (after
-        recomputing them) or finishes."""
-        had = len(seq.tokens)
-        for _ in range(seq.prefill_target // self.llm.scheduler.prefill_chunk + 3):
-            self._deliver(self.llm.step())
-            if seq.status == Status.FINISHED or (seq.status == Status.DECODE and len(seq.tokens) > had):
-                return
-
     def _reset(self, error: Exception) -> None:
-        sched = self.llm.scheduler
-        for seq in list(sched.running) + list(sched.waiting):
-            self.llm.abort(seq.request_id)
+        self.llm.abort_all()
         for rid in list(self._live):
             self._fail(rid, f"engine error: {type(error).__name__}: {error}")
 

@@ -31,3 +31,17 @@ def test_the_runtime_loads_no_build_side_module(module):
 def test_the_engine_dir_format_is_a_leaf():
     """engines.manifest and engines.integrity read and check an engine dir without the build side."""
     assert loaded("tandem.engines.integrity") == [] and loaded("tandem.engines.manifest") == []
+
+
+def test_server_and_profiling_use_the_llms_public_methods():
+    """The server, `tandem profile` and the tools talk to an LLM through its methods (stats(),
+    isolate_failure(), latency_cases(), ...), never through its scheduler, runner or round loop."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    reach = re.compile(r"\bllm\.(scheduler|runner|round_loop|pools|page_groups|prefix_cache)\b")
+    found = [f"{path.relative_to(root)}:{i}: {line.strip()}"
+             for folder in ("server", "profiling", "tools") for path in sorted((root / folder).rglob("*.py"))
+             for i, line in enumerate(path.read_text().splitlines(), 1) if reach.search(line)]
+    assert found == []

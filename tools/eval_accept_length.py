@@ -54,7 +54,7 @@ def main() -> None:
         for mode in ("chained", "reused"):
             llm = LLM(args.engines, RuntimeConfig(mtp_mode=mode, spec_k=k))
             results = llm.generate(prompts, params)
-            st = llm.round_loop.stats
+            st = llm.run_stats()[0]   # the round counters since the LLM opened
             per_pos = ", ".join(f"{x:.2f}" for x in st.acceptance_per_position())
             cells.append(f"{st.accept_length:.2f} (per position {per_pos})")
             assert sum(r.metrics.rounds for r in results) == st.verify_rounds
