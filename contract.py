@@ -24,6 +24,7 @@ from tandem.checkpoint.cache_specs import CONV, KEY, RECURRENT, VALUE, LayerCach
 from tandem.checkpoint.description import ModelDescription
 from tandem.graph_kinds import GraphKind
 
+TANDEM_DOMAIN = "ai.tandem"   # the ONNX domain of tandem's custom ops (export/ops/, plugins/)
 CONTRACT_VERSION = 3   # 2: verify_sample samples each row from its position's uniform, then compares;
                        # 3: conv pools position-major [slots, K-1, C]
 

@@ -18,9 +18,10 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from tandem.contract import TANDEM_DOMAIN  # noqa: F401 (the exporter's users import it from here)
+
 OPSET = 23  # RMSNormalization is a standard op from opset 23
 IR_VERSION = 10
-TANDEM_DOMAIN = "ai.tandem"
 MS_DOMAIN = "com.microsoft"
 ONNX_DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16, "int64": TensorProto.INT64,
                "bool": TensorProto.BOOL, "int32": TensorProto.INT32}

@@ -13,7 +13,7 @@ and lowers to ONNX Runtime's own kernels instead (slower, same results within th
 tolerance).
 
 Compiled for the machine's instruction sets (x86-64-v3 where AVX2 and FMA are there): the engine
-dir records the CPU signature its optimized graphs were made on (onnxruntime_optimized.cpu_signature),
+dir records the CPU signature its optimized graphs were made on (cpu_features.cpu_signature),
 and a load on another CPU opens the lowered graphs, which do not use the library.
 """
 
@@ -30,7 +30,7 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
-from tandem.engines.backends.onnxruntime_optimized import cpu_signature
+from tandem.plugins.cpu_features import cpu_signature
 
 SOURCE_DIR = Path(__file__).resolve().parent / "cpu"
 SOURCES = ("gated_deltanet.cc", "conv_gated_deltanet.cc", "paged_attention.cc", "norm_rope.cc", "rotary_tables.cc",

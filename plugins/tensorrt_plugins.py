@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 
-from tandem.export.builder import TANDEM_DOMAIN
+from tandem.contract import TANDEM_DOMAIN
 
 PLUGIN_NAMESPACE = "tandem"
 PLUGIN_VERSION = "1"

@@ -45,3 +45,27 @@ def test_server_and_profiling_use_the_llms_public_methods():
              for folder in ("server", "profiling", "tools") for path in sorted((root / folder).rglob("*.py"))
              for i, line in enumerate(path.read_text().splitlines(), 1) if reach.search(line)]
     assert found == []
+
+
+# package -> the tandem packages it may not import, even inside a function (the build side's lazy
+# imports are the engines' own business): every arrow points down the one way through
+FORBIDDEN = {
+    "checkpoint": ("plugins", "export", "engines", "pipeline", "server", "profiling"),
+    "plugins": ("export", "engines", "pipeline", "server", "profiling"),
+    "export": ("engines.builder", "engines.backends", "engines.buckets", "pipeline", "server", "profiling"),
+    "pipeline": ("export", "engines.builder", "engines.options", "server", "profiling"),
+    "server": ("export", "engines.builder", "engines.options", "profiling"),
+}
+
+
+def test_imports_point_down():
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    imports = re.compile(r"^\s*(?:from|import) tandem\.([a-z_.]+)", re.M)
+    found = [f"{path.relative_to(root)} imports tandem.{name}"
+             for package, banned in FORBIDDEN.items() for path in sorted((root / package).rglob("*.py"))
+             for name in imports.findall(path.read_text())
+             if any(name == b or name.startswith(b + ".") for b in banned)]
+    assert found == []

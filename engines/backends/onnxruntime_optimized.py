@@ -21,7 +21,6 @@ backend decides which file a session opens.
 from __future__ import annotations
 
 import hashlib
-import platform
 import tempfile
 from pathlib import Path
 
@@ -32,33 +31,14 @@ from onnx import helper, numpy_helper
 
 from tandem.engines.backends.common import rewrite_in_large_writes
 from tandem.engines.manifest import WEIGHTS_FILE
+from tandem.plugins.cpu_features import cpu_signature  # noqa: F401 (part of this module's interface)
 
 OPTIMIZED_WEIGHTS = "optimized.bin"
 _ALIGN = 4096                  # as weights.bin: ONNX Runtime maps page-aligned external data
 _EXTERNAL_MIN_BYTES = 1024     # smaller initializers stay inside the graph (as the exporter's constants)
-# instruction sets MLAS dispatches on (x86 and Arm): a CPU with other ones may get other fusions
-_CPU_FLAGS = ("sse4_1", "avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
-              "avx512_bf16", "avx_vnni", "amx_tile", "amx_int8", "amx_bf16", "asimd", "asimddp", "i8mm",
-              "sve", "bf16", "fphp")
-
-
 def optimized_name(engine_file: str) -> str:
     """"verify_greedy.w4.onnx" -> "verify_greedy.w4.opt.onnx"."""
     return f"{engine_file.removesuffix('.onnx')}.opt.onnx"
-
-
-def cpu_signature() -> str:
-    """The machine and the instruction sets the optimizer's output may depend on, e.g.
-    "x86_64:avx,avx2,fma,f16c,sse4_1"."""
-    flags: set[str] = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:  # not Linux: the machine name alone
-        pass
-    return f"{platform.machine()}:{','.join(sorted(flags & set(_CPU_FLAGS)))}"
 
 
 def save_optimized(folder: Path, files: list[str], options, progress=None, sources: dict[str, Path] | None = None,
