@@ -1,6 +1,6 @@
 """Multi-head latent attention (DeepSeek-V2/V3, V3.2, GLM-5) and its lightning indexer, as mixer specs.
 
-Built from config.json by the DeepSeek-DSA family (families/deepseek_dsa.py); read by export and
+Built from config.json by the DeepSeek-DSA family (checkpoint/families/deepseek_dsa/); read by export and
 the pipeline exactly like AttentionSpec. Everything config-dependent is resolved here, so export
 needs no config: the softmax scale (YaRN's mscale_all_dim folded in), the RoPE inverse frequencies
 (`inv_freq()`, YaRN ramp included) and the cos/sin multiplier (`rope_attention_factor`).

@@ -1,4 +1,4 @@
-"""GLM-4-MoE (`Glm4MoeForCausalLM`) end to end from its tiny checkpoint (checkpoint/families/glm4_moe.py
+"""GLM-4-MoE (`Glm4MoeForCausalLM`) end to end from its tiny checkpoint (checkpoint/families/glm4_moe/
 declares the kind): transformers loads every stored tensor; engines built by `build_engines` give
 transformers' greedy tokens and logits; the NextN head's drafts are transformers' own MTP drafts
 (`generate(use_mtp=True)`, `MtpModel`) round by round; speculative == plain, batched and staggered."""

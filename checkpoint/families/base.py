@@ -4,8 +4,8 @@ heads (`MTPLayout`, with the NextN layout several families use), and config.json
 
 Canonical tensor names are transformers' Qwen3.5 text layout without the `model.` prefix
 (`layers.3.self_attn.q_proj.weight`, `mtp.layers.0.mlp.experts.gate_up_proj`); each family maps
-them to its stored names (`sources()`). A family module (or package) in this folder that defines
-`FAMILY` is registered by `tandem.checkpoint.families` on import: adding one touches nothing else.
+them to its stored names (`sources()`). A family package in this folder that defines `FAMILY` is
+registered by `tandem.checkpoint.families` on import: adding one touches nothing else.
 """
 
 from __future__ import annotations
@@ -59,19 +59,22 @@ class MTPLayout:
 
 @dataclass(frozen=True)
 class TinyKind:
-    """A small random checkpoint of a family for tests and benchmarks (testing/tiny_checkpoints.py
-    writes it): its config.json for a dtype, whether experts are stored one tensor each, how many
-    shards, and what the family's releases store beyond the generic random tensors (`finish`)."""
+    """A small random checkpoint of a family for tests and benchmarks, declared in the family's
+    `tiny` module (`TINY_KINDS`) and written by testing/tiny_checkpoints.py: its config.json for a
+    dtype, whether experts are stored one tensor each, how many shards, stored tensors the family
+    does not read (a vision tower: `extra_shapes(config)`), and what the releases store beyond the
+    generic random tensors (`finish(config, tensors, rng)`)."""
 
     config: Callable[[str], dict]
     per_expert: bool = False
     shards: int = 1
+    extra_shapes: Callable[[dict], dict[str, Shape]] | None = None
     finish: Callable[[dict, dict[str, np.ndarray], np.random.Generator], dict[str, np.ndarray]] | None = None
-    bench: bool = False       # a benchmark size: never written by the tests' session fixtures
 
 
 class Family(Protocol):
-    """A model family: one module or package under checkpoint/families/. Optional as well:
+    """A model family: one package under checkpoint/families/ (its `tiny` module declares its tiny
+    checkpoints, `TINY_KINDS`; the runtime never imports it). Optional as well:
     `BLOCK_FP8` (reads DeepSeek's fp8 block-quantized releases), `unused_tensors(desc)` (stored names
     that may be present and are never read) and `fit_mtp_to_tensors(desc, stored names)` (the MTP
     spec as the stored tensors have it, where config.json cannot say)."""
@@ -80,7 +83,6 @@ class Family(Protocol):
     ARCHITECTURES: dict[str, tuple[str, str, str | None]]  # -> (model_type, text-weight prefix, text-config key)
     IGNORED_PREFIXES: tuple[str, ...]                      # stored tensors of other modalities
     CHAT_FORMATS: dict[str, dict]                          # -> tool-call and reasoning formats the server parses
-    TINY_KINDS: dict[str, TinyKind]
 
     def text_config(self, config: dict, architecture: str) -> dict: ...
     def mtp_layout(self, text_config: dict) -> MTPLayout: ...
