@@ -42,9 +42,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         ckpt = open_checkpoint(args.model_dir, speculative=not args.no_mtp, draft=args.draft)
     except CheckpointError as e:
         return _refused(args.model_dir, e.problems)
-    draft_quant = BuildOptions(dtype=args.dtype, draft_weights=args.draft_weights).draft_quant(
-        ckpt.draft_parameter_count())
-    result = export_checkpoint(ckpt, args.out, dtype=args.dtype, draft_quant=draft_quant)
+    build = BuildOptions(dtype=args.dtype, draft_weights=args.draft_weights)
+    result = export_checkpoint(ckpt, args.out, build.export_options(ckpt.draft_parameter_count()))
     print(f"exported {', '.join(result.graphs.values())} + weights.bin ({result.weights_bytes:,} bytes) "
           f"to {result.folder} in {result.seconds:.2f} s")
     return 0

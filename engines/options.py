@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from tandem.checkpoint.validation import MAX_SPEC_K, MIN_SPEC_K
+from tandem.export.options import ExportOptions
 from tandem.export.quantize import WEIGHT_FORMATS, weight_quant
 from tandem.graph_kinds import MAX_DECODE_STEPS
 
@@ -116,6 +117,12 @@ class BuildOptions:
                                             and draft_params >= DRAFT_INT8_PARAMS):
             return weight_quant("int8", self.quant_block) if self.weights != "int8" else self.quant
         return self.quant
+
+    def export_options(self, draft_params: int, extra: tuple = ()) -> ExportOptions:
+        """What the exporter makes for this build: `draft_params` weights the draft passes read
+        (Checkpoint.draft_parameter_count), `extra` the round and multi-step graphs the buckets need."""
+        return ExportOptions(dtype=self.dtype, quant=self.quant, draft_quant=self.draft_quant(draft_params),
+                             extra=tuple(extra), index_share=self.index_share)
 
     def to_json(self) -> dict:
         out = asdict(self)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,7 @@ from tandem.engines.manifest import WEIGHTS_FILE, file_sha256
 from tandem.export.decode_graph import decode_steps
 from tandem.export.graphs import mtp_head, target_step, verify_step
 from tandem.export.layers import Weights
+from tandem.export.options import EXPORT_DTYPES, ExportOptions
 from tandem.export.quantize import WeightQuant
 from tandem.export.round_graph import round_step
 from tandem.graph_kinds import GraphKind, exported_kinds
@@ -87,42 +88,29 @@ class _SharedWeights:
         return self._size
 
 
-EXPORT_DTYPES = ("float32", "float16")  # weights and activations; see export/layers.py for what stays fp32
+def build_graphs(ckpt: Checkpoint, options: ExportOptions | None = None) -> dict[str, onnx.ModelProto]:
+    """Every graph of `ckpt`, each carrying its own copy of the weights it reads (held in memory)."""
+    return dict(_graphs(ckpt, options or ExportOptions()))
 
 
-def build_graphs(ckpt: Checkpoint, dtype: str = "float32", gdn_chunk_size: int = 0,
-                 quant: WeightQuant | None = None, extra: tuple[GraphKind, ...] = (),
-                 index_share: bool = False, draft_quant: WeightQuant | None | str = "same"
-                 ) -> dict[str, onnx.ModelProto]:
-    """quant: weight-only int8 / int4 linear layers (export/quantize.py); None keeps them in `dtype`.
-    extra: the unified round graphs (export/round_graph.py) and multi-step decode graphs
-    (export/decode_graph.py) to add; index_share: the rounds' sparse-MLA draft steps reuse the
-    first step's top-k."""
-    return dict(_graphs(ckpt, dtype, gdn_chunk_size, quant, extra, index_share, draft_quant))
-
-
-def _graphs(ckpt: Checkpoint, dtype: str, gdn_chunk_size: int, quant: WeightQuant | None,
-            extra: tuple[GraphKind, ...], index_share: bool = False, draft_quant: WeightQuant | None | str = "same",
-            sink: _SharedWeights | None = None):
+def _graphs(ckpt: Checkpoint, options: ExportOptions, sink: _SharedWeights | None = None):
     """(name, graph) one at a time. Without `sink` each graph carries its own copy of the weights it
     reads (build_graphs: graphs held in memory). With it every weight goes to weights.bin as it is
     derived and the graphs only reference it there, so an export holds one weight at a time beside
     the checkpoint (150M model: export peak 2.0 GB when graphs carried them, 6.9 GB when every graph
     was held at once)."""
-    if dtype not in EXPORT_DTYPES:
-        raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
-    desc, w = ckpt.description, Weights(ckpt, dtype, quant, draft_quant, sink)
-    for kind in exported_kinds(desc.mtp.num_layers if desc.mtp else 0, extra):
-        yield kind.name, _graph(desc, w, kind, gdn_chunk_size, index_share)
+    desc, w = ckpt.description, Weights(ckpt, options.dtype, options.quant, options.draft_quant, sink)
+    for kind in exported_kinds(desc.mtp.num_layers if desc.mtp else 0, options.extra):
+        yield kind.name, _graph(desc, w, kind, options)
 
 
-def _graph(desc, w: Weights, kind: GraphKind, gdn_chunk_size: int, index_share: bool = False) -> onnx.ModelProto:
+def _graph(desc, w: Weights, kind: GraphKind, options: ExportOptions) -> onnx.ModelProto:
     if kind.is_target_step:
-        return target_step(desc, w, gdn_chunk_size)
+        return target_step(desc, w, options.gdn_chunk_size)
     if kind.is_verify:
         return verify_step(desc, w, sampling=kind.sampling)
     if kind.is_round:
-        return round_step(desc, w, kind, index_share)
+        return round_step(desc, w, kind, options.index_share)
     if kind.is_decode:
         return decode_steps(desc, w, kind)
     return mtp_head(desc, w, kind.head)
@@ -132,20 +120,17 @@ def _format(quant: WeightQuant | None) -> str:
     return quant.format if quant else "float"
 
 
-def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float32",
-                      quant: WeightQuant | None = None, extra: tuple[GraphKind, ...] = (),
-                      index_share: bool = False, draft_quant: WeightQuant | None | str = "same") -> ExportResult:
-    """Export all graphs of `ckpt` into `out_dir` (created; existing graph files are replaced).
-    draft_quant: the form of the linear layers the MTP heads draft with ("same": as `quant`)."""
+def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, options: ExportOptions | None = None) -> ExportResult:
+    """Export all graphs of `ckpt` into `out_dir` (created; existing graph files are replaced), their
+    weights in one weights.bin, and export.json describing them (default options: float32, no extras)."""
+    options = options or ExportOptions()
     start = time.perf_counter()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    if dtype not in EXPORT_DTYPES:  # before weights.bin is created
-        raise ValueError(f"export dtype {dtype!r} is not supported; use one of {', '.join(EXPORT_DTYPES)}")
     shared = _SharedWeights(out / WEIGHTS_FILE)
     files, hashes, nodes = {}, {}, {}
     try:
-        for name, model in _graphs(ckpt, dtype, 0, quant, extra, index_share, draft_quant, sink=shared):
+        for name, model in _graphs(ckpt, replace(options, gdn_chunk_size=0), sink=shared):
             shared.externalize(model)
             data = model.SerializeToString(deterministic=True)
             files[name], nodes[name] = f"{name}.onnx", len(model.graph.node)
@@ -157,9 +142,9 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
     seconds = time.perf_counter() - start
     manifest = {
         "contract_version": contract.CONTRACT_VERSION,
-        "dtype": dtype,
-        "weights_format": _format(quant),
-        "draft_weights": _format(quant if draft_quant == "same" else draft_quant),
+        "dtype": options.dtype,
+        "weights_format": _format(options.quant),
+        "draft_weights": _format(options.quant if options.draft_quant == "same" else options.draft_quant),
         "family": ckpt.description.family,
         "mtp_layers": ckpt.description.mtp.num_layers if ckpt.description.mtp else 0,
         "graphs": {n: {"file": files[n], "sha256": hashes[n], "nodes": nodes[n]} for n in files},
@@ -170,4 +155,4 @@ def export_checkpoint(ckpt: Checkpoint, out_dir: str | Path, dtype: str = "float
     return ExportResult(out, files, seconds, weights_bytes)
 
 
-__all__ = ["EXPORT_DTYPES", "ExportResult", "build_graphs", "export_checkpoint"]
+__all__ = ["EXPORT_DTYPES", "ExportOptions", "ExportResult", "build_graphs", "export_checkpoint"]

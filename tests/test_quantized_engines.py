@@ -10,7 +10,7 @@ import pytest
 
 from tandem.checkpoint import open_checkpoint
 from tandem.engines.options import BuildOptions, OptionsError
-from tandem.export.exporter import export_checkpoint
+from tandem.export.exporter import ExportOptions, export_checkpoint
 from tandem.export.nbits_tiles import fits_half, tile_weights
 from tandem.export.quantize import WeightQuant, half_scales
 from tandem.pipeline.llm import LLM, RuntimeConfig
@@ -57,7 +57,7 @@ def test_scales_round_up_to_float16_values():
 def test_every_linear_layer_is_exported_as_blocked_dequantize_matmul(tiny_root, tmp_path):
     ckpt = open_checkpoint(tiny_root / "qwen3_5_mtp3")
     plain = export_checkpoint(ckpt, tmp_path / "f")
-    int4 = export_checkpoint(ckpt, tmp_path / "q", quant=WeightQuant("int4", 32))
+    int4 = export_checkpoint(ckpt, tmp_path / "q", ExportOptions(quant=WeightQuant("int4", 32)))
     f_graph = onnx.load(str(tmp_path / "f" / "target_step.onnx"), load_external_data=False)
     q_graph = onnx.load(str(tmp_path / "q" / "target_step.onnx"), load_external_data=False)
     float_weights = {n.input[1] for n in f_graph.graph.node if n.op_type == "MatMul" and n.input[1].endswith(".T")}
