@@ -32,7 +32,7 @@ if TYPE_CHECKING:     # build options: the engine dir's runtime reads none of th
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2}
 INTEGER_MISMATCHES = {"float32": 0, "float16": 1}  # differing entries allowed per integer output
 # a draw within float rounding of a CDF boundary or of the top-k / top-p cut takes the neighbouring
-# token in one graph: about once in 10,000 draws with the fixed inputs' top-k (tests/test_verification_compare)
+# token in one graph: about once in 10,000 draws with the fixed inputs' top-k (tests/engines/test_verification_compare)
 SAMPLED_MISMATCHES = 1
 _CHECK_PAGES = 3               # committed context of up to 3 pages per sequence
 

@@ -19,9 +19,9 @@ tokens pays them once. The attention blocks' extra rows cost little: their proje
 same weights whatever the row count.
 
 Exactness: each row's result does not depend on how many rows its call has (row-invariant
-engines, tests/test_row_invariance.py), and every one-row part is a decode step's, so step i's row
+engines, tests/engines/test_row_invariance.py), and every one-row part is a decode step's, so step i's row
 is plain decoding's and t_{i+1} the argmax the host would take (ArgMax and numpy both pick the
-first of equal maxima); tests/test_decode_steps.py holds the tokens, rows and states to n decode
+first of equal maxima); tests/pipeline/test_decode_steps.py holds the tokens, rows and states to n decode
 steps bit for bit. A sequence that stops at t_j (j < n) has finished: what the call computed past
 it is never read.
 """

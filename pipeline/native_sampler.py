@@ -3,7 +3,7 @@
 
 Same steps as the numpy sampler (pipeline/sampler.py) with the library's own arithmetic (its exp,
 its sums' order): a token is numpy's except where the uniform falls within rounding of a boundary
-between two tokens (tests/test_native_sampler.py), and the same bits on every x86 CPU. A batch's
+between two tokens (tests/kernels/test_native_sampler.py), and the same bits on every x86 CPU. A batch's
 sampled rows go in one call, about 5 us a row at 4,096 logits (bench/sampler.py); numpy's calls
 cost several times that, more after an engine call has pushed them out of the caches.
 """

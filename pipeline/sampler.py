@@ -11,7 +11,7 @@ Sampling is the verify graph's (export/acceptance.py), step for step: temperatur
 (vLLM's order), then top-k, then top-p on what top-k kept; then inverse-CDF over the vocabulary
 in id order, never past the last token with non-zero probability. The host never sorts a vocabulary: a threshold is a
 partition, a nucleus is searched among the largest logits, and a filtered row exponentiates and
-accumulates only the tokens it keeps (tests/test_sampling_reproducible.py holds every setting to
+accumulates only the tokens it keeps (tests/pipeline/test_sampling_reproducible.py holds every setting to
 the sorted computation bit for bit).
 """
 

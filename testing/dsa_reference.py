@@ -62,7 +62,7 @@ class NextNReference:
     the post-norm hidden is chained, as transformers' MtpLayer passes it on). With index share, the
     draft rows of steps s > 0 attend the top-k step 0 chose for the last prompt row plus the draft
     positions, in place of the indexer's own choice. transformers 5.24 builds no MTP model for these
-    configs (no `num_mtp_layers`); tests/test_dsa_mtp_transformers.py holds step 0 to DeepSeek-V3's
+    configs (no `num_mtp_layers`); tests/checkpoint/test_dsa_mtp_transformers.py holds step 0 to DeepSeek-V3's
     `MtpModel` on the same weights with top-k past the context (there V3.2 is V3's dense MLA)."""
 
     def __init__(self, target, model_dir):

@@ -1,6 +1,6 @@
 """The host sampler's definition computed the direct way, by sorting each row's vocabulary: what
 pipeline/sampler.py computed before it partitioned, kept as the reference its fast path must equal
-bit for bit (tests/test_sampling_reproducible.py) and the baseline its cost is measured against
+bit for bit (tests/pipeline/test_sampling_reproducible.py) and the baseline its cost is measured against
 (bench/sampler.py)."""
 
 from __future__ import annotations

@@ -1,0 +1,480 @@
+"""Adaptive verify width (pipeline/width_control.py and its hook in the engine).
+
+The controller's choice with synthetic round costs and acceptance (milliseconds, no engines); then
+on tiny engines: heads that are always wrong turn drafting off after a short warm-up and probe
+again later, an oracle climbs to the widest built width, outputs stay plain greedy's, and the
+heads' deferred catch-up leaves them exactly where a per-round re-anchor would."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from tandem.pipeline.llm import LLM, RuntimeConfig
+from tandem.pipeline.sampling_params import SamplingParams
+from tandem.pipeline.sequence import Status
+from tandem.pipeline.width_control import WidthController, WidthPolicy
+
+from ..pipeline_fixtures import install_drafter, run
+
+KIND = "qwen3_5_mtp3"
+PROMPTS = [[5, 17, 33, 200, 7], [9, 120, 77, 301, 15, 2, 88, 91, 14, 250, 3]]
+LONG = SamplingParams(max_tokens=96, ignore_eos=True)
+COST = {1: 1.0, 2: 1.3, 3: 1.6, 4: 1.9}     # ms per round at each width: a plain step, then drafting
+# the width sequences below follow the batch's rounds from its first step: no prefix cache, whose
+# entry before a prompt's last token splits that prompt's prefill (one step more for the longer prompt)
+NO_CACHE = RuntimeConfig(prefix_cache=False)
+
+
+def simulate(ctl: WidthController, rounds: int, accepted_at, batch: int = 1, cost=COST) -> list[int]:
+    """Run `rounds` rounds; accepted_at(round, drafts) -> accepted count per sequence."""
+    widths = []
+    for r in range(rounds):
+        w = ctl.width(batch)
+        widths.append(w)
+        per_seq = accepted_at(r, w - 1)
+        ctl.observe(batch, w, cost[w], [w - 1] * len(per_seq), per_seq)
+    return widths
+
+
+# ---- the controller alone --------------------------------------------------------------
+def test_never_accepted_turns_drafting_off_then_probes_with_growing_gaps():
+    ctl = WidthController([2, 3, 4], [1, 8])
+    widths = simulate(ctl, 300, lambda r, d: [0])
+    assert widths[:3] == [4, 4, 4]       # the start (no tuned settings: the widest) until measured
+    off_from = widths.index(1)
+    assert off_from == 3 and ctl.choice(1) == 1
+    probes = [i for i, w in enumerate(widths) if i > off_from and w > 1]
+    # from off: width 2 until its cost is measured (the first round at a width is not kept), then the
+    # widest (every draft position seen again) and width 2 in turn
+    assert [widths[i] for i in probes] == [2, 2, 2, 4, 2]
+    gaps = np.diff(probes)
+    assert list(gaps) == sorted(gaps) and gaps[-1] == ctl.policy.probe_max
+    assert widths.count(1) >= 0.95 * len(widths)
+
+
+def test_probes_that_keep_confirming_off_make_the_bucket_hopeless():
+    # rounds that would pay at full acceptance (width 2 at 1.3 plain steps), heads never right: off
+    # for good once every width above was probed and the probes backed off to probe_max, not before
+    verdicts = []
+    ctl = WidthController([2, 3, 4], [1])
+    for _ in range(200):
+        w = ctl.width(1)
+        ctl.observe(1, w, COST[w], [w - 1], [0])
+        verdicts.append(ctl.hopeless(1))
+    first = verdicts.index(True)
+    assert all(verdicts[first:]) and ctl.policy.probe_max // 2 < first < ctl.policy.probe_max
+    st = ctl._state(1)
+    assert 4 in st.probed and st.interval == ctl.policy.probe_max
+    # the engine ran empty: the verdict is dropped, and the next probe comes no later than it would have
+    due = st.next_probe
+    ctl.rejudge()
+    assert not ctl.hopeless(1) and st.next_probe == min(due, st.rounds + ctl.policy.probe_every)
+    ctl2 = WidthController([2, 3, 4], [1])
+    simulate(ctl2, 6, lambda r, d: [0])          # off after the start width, its first probe 8 rounds later
+    due = ctl2._state(1).next_probe
+    ctl2.rejudge()
+    assert ctl2._state(1).next_probe == due
+    # rounds as dear with drafts that pay (alpha = 1, 0.8, 0.6: width 4 makes 3.4 tokens in 2.5 steps)
+    ctl = WidthController([2, 3, 4], [1])
+    simulate(ctl, 200, lambda r, d: [min(d, [1, 2, 3, 3, 3][r % 5])], cost={1: 1.0, 2: 1.9, 3: 2.2, 4: 2.5})
+    assert not ctl.hopeless(1) and ctl.choice(1) == 4
+
+
+def test_a_bucket_off_on_early_evidence_climbs_to_the_width_that_pays():
+    # 8 sequences; the first rounds see nothing accepted at every position (a noisy start), then each
+    # draft is accepted with probability 0.8: width 2 still loses (1.8 tokens for 1.9 steps), width 4
+    # gains (2.95 tokens for 2.5). Probes from off that only tried width 2 never saw positions 2 and 3
+    # again, so the bucket stayed off; a probe judged by its own width only (not the widths below it)
+    # was not promising when width 3 would have paid, and the bucket was judged off for good. (This
+    # seed climbs late, after probes that saw little by chance.)
+    rng = np.random.default_rng(4)
+
+    def accepted(r, d):
+        return [0 if r < 20 else int(np.argmin(np.append(rng.random(d) < 0.8, False))) for _ in range(8)]
+    ctl = WidthController([2, 3, 4], [8])
+    cost = {1: 1.0, 2: 1.9, 3: 2.2, 4: 2.5}
+    widths, verdicts = [], []
+    for r in range(800):
+        widths.append(ctl.width(8))
+        ctl.observe(8, widths[-1], cost[widths[-1]], [widths[-1] - 1] * 8, accepted(r, widths[-1] - 1))
+        verdicts.append(ctl.hopeless(8))
+    assert widths[5:20].count(1) >= 14                 # off after the start width's noisy rounds
+    assert ctl.choice(8) == 4 and widths[-200:].count(4) >= 190
+    assert not any(verdicts)                           # never judged off for good on the way
+
+
+def test_always_accepted_climbs_from_off_to_the_widest():
+    ctl = WidthController([2, 3, 4], [1], start={1: 1})
+    widths = simulate(ctl, 60, lambda r, d: [d])
+    assert widths[0] == 1 and ctl.choice(1) == 4
+    assert widths[-20:].count(4) >= 19                # a probe below now and then
+
+
+def test_picks_the_width_with_the_most_tokens_per_second():
+    # 20 sequences: 12 accept >= 1 draft, 2 accept >= 2, 1 accepts 3 (alpha = 0.6, 0.1, 0.05):
+    # tokens/ms at widths 1..4 = 1/1, 1.6/1.3, 1.7/1.6, 1.75/1.9: width 2
+    def accepted(r, d):
+        return [min(d, a) for a in [0] * 8 + [1] * 10 + [2] + [3]]
+    ctl = WidthController([2, 3, 4], [32])
+    simulate(ctl, 40, accepted, batch=20)
+    assert ctl.choice(20) == 2
+    rates = {e.width: e.rate for e in ctl.estimates(20)}
+    assert max(rates, key=rates.get) == 2
+    # the same acceptance on rounds four times as dear as a plain step: off
+    ctl = WidthController([2, 3, 4], [32])
+    simulate(ctl, 40, accepted, batch=20, cost={1: 1.0, 2: 4.0, 3: 4.3, 4: 4.6})
+    assert ctl.choice(20) == 1
+
+
+def test_climbs_back_when_acceptance_rises():
+    ctl = WidthController([2, 3, 4], [1])
+    widths = simulate(ctl, 400, lambda r, d: [0] if r < 100 else [d])
+    assert widths[50:100].count(1) >= 48               # off while nothing is accepted (a probe or two)
+    assert ctl.choice(1) == 4 and widths[-50:].count(4) >= 48
+
+
+def test_first_round_at_a_width_is_not_its_cost_and_buckets_are_separate():
+    ctl = WidthController([2, 3, 4], [1, 8], start={1: 2, 8: 4})
+    assert ctl.width(1) == 2 and ctl.width(5) == 4        # 5 sequences run at the 8 bucket's tuned width
+    ctl.observe(1, 2, 50.0, [1], [1])                      # building the bindings: not a round's cost
+    ctl.observe(1, 2, 1.4, [1], [1])
+    assert next(e for e in ctl.estimates(1) if e.width == 2).cost is None     # one kept time: not yet
+    ctl.observe(1, 2, 1.3, [1], [1])
+    assert next(e for e in ctl.estimates(1) if e.width == 2).cost == 1.3
+    assert all(e.cost is None for e in ctl.estimates(8))
+    assert ctl.acceptance(1)[:2] == [1.0, None] and ctl.acceptance(8) == [None] * 3
+
+
+def test_policy_refuses_nonsense():
+    with pytest.raises(ValueError, match="probe_every"):
+        WidthPolicy(probe_every=0)
+    with pytest.raises(ValueError, match="min_samples"):
+        WidthPolicy(min_samples=9)
+    with pytest.raises(ValueError, match="decay"):
+        WidthPolicy(decay=0.0)
+    with pytest.raises(ValueError, match="batch size"):
+        WidthController([2], [])
+
+
+# ---- in the engine ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def plain(engine_dirs):
+    return run(engine_dirs[KIND], PROMPTS, LONG, RuntimeConfig(speculative=False))[0]
+
+
+@pytest.fixture
+def widths(monkeypatch) -> list[int]:
+    """Every width the controller hands out, in order."""
+    seen, original = [], WidthController.width
+
+    def width(self, batch, constrained=False):
+        seen.append(original(self, batch, constrained))
+        return seen[-1]
+
+    monkeypatch.setattr(WidthController, "width", width)
+    return seen
+
+
+def generate(llm: LLM, prompts, params=LONG) -> dict[int, list[int]]:
+    seqs = [llm.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    while any(s.finish_reason is None for s in seqs):
+        llm.step()
+    llm.test_sequences = seqs
+    return {i: s.output_ids() for i, s in enumerate(seqs)}
+
+
+class ModeledCost(WidthController):
+    """The engine's round times replaced by `cost` (COST by default): on tiny engines a round is all
+    per-call overhead (and the test machine's load adds its own), so whether drafting pays there
+    is not the point."""
+
+    cost = COST
+
+    def observe(self, batch, width, seconds, drafted, accepted, constrained=False):
+        super().observe(batch, width, None if seconds is None else self.cost[width], drafted, accepted, constrained)
+
+
+def test_wrong_heads_turn_drafting_off_and_probe_again(engine_dirs, plain, monkeypatch, widths):
+    install_drafter(monkeypatch, "wrong")
+    llm = LLM(engine_dirs[KIND], NO_CACHE)
+    llm.round_loop.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8])
+    assert generate(llm, PROMPTS) == plain
+    off_from = widths.index(1)
+    assert off_from <= 4                            # warm-up: the start width measured, then off
+    after = widths[off_from:]
+    assert after.count(1) >= 0.8 * len(after) and any(w > 1 for w in after)   # off, with probes
+    assert llm.round_loop.width_control.choice(len(PROMPTS)) == 1
+    assert llm.runner.calls.get("target_step", 0) >= 0.8 * len(widths)       # off rounds are plain steps
+    assert all(s.speculative for s in llm.test_sequences)     # a width-2 round could pay: not hopeless
+
+
+# every round dearer than its width in plain steps (width 3, never measured from off, is bounded by
+# width 2's 3.1): the shipped model's rounds cost 3.4-3.9 steps at width 2
+DEAR = {1: 1.0, 2: 3.1, 3: 3.6, 4: 4.3}
+
+
+class Hopeless(ModeledCost):
+    cost = DEAR
+
+
+def test_rounds_that_cannot_pay_end_drafting_and_the_heads_catch_up(engine_dirs, plain, monkeypatch, widths):
+    """Rounds that cost more plain steps than their width (a tiny model's per-call overhead): once
+    the bucket is off and every width is known to lose even at full acceptance, its sequences decode
+    plain for good: no probes, no heads' catch-up, and a later request skips the heads in prefill."""
+    install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
+    llm = LLM(engine_dirs[KIND])
+    llm.round_loop.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
+    assert generate(llm, PROMPTS) == plain
+    assert llm.round_loop.width_control.hopeless(len(PROMPTS))
+    assert not any(s.speculative for s in llm.test_sequences)
+    assert len(widths) <= 24                       # the start width, off, three probes: then plain steps
+    reanchor = llm.round_loop.stats.phase_seconds.get("reanchor", 0.0)
+    heads = llm.runner.calls.get("mtp_head_0", 0)
+    assert generate(llm, PROMPTS) == plain
+    assert llm.runner.calls.get("mtp_head_0", 0) == heads         # the new requests' prefill ran no head
+    assert llm.round_loop.stats.phase_seconds.get("reanchor", 0.0) == reanchor
+
+
+def test_a_request_k_wins_over_a_hopeless_verdict(engine_dirs, plain, monkeypatch, widths):
+    """Once a bucket is judged hopeless, requests that leave k to the engine decode plain, but one that
+    sends its own k still drafts that many each round, from its prefill on (and stays exact)."""
+    install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
+    llm = LLM(engine_dirs[KIND])
+    llm.round_loop.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
+    assert generate(llm, PROMPTS) == plain and llm.round_loop.width_control.hopeless(len(PROMPTS))
+    fixed = replace(LONG, k=2)
+    assert generate(llm, PROMPTS, fixed) == plain
+    for s in llm.test_sequences:   # 2 a round (but the last, where the budget leaves 1)
+        assert s.speculative and s.metrics.rounds > 0 and s.metrics.drafted_per_position[0] == s.metrics.rounds
+        assert s.metrics.drafted_per_position[1] >= s.metrics.rounds - 1
+
+
+def judged_off(engine_dirs, monkeypatch, rejudge_rounds: int = 256):
+    """Heads always wrong, rounds that would pay at full acceptance (buckets 1 and 4: a late request
+    joins the bucket of the two running ones): PROMPTS decode until their sequences flip to plain
+    or one finishes -> (llm, controller, sequences)."""
+    install_drafter(monkeypatch, "wrong")
+    # one token an off round: the verdict comes after a number of rounds, before 96 tokens are out
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(decode_burst=1))
+    llm.round_loop.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 4],
+                                                 policy=WidthPolicy(probe_every=2, probe_max=8,
+                                                                    rejudge_rounds=rejudge_rounds))
+    seqs = [llm.add_request(p, LONG, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
+    while any(s.speculative for s in seqs) and all(s.finish_reason is None for s in seqs):
+        llm.step()
+    return llm, ctl, seqs
+
+
+def test_heads_confirmed_wrong_end_drafting_while_the_engine_is_busy(engine_dirs, plain, monkeypatch, widths):
+    """Rounds that would pay at full acceptance, heads always wrong: once the probes confirmed off
+    (the widest probed, backed off to probe_max), the sequences decode plain to their end and a
+    request prefilled while they run skips the heads."""
+    llm, ctl, seqs = judged_off(engine_dirs, monkeypatch)
+    assert ctl.hopeless(len(PROMPTS)) and max(llm.verify_widths) in ctl._state(len(PROMPTS)).probed
+    assert len(widths) <= 30 and all(s.finish_reason is None for s in seqs)
+    heads = llm.runner.calls.get("mtp_head_0", 0)
+    late = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=8, ignore_eos=True), request_id="late")
+    while any(s.finish_reason is None for s in [*seqs, late]):
+        llm.step()
+    assert not late.speculative and llm.runner.calls.get("mtp_head_0", 0) == heads    # prefilled without heads
+    assert {i: s.output_ids() for i, s in enumerate(seqs)} == plain
+    assert late.output_ids() == plain[0][:8]
+
+
+def test_a_verdict_of_off_outlasts_its_sequences_and_an_empty_engine(engine_dirs, plain, monkeypatch):
+    """Requests one after another (batch 1, say) are one workload: a verdict of off holds for the
+    next requests though the sequences it was made on have left and the engine ran empty, so heads
+    that never agree cost no probes and no heads' catch-up on every new request."""
+    llm, ctl, seqs = judged_off(engine_dirs, monkeypatch)
+    while any(s.finish_reason is None for s in seqs):
+        llm.step()
+    assert not llm.scheduler.running
+    heads = llm.runner.calls.get("mtp_head_0", 0)
+    again = llm.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [r.token_ids for r in again] == [plain[i][:8] for i in range(len(PROMPTS))]
+    assert llm.runner.calls.get("mtp_head_0", 0) == heads and all(r.metrics.rounds == 0 for r in again)
+
+
+def test_a_verdict_of_off_holds_new_requests_for_a_bounded_number_of_rounds(engine_dirs, plain, monkeypatch):
+    """Under continuous load (the judged sequences still run) a verdict of off holds for new requests
+    at most rejudge_rounds engine rounds: one arriving before skips the heads, one arriving after has
+    them and is probed again, so a workload that turns good gets drafting back within the bound."""
+    llm, ctl, seqs = judged_off(engine_dirs, monkeypatch, rejudge_rounds=12)
+    since = llm.round_loop.stats.rounds
+    early = llm.add_request(PROMPTS[0], SamplingParams(max_tokens=4, ignore_eos=True), request_id="early")
+    while early.finish_reason is None:
+        llm.step()
+    assert not early.speculative and llm.round_loop.stats.rounds - since < 12
+    while llm.round_loop.stats.rounds - since < 12:
+        llm.step()
+    heads = llm.runner.calls.get("mtp_head_0", 0)
+    late = llm.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True), request_id="late")
+    llm.step()                                                      # its prefill
+    assert all(s.finish_reason is None for s in seqs)              # (the judged ones still run)
+    assert late.speculative and llm.runner.calls.get("mtp_head_0", 0) > heads
+    while any(s.finish_reason is None for s in [*seqs, late]):
+        llm.step()
+    assert {i: s.output_ids() for i, s in enumerate(seqs)} == plain and late.output_ids() == plain[1][:8]
+
+
+def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
+    # width 2 at 1.9 steps could pay; width 2 at 2.5 bounds an unmeasured width 3 below 3 steps
+    for cost, hopeless in ((DEAR, True), ({**DEAR, 2: 1.9}, False), ({**DEAR, 2: 2.5}, False)):
+        ctl = WidthController([2, 3, 4], [1])
+        simulate(ctl, 100, lambda r, d: [0], cost=cost)
+        assert ctl.choice(1) == 1 and ctl.hopeless(1) == hopeless, cost
+    ctl = WidthController([2, 3, 4], [1])
+    simulate(ctl, 5, lambda r, d: [0], cost=DEAR)     # width 2 not measured yet: not known
+    assert ctl.choice(1) == 1 and not ctl.hopeless(1)
+
+
+def test_oracle_climbs_from_off_to_the_widest_built_width(engine_dirs, plain, monkeypatch, widths):
+    install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
+    llm = LLM(engine_dirs[KIND], NO_CACHE)
+    top = max(llm.verify_widths)
+    llm.round_loop.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8], start={8: 1})
+    assert generate(llm, PROMPTS) == plain
+    assert widths[0] == 1 and llm.round_loop.width_control.choice(len(PROMPTS)) == top
+    assert widths.count(top) >= 0.6 * len(widths)   # (the last sequence alone climbs again in bucket 1)
+
+
+def test_adaptive_width_off_keeps_the_tuned_width(engine_dirs, plain, monkeypatch):
+    install_drafter(monkeypatch, "wrong")
+    outputs, llm = run(engine_dirs[KIND], PROMPTS, LONG, RuntimeConfig(adaptive_width=False))
+    assert outputs == plain and llm.round_loop.width_control is None
+    for m in (s.metrics for s in llm.test_sequences):   # 3 a round, but the last three: 2, 1, 0 (the budget)
+        assert m.drafted_per_position == [m.rounds - 1, m.rounds - 2, m.rounds - 3]
+
+
+class Scripted:
+    """A stand-in controller: the widths to run, in order (then the widest)."""
+
+    def __init__(self, widths):
+        self.widths = list(widths)
+
+    def width(self, batch, constrained=False):
+        return self.widths.pop(0) if self.widths else 4
+
+    def observe(self, *args):
+        pass
+
+    def hopeless(self, batch, constrained=False):
+        return False
+
+    def rejudge(self):
+        pass
+
+
+@pytest.mark.parametrize("mode", ["chained", "reused"])
+def test_deferred_catch_up_equals_reanchoring_every_round(engine_dirs, mode):
+    """The real heads, drafting off for 11 rounds (the lag passes lag_rows once) then on: each
+    step's drafts and hidden are those of a run whose heads re-anchor every round."""
+    schedule = [4, 4] + [1] * 11 + [4] * 3 + [1] * 3 + [4] * 10
+    traces = []
+    for lag_rows in (None, 1):      # one token an off round (bursts: the next test), so the steps pair up
+        llm = LLM(engine_dirs[KIND], RuntimeConfig(mtp_mode=mode, decode_burst=1))
+        llm.round_loop.width_control = Scripted(schedule)
+        if lag_rows:
+            llm.round_loop.lag_rows = lag_rows
+        seqs = [llm.add_request(p, SamplingParams(max_tokens=40, ignore_eos=True)) for p in PROMPTS]
+        trace = []
+        while any(s.finish_reason is None for s in seqs):
+            llm.step()
+            trace.append([(s.num_generated, s.head_committed, s.draft, s.draft_prob, s.chain_hidden) for s in seqs])
+        traces.append((trace, [s.output_ids() for s in seqs]))
+    (deferred, out_a), (every, out_b) = traces
+    assert out_a == out_b and len(deferred) == len(every)
+    synced = 0
+    for a, b in zip(deferred, every):
+        for (n, hc, d, p, h), (n2, hc2, d2, p2, h2) in zip(a, b):
+            assert n == n2
+            if hc == hc2:       # rows the deferred run has caught up on: same heads
+                synced += 1
+                assert d == d2 and p == pytest.approx(p2, rel=1e-4, abs=1e-6)
+                np.testing.assert_allclose(h, h2, rtol=1e-4, atol=1e-5)
+    assert synced >= len(deferred)
+    assert any(hc < hc2 for a, b in zip(deferred, every) for (_, hc, *_), (_, hc2, *_) in zip(a, b))
+
+
+@pytest.mark.parametrize("mode", ["chained", "reused"])
+def test_off_rounds_burst_and_the_heads_catch_up_on_every_token(engine_dirs, mode):
+    """Drafting off, a round is a decode burst (several tokens, each call's hidden row kept for the
+    heads); the heads' catch-up over those rows leaves them as re-anchoring after every token does:
+    wherever the two runs have made the same tokens and their heads committed the same rows, the
+    drafts, their probabilities and the chain hidden are equal, and the outputs are."""
+    schedule = [4, 4] + [1] * 5 + [4] * 3 + [1] * 3 + [4] * 10
+    states, outputs = [], []
+    for burst, lag_rows in ((8, None), (1, 1)):
+        llm = LLM(engine_dirs[KIND], RuntimeConfig(mtp_mode=mode, decode_burst=burst))
+        llm.round_loop.width_control = Scripted(schedule)
+        if lag_rows:
+            llm.round_loop.lag_rows = lag_rows
+        seqs = [llm.add_request(p, SamplingParams(max_tokens=60, ignore_eos=True)) for p in PROMPTS]
+        seen = {}
+        while any(s.finish_reason is None for s in seqs):
+            llm.step()
+            for i, s in enumerate(seqs):
+                seen[(i, s.num_generated, s.head_committed)] = (s.draft, s.draft_prob, s.chain_hidden)
+        states.append(seen)
+        outputs.append([s.output_ids() for s in seqs])
+        if burst > 1:
+            assert llm.round_loop.decode.bursts > 0 and llm.round_loop.decode.calls > 2 * llm.round_loop.decode.bursts
+    assert outputs[0] == outputs[1]
+    common = states[0].keys() & states[1].keys()
+    assert len(common) >= 8
+    for key in common:
+        (d, p, h), (d2, p2, h2) = states[0][key], states[1][key]
+        assert d == d2 and p == pytest.approx(p2, rel=1e-4, abs=1e-6), key
+        np.testing.assert_allclose(h, h2, rtol=1e-4, atol=1e-5)
+
+
+def test_deferred_rows_are_dropped_after_preemption(engine_dirs, plain, monkeypatch):
+    """Drafting off under memory pressure: a preempted sequence's kept rows are stale (it is
+    prefilled again, heads included) and outputs still equal plain greedy's."""
+    install_drafter(monkeypatch, "wrong")
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(memory_budget_bytes=230_000, max_num_seqs=8))
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    seqs, steps = [], 0
+    while len(seqs) < 6 or any(s.finish_reason is None for s in seqs):
+        if len(seqs) < 6 and steps % 2 == 0:
+            seqs.append(llm.add_request(PROMPTS[len(seqs) % 2], params))
+        llm.step()
+        steps += 1
+        for s in seqs:   # the heads plus the rows kept for them cover exactly what the target committed
+            if s.status == Status.DECODE:
+                kept = llm.round_loop._lagging.get(s, (0, []))[1]
+                assert s.head_committed + len(kept) == s.committed
+    assert [s.output_ids() for s in seqs] == [plain[i % 2][:40] for i in range(6)]
+    assert sum(s.metrics.preemptions for s in seqs) > 0
+
+
+def test_a_fixed_k_is_respected(engine_dirs, plain, monkeypatch, widths):
+    """A global spec_k (as a request's) fixes the drafts per round: wrong heads still draft k."""
+    install_drafter(monkeypatch, "wrong")
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(spec_k=3))
+    llm.round_loop.width_control = Scripted([1] * 1000)         # a controller that would turn drafting off
+    assert generate(llm, PROMPTS) == plain
+    for s in llm.test_sequences:   # every token after the first from a verify round: none from drafting off
+        m = s.metrics
+        # k each round but where the budget leaves fewer: 2, 1, then none (the last token a plain step)
+        d = m.drafted_per_position
+        assert d == [d[0], d[0] - 1, d[0] - 2] and d[0] == m.rounds and m.rounds + m.accepted + 2 >= len(s.output_ids())
+
+
+def test_spec_policy_names_the_two_switches(engine_dirs):
+    """RuntimeConfig.spec_policy (`tandem serve --spec-policy`): adaptive, fixed (the tuned width, no
+    controller), off (no drafting: a request's spec_k is refused, not ignored); contradictions refused."""
+    assert LLM(engine_dirs[KIND], RuntimeConfig(spec_policy="adaptive")).round_loop.width_control is not None
+    fixed = LLM(engine_dirs[KIND], RuntimeConfig(spec_policy="fixed"))
+    assert fixed.round_loop.width_control is None and fixed.config.speculative
+    off = LLM(engine_dirs[KIND], RuntimeConfig(spec_policy="off"))
+    assert [r.metrics.rounds for r in off.generate(PROMPTS, SamplingParams(max_tokens=8))] == [0, 0]
+    with pytest.raises(ValueError, match="spec_k"):
+        off.add_request(PROMPTS[0], SamplingParams(max_tokens=8, k=2))
+    for bad in (dict(spec_policy="sometimes"), dict(spec_policy="adaptive", adaptive_width=False),
+                dict(spec_policy="fixed", speculative=False)):
+        with pytest.raises(ValueError, match="spec_policy"):
+            RuntimeConfig(**bad)
