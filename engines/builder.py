@@ -26,7 +26,8 @@ from tandem.checkpoint.description import DTYPE_BYTES, description_to_dict
 from tandem.checkpoint.summary import summarize
 from tandem.engines import buckets as bucket_plan
 from tandem.engines.atomic import MARKER, check_replaceable, check_writable, staged_directory, sweep_stale
-from tandem.engines.backends import get_backend
+from tandem.engines.backends import get_builder
+from tandem.engines.backends.common import link_or_copy
 from tandem.engines.fingerprint import changes, digests, fingerprint, hash_inputs, input_files
 from tandem.engines.integrity import verify_engine_dir
 from tandem.engines.malloc import return_large_blocks
@@ -78,7 +79,7 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
     if options.max_seq_len > desc.max_position_embeddings:
         raise OptionsError(f"--max-seq-len {options.max_seq_len} exceeds the model's max_position_embeddings "
                            f"({desc.max_position_embeddings})")
-    backend = get_backend(options.backend)
+    backend = get_builder(options.backend)
     sources = {"checkpoint": Path(model_dir), "draft": Path(options.draft) if options.draft else None}
     check_replaceable(out, sources)
     swept = sweep_stale(out.absolute().parent) if out.absolute().parent.is_dir() else []
@@ -105,7 +106,7 @@ def build_engines(model_dir: str | Path, out: str | Path, options: BuildOptions 
             bar.step()
         for name in {e["file"] for e in reusable.values()} | ({"weights.bin"} if reusable else set()):
             if (out / name).exists():
-                backend.link_or_copy(out / name, tmp / name)
+                link_or_copy(out / name, tmp / name)
         with Progress("build", len(plan), show_progress) as bar:
             files = backend.build(export_dir, tmp, plan, desc=desc, options=options, progress=bar)
         verified, rebuilt, reused = {}, [], []

@@ -16,7 +16,7 @@ from tandem.checkpoint.description import description_from_dict
 from tandem.cli import main
 from tandem.engines import builder as builder_module
 from tandem.engines.atomic import OutputError
-from tandem.engines.backends import onnxruntime_backend
+from tandem.engines.backends import onnxruntime_build
 from tandem.engines.builder import BuildError, build_engines
 from tandem.engines.manifest import read_manifest
 from tandem.engines.options import BuildOptions
@@ -88,17 +88,17 @@ def test_failure_mid_build_leaves_no_valid_looking_directory(tiny_root, tmp_path
             raise RuntimeError("injected failure")
         return real(self, path, feeds, optimized)
 
-    real = onnxruntime_backend.ReferenceRunner.run
-    monkeypatch.setattr(onnxruntime_backend.ReferenceRunner, "run", explode)
+    real = onnxruntime_build.ReferenceRunner.run
+    monkeypatch.setattr(onnxruntime_build.ReferenceRunner, "run", explode)
     with pytest.raises(RuntimeError, match="injected"):
         build_engines(tiny_root / "qwen3_5_mtp1", out, SMALL, show_progress=False)
     assert not out.exists() and not leftovers(tmp_path)
     # with an engine directory already there, a failed rebuild leaves it as it was
-    monkeypatch.setattr(onnxruntime_backend.ReferenceRunner, "run", real)
+    monkeypatch.setattr(onnxruntime_build.ReferenceRunner, "run", real)
     build_engines(tiny_root / "qwen3_5_mtp1", out, SMALL, show_progress=False)
     before = (out / "manifest.json").read_text()
     calls.clear()
-    monkeypatch.setattr(onnxruntime_backend.ReferenceRunner, "run", explode)
+    monkeypatch.setattr(onnxruntime_build.ReferenceRunner, "run", explode)
     with pytest.raises(RuntimeError):
         build_engines(tiny_root / "qwen3_5_mtp1", out, BuildOptions(batch_sizes=(4,), prefill_chunk=8,
                                                                       max_seq_len=256), show_progress=False)

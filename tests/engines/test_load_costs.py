@@ -13,7 +13,12 @@ import pytest
 from onnx import helper
 
 from tandem.checkpoint import open_checkpoint
-from tandem.engines.backends import onnxruntime_backend, onnxruntime_kernel_files, onnxruntime_optimized
+from tandem.engines.backends import (
+    onnxruntime_backend,
+    onnxruntime_build,
+    onnxruntime_kernel_files,
+    onnxruntime_optimized,
+)
 from tandem.engines.backends.onnxruntime_optimized import OPTIMIZED_WEIGHTS, optimized_name
 from tandem.engines.buckets import plan
 from tandem.engines.builder import BuildError, build_engines
@@ -170,15 +175,15 @@ def test_verification_opens_one_session_at_a_time(tiny_root, tmp_path, monkeypat
 def test_a_checker_without_run_group_is_run_bucket_by_bucket(tiny_root, tmp_path, monkeypatch):
     """The TensorRT backend's Checker has only run(bucket, engine, feeds): the build still verifies
     every bucket through it."""
-    monkeypatch.delattr(onnxruntime_backend.Checker, "run_group")
+    monkeypatch.delattr(onnxruntime_build.Checker, "run_group")
     seen = []
-    real = onnxruntime_backend.Checker.run
+    real = onnxruntime_build.Checker.run
 
     def run(self, bucket, engine, feeds):
         seen.append(bucket.name)
         return real(self, bucket, engine, feeds)
 
-    monkeypatch.setattr(onnxruntime_backend.Checker, "run", run)
+    monkeypatch.setattr(onnxruntime_build.Checker, "run", run)
     build_engines(tiny_root / "qwen3_5_mtp1", tmp_path / "out", SMALL, show_progress=False)
     engines = read_manifest(tmp_path / "out")["engines"]
     assert sorted(seen) == sorted(e["name"] for e in engines) and all(e["verification"]["passed"] for e in engines)
