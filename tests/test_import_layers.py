@@ -69,3 +69,18 @@ def test_imports_point_down():
              for name in imports.findall(path.read_text())
              if any(name == b or name.startswith(b + ".") for b in banned)]
     assert found == []
+
+
+SERVING_NEVER = BUILD_SIDE + ("tandem.engines.buckets", "tandem.engines.verification", "tandem.engines.builder",
+                              "tandem.engines.backends.onnxruntime_build", "tandem.engines.backends.tensorrt_build")
+
+
+def test_serving_an_engine_dir_loads_no_build_module(engine_dirs):
+    """Opening an engine dir and generating from it loads the backend's serving module only."""
+    code = ("import json, sys; from tandem.pipeline.llm import LLM; "
+            "from tandem.pipeline.sampling_params import SamplingParams; "
+            f"llm = LLM({str(engine_dirs['qwen3_5_mtp3'])!r}); "
+            "llm.generate([[5, 17, 33]], SamplingParams(max_tokens=4)); "
+            f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({SERVING_NEVER!r}))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == []
