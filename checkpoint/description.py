@@ -79,6 +79,16 @@ class AttentionSpec:
     def scale(self) -> float:
         return self.softmax_scale if self.softmax_scale is not None else float(self.head_dim ** -0.5)
 
+    @property
+    def reuses_previous_selection(self) -> bool:
+        """Whether the layer attends the positions the previous layer selected (only sparse MLA can)."""
+        return False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> AttentionSpec:
+        """Inverse of dataclasses.asdict (the manifest's JSON has lists for tuples)."""
+        return cls(**{**d, "mrope_section": tuple(d["mrope_section"]) if d.get("mrope_section") else None})
+
     def cache_specs(self) -> tuple[PagedKVSpec, ...]:
         row = (self.num_kv_heads, self.head_dim)
         return (PagedKVSpec(KEY, row, "keys (post-RoPE)", window=self.window),
@@ -111,6 +121,14 @@ class LinearAttentionSpec:
     @property
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
+
+    @property
+    def reuses_previous_selection(self) -> bool:
+        return False
+
+    @classmethod
+    def from_dict(cls, d: dict) -> LinearAttentionSpec:
+        return cls(**d)
 
     def cache_specs(self) -> tuple[StateSpec, ...]:
         return (StateSpec(RECURRENT, (self.num_value_heads, self.key_head_dim, self.value_head_dim),
@@ -166,6 +184,19 @@ class MoESpec:
 
 
 Mixer = AttentionSpec | MLASpec | LinearAttentionSpec
+# every layer mixer, declared once: its spec type -> (the kind of layer it makes, its name in manifests
+# and `tandem inspect`). Export (export/mixers.py) and the summary (checkpoint/summary.py) key their
+# own per-mixer code by these names.
+MIXERS: dict[type, tuple[LayerKind, str]] = {
+    AttentionSpec: (LayerKind.FULL_ATTENTION, "attention"),
+    MLASpec: (LayerKind.FULL_ATTENTION, "mla"),
+    LinearAttentionSpec: (LayerKind.LINEAR_ATTENTION, "gated_deltanet"),
+}
+_MIXER_BY_NAME = {name: spec_type for spec_type, (_, name) in MIXERS.items()}
+
+
+def mixer_name(spec: Mixer) -> str:
+    return MIXERS[type(spec)][1]
 
 
 @dataclass(frozen=True)
@@ -187,8 +218,7 @@ class LayerSpec:
 
     @property
     def kind(self) -> LayerKind:
-        full = isinstance(self.mixer, (AttentionSpec, MLASpec))
-        return LayerKind.FULL_ATTENTION if full else LayerKind.LINEAR_ATTENTION
+        return MIXERS[type(self.mixer)][0]
 
 
 MTP_FORMS = ("fc", "nextn")
@@ -342,8 +372,9 @@ def description_from_dict(data: dict) -> ModelDescription:
 
 
 def _layer_dict(layer: LayerSpec) -> dict:
-    return {"kind": layer.kind.value, "mixer": _plain(asdict(layer.mixer)), "mlp": layer.mlp.value,
-            "swiglu_limit": layer.swiglu_limit, "shared_swiglu_limit": layer.shared_swiglu_limit}
+    return {"kind": layer.kind.value, "mixer_type": mixer_name(layer.mixer), "mixer": _plain(asdict(layer.mixer)),
+            "mlp": layer.mlp.value, "swiglu_limit": layer.swiglu_limit,
+            "shared_swiglu_limit": layer.shared_swiglu_limit}
 
 
 def _layer_from_dict(d: dict, shared: dict, cache: dict) -> LayerSpec:
@@ -352,16 +383,17 @@ def _layer_from_dict(d: dict, shared: dict, cache: dict) -> LayerSpec:
     spec = d.get("mixer", shared[kind])
     if spec is None:
         raise ValueError(f"a {kind.value} layer has no mixer spec in the description")
-    key = (kind, repr(sorted(spec.items())))
+    name = d.get("mixer_type") or _legacy_mixer_name(kind, spec)   # manifests written before mixer_type
+    key = (name, repr(sorted(spec.items())))
     if key not in cache:
-        if kind == LayerKind.FULL_ATTENTION and "kv_lora_rank" in spec:
-            cache[key] = MLASpec.from_dict(spec)
-        elif kind == LayerKind.FULL_ATTENTION:
-            spec = {**spec, "mrope_section": tuple(spec["mrope_section"]) if spec.get("mrope_section") else None}
-            cache[key] = AttentionSpec(**spec)
-        else:
-            cache[key] = LinearAttentionSpec(**spec)
+        cache[key] = _MIXER_BY_NAME[name].from_dict(spec)
     return LayerSpec(cache[key], MLPKind(d["mlp"]), d.get("swiglu_limit"), d.get("shared_swiglu_limit"))
+
+
+def _legacy_mixer_name(kind: LayerKind, spec: dict) -> str:
+    if kind == LayerKind.LINEAR_ATTENTION:
+        return "gated_deltanet"
+    return "mla" if "kv_lora_rank" in spec else "attention"
 
 
 def _plain(x):

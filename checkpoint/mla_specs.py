@@ -206,6 +206,11 @@ class MLASpec:
             return (latent,)
         return latent, PagedKVSpec(INDEX_KEYS, (self.indexer.head_dim,), "indexer keys (k_norm, post-RoPE)")
 
+    @property
+    def reuses_previous_selection(self) -> bool:
+        """GLM-5's "shared" layers attend the top-k the previous layer's indexer selected."""
+        return bool(self.indexer and self.indexer.reuse_previous)
+
     @classmethod
     def from_dict(cls, d: dict) -> MLASpec:
         """Inverse of dataclasses.asdict (nested YaRN and indexer specs)."""

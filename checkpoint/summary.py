@@ -6,7 +6,7 @@ cache bytes per token against the plain per-head K/V cache the same heads would 
 from __future__ import annotations
 
 from tandem.checkpoint.cache_specs import DTYPE_BYTES
-from tandem.checkpoint.description import AttentionSpec, LayerKind, LayerSpec, LinearAttentionSpec, MLPKind
+from tandem.checkpoint.description import AttentionSpec, LayerKind, LayerSpec, LinearAttentionSpec, MLPKind, mixer_name
 from tandem.checkpoint.mla_specs import INDEX_KEYS, LATENT, MLASpec
 from tandem.checkpoint.reader import Checkpoint
 
@@ -30,7 +30,7 @@ def summarize(ckpt: Checkpoint, spec_k: int | None) -> dict:
         "layer_table": [_layer_row(f"layer {i}", layer) for i, layer in enumerate(d.layers)]
         + [_layer_row(f"mtp {j}", layer) for j, layer in enumerate(d.mtp.layers if d.mtp else ())],
         "mlp_kinds": mlps,
-        "attention": _attention(next((x.mixer for x in d.all_layers if isinstance(x.mixer, AttentionSpec)), None)),
+        "attention": _attention(next((x.mixer for x in d.all_layers if mixer_name(x.mixer) == "attention"), None)),
         "mla": _mla(d),
         "gated_deltanet": _gdn(d.linear_attention),
         "moe": None if d.moe is None else {"experts": d.moe.num_experts, "top_k": d.moe.top_k,
@@ -54,49 +54,66 @@ def summarize(ckpt: Checkpoint, spec_k: int | None) -> dict:
     return out
 
 
+# per mixer (description.MIXERS' names): its letter in the layer pattern, its fields in the layer table
+# and its one-line text in `tandem inspect`. A: full attention, S: sliding-window attention,
+# L: Gated DeltaNet, M: latent attention (MLA).
+
+def _attention_row(m: AttentionSpec) -> dict:
+    return dict(window=m.window, heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+                rotary_dim=m.rotary_dim, rope_theta=m.rope_theta,
+                gate="output" if m.output_gate else "head" if m.head_gate else None, scale=m.scale)
+
+
+def _attention_text(r: dict) -> str:
+    return ((f"sliding window {r['window']}" if r["window"] else "full attention")
+            + f", {r['heads']}/{r['kv_heads']} heads x {r['head_dim']}"
+            + (f", {r['gate']} gate" if r["gate"] else "")
+            + f", RoPE {r['rotary_dim']} dims theta {r['rope_theta']:g}")
+
+
+def _mla_row(m: MLASpec) -> dict:
+    i = m.indexer
+    return dict(heads=m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
+                scale=m.scale, indexer=None if i is None else {
+                    "heads": i.num_heads, "head_dim": i.head_dim, "topk": i.topk,
+                    "reuse_previous": i.reuse_previous, "rope_interleave": i.rope_interleave})
+
+
+def _mla_text(r: dict) -> str:
+    i = r["indexer"]
+    return (f"MLA, {r['heads']} heads, latent {r['kv_lora_rank']} + rope {r['qk_rope_head_dim']}"
+            + ("" if i is None else f", reuses the previous layer's top-{i['topk']}" if i["reuse_previous"]
+               else f", indexer {i['heads']} x {i['head_dim']} top-{i['topk']}"))
+
+
+def _gdn_row(m: LinearAttentionSpec) -> dict:
+    return dict(heads=m.num_value_heads, head_dim=m.value_head_dim)
+
+
+def _gdn_text(r: dict) -> str:
+    return f"Gated DeltaNet, {r['heads']} value heads x {r['head_dim']}"
+
+
+_MIXER_SUMMARIES = {  # name -> (letter, table fields, text)
+    "attention": (lambda m: "S" if m.window else "A", _attention_row, _attention_text),
+    "mla": (lambda m: "M", _mla_row, _mla_text),
+    "gated_deltanet": (lambda m: "L", _gdn_row, _gdn_text),
+}
+
+
 def _letter(layer: LayerSpec) -> str:
-    """A: full attention, S: sliding-window attention, L: Gated DeltaNet, M: latent attention (MLA)."""
-    if layer.kind == LayerKind.LINEAR_ATTENTION:
-        return "L"
-    if isinstance(layer.mixer, MLASpec):
-        return "M"
-    return "S" if layer.mixer.window else "A"
+    return _MIXER_SUMMARIES[mixer_name(layer.mixer)][0](layer.mixer)
 
 
 def _layer_row(name: str, layer: LayerSpec) -> dict:
-    m = layer.mixer
-    mixer = {LinearAttentionSpec: "gated_deltanet", MLASpec: "mla"}.get(type(m), "attention")
-    row = {"layer": name, "mixer": mixer, "mlp": layer.mlp.value, "swiglu_limit": layer.swiglu_limit,
-           "shared_swiglu_limit": layer.shared_swiglu_limit}
-    if isinstance(m, MLASpec):
-        i = m.indexer
-        row.update(heads=m.num_heads, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
-                   qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim, v_head_dim=m.v_head_dim,
-                   scale=m.scale, indexer=None if i is None else {
-                       "heads": i.num_heads, "head_dim": i.head_dim, "topk": i.topk,
-                       "reuse_previous": i.reuse_previous, "rope_interleave": i.rope_interleave})
-    elif isinstance(m, AttentionSpec):
-        row.update(window=m.window, heads=m.num_heads, kv_heads=m.num_kv_heads, head_dim=m.head_dim,
-                   rotary_dim=m.rotary_dim, rope_theta=m.rope_theta,
-                   gate="output" if m.output_gate else "head" if m.head_gate else None, scale=m.scale)
-    else:
-        row.update(heads=m.num_value_heads, head_dim=m.value_head_dim)
-    return row
+    mixer = mixer_name(layer.mixer)
+    return {"layer": name, "mixer": mixer, "mlp": layer.mlp.value, "swiglu_limit": layer.swiglu_limit,
+            "shared_swiglu_limit": layer.shared_swiglu_limit, **_MIXER_SUMMARIES[mixer][1](layer.mixer)}
 
 
 def _row_text(r: dict) -> str:
-    if r["mixer"] == "gated_deltanet":
-        text = f"Gated DeltaNet, {r['heads']} value heads x {r['head_dim']}"
-    elif r["mixer"] == "mla":
-        i = r["indexer"]
-        text = (f"MLA, {r['heads']} heads, latent {r['kv_lora_rank']} + rope {r['qk_rope_head_dim']}"
-                + ("" if i is None else f", reuses the previous layer's top-{i['topk']}" if i["reuse_previous"]
-                   else f", indexer {i['heads']} x {i['head_dim']} top-{i['topk']}"))
-    else:
-        text = ((f"sliding window {r['window']}" if r["window"] else "full attention")
-                + f", {r['heads']}/{r['kv_heads']} heads x {r['head_dim']}"
-                + (f", {r['gate']} gate" if r["gate"] else "")
-                + f", RoPE {r['rotary_dim']} dims theta {r['rope_theta']:g}")
+    text = _MIXER_SUMMARIES[r["mixer"]][2](r)
     clamps = [f"{what} clamp {r[key]:g}" for what, key in (("swiglu", "swiglu_limit"),
                                                             ("shared", "shared_swiglu_limit")) if r[key] is not None]
     return ", ".join([text, f"{r['mlp']} MLP", *clamps])
@@ -117,7 +134,7 @@ def _runs(table: list[dict]) -> list[tuple[str, str]]:
 def _mla(d) -> dict | None:
     """The first MLA layer's dims, and one token's cache bytes over the trunk: latent rows, indexer
     keys, and the per-head K [H, nope + rope] and V [H, v] rows plain attention would keep instead."""
-    layers = [x.mixer for x in d.layers if isinstance(x.mixer, MLASpec)]
+    layers = [x.mixer for x in d.layers if mixer_name(x.mixer) == "mla"]
     if not layers:
         return None
     m, size = layers[0], DTYPE_BYTES[d.dtype]
@@ -128,8 +145,7 @@ def _mla(d) -> dict | None:
             "v_head_dim": m.v_head_dim, "rope_theta": m.rope_theta, "yarn_factor": y.factor if y else None,
             "scale": m.scale, "indexer": None if m.indexer is None else {
                 "heads": m.indexer.num_heads, "head_dim": m.indexer.head_dim, "topk": m.indexer.topk,
-                "reuse_layers": [i for i, x in enumerate(d.layers) if isinstance(x.mixer, MLASpec)
-                                 and x.mixer.indexer and x.mixer.indexer.reuse_previous]},
+                "reuse_layers": [i for i, x in enumerate(d.layers) if x.mixer.reuses_previous_selection]},
             "bytes_per_token": {
                 "latent": sum(p.row_bytes(size) for p in pools if p.name == LATENT),
                 "indexer": sum(p.row_bytes(size) for p in pools if p.name == INDEX_KEYS),

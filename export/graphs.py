@@ -31,7 +31,7 @@ from onnx import TensorProto, helper
 
 from tandem import contract as c
 from tandem.checkpoint.cache_specs import KEY, VALUE
-from tandem.checkpoint.description import AttentionSpec, LayerKind, ModelDescription
+from tandem.checkpoint.description import AttentionSpec, LayerKind, ModelDescription, mixer_name
 from tandem.checkpoint.mla_specs import INDEX_KEYS, LATENT, MLASpec
 from tandem.export import acceptance
 from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN, GraphBuilder, value_info
@@ -101,16 +101,26 @@ def attention_layer(b: GraphBuilder, desc: ModelDescription, spec: AttentionSpec
     `selected` [B, W, K]: the top-k a sparse-MLA layer attends in place of its own indexer's: the
     previous layer's (GLM-5 "shared" layers) or the first draft step's (index share)."""
     pools = {s.name: c.pool_input(s, layer) for s in spec.cache_specs()}
-    if isinstance(spec, MLASpec):
-        cos, sin = paging.rope(spec)
-        out = mla_attention(b, spec, w, p + "self_attn.", xn, cos, sin, paging.context_lens, paging.table(spec),
-                            pools[LATENT], pools.get(INDEX_KEYS), selected)
-        rows = {LATENT: out.latent_rows}
-        if out.index_key_rows is not None:
-            rows[INDEX_KEYS] = out.index_key_rows
-        return out.output, rows, out.selected
+    return _ATTENTION_LAYERS[mixer_name(spec)](b, desc, spec, w, xn, p, paging, pools, selected)
+
+
+def _gqa_layer(b, desc, spec: AttentionSpec, w, xn, p, paging, pools, selected):
     out, k, v = attention(b, desc, spec, w, xn, p, paging, pools[KEY], pools[VALUE])
     return out, {KEY: k, VALUE: v}, None
+
+
+def _mla_layer(b, desc, spec: MLASpec, w, xn, p, paging, pools, selected):
+    cos, sin = paging.rope(spec)
+    out = mla_attention(b, spec, w, p + "self_attn.", xn, cos, sin, paging.context_lens, paging.table(spec),
+                        pools[LATENT], pools.get(INDEX_KEYS), selected)
+    rows = {LATENT: out.latent_rows}
+    if out.index_key_rows is not None:
+        rows[INDEX_KEYS] = out.index_key_rows
+    return out.output, rows, out.selected
+
+
+# attention mixer (description.MIXERS' name) -> its layer: (output, new rows by pool name, top-k it attended)
+_ATTENTION_LAYERS = {"attention": _gqa_layer, "mla": _mla_layer}
 
 
 def attention_mixer(b: GraphBuilder, desc: ModelDescription, w: Weights, i: int, paging: Paging,
@@ -118,7 +128,7 @@ def attention_mixer(b: GraphBuilder, desc: ModelDescription, w: Weights, i: int,
     """decoder_layer's mixer for trunk attention layer i: xn -> (output, (its new rows, the top-k
     it attended)). A sparse-MLA layer that reuses the previous indexer's top-k attends `selected`."""
     spec = desc.layers[i].mixer
-    reuse = isinstance(spec, MLASpec) and spec.indexer and spec.indexer.reuse_previous
+    reuse = spec.reuses_previous_selection
 
     def mixer(xn):
         out, rows, picked = attention_layer(b, desc, spec, w, xn, f"layers.{i}.", paging, i,
@@ -381,7 +391,7 @@ def _functions(desc: ModelDescription, row_states: bool, gdn: bool = True, chunk
     """The ai.tandem functions a graph of `desc` may call: attention always, the lightning indexer
     when a layer has one, Gated DeltaNet unless `gdn` is False (heads)."""
     fns = [paged_sparse_attention.make_function()]
-    if any(isinstance(x.mixer, MLASpec) and x.mixer.indexer is not None for x in desc.all_layers):
+    if any(getattr(x.mixer, "indexer", None) is not None for x in desc.all_layers):
         fns.append(lightning_indexer.make_function())
     if gdn:
         fns.append(gated_deltanet.make_function(emit_row_states=row_states, chunk_size=chunk))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from onnx import TensorProto
 
-from tandem.checkpoint.description import AttentionSpec, LayerSpec, LinearAttentionSpec, ModelDescription
+from tandem.checkpoint.description import AttentionSpec, LayerSpec, LinearAttentionSpec, ModelDescription, mixer_name
 from tandem.checkpoint.mla_specs import MLASpec
 from tandem.export.builder import TANDEM_DOMAIN, GraphBuilder
 from tandem.export.mla import rope_tables
@@ -53,17 +53,25 @@ class Paging:
 def rope_key(a: AttentionSpec | MLASpec) -> tuple:
     """Layers with equal keys share one cos/sin pair: (rotary_dim, theta, head_dim); MLA: (rope dims,
     theta, its YaRN)."""
-    if isinstance(a, MLASpec):
-        return a.qk_rope_head_dim, float(a.rope_theta), a.yarn
-    return a.rotary_dim, float(a.rope_theta), a.head_dim
+    return _ROPE_TABLES[mixer_name(a)][0](a)
 
 
 def rope_pair(b: GraphBuilder, a: AttentionSpec | MLASpec, positions: str, dtype: str, scope: str) -> tuple[str, str]:
     """The cos/sin pair layer `a` reads: NeoX tables [.., D] (rotary_tables) or MLA's per-pair ones [.., rd / 2]."""
-    if isinstance(a, MLASpec):
-        with b.scope(scope):
-            return rope_tables(b, a, positions, dtype)
-    return rotary_tables(b, a, positions, scope)
+    return _ROPE_TABLES[mixer_name(a)][1](b, a, positions, dtype, scope)
+
+
+def _mla_rope_pair(b: GraphBuilder, a: MLASpec, positions: str, dtype: str, scope: str) -> tuple[str, str]:
+    with b.scope(scope):
+        return rope_tables(b, a, positions, dtype)
+
+
+# attention mixer (description.MIXERS' name) -> (its rope key, its cos/sin tables)
+_ROPE_TABLES = {
+    "attention": (lambda a: (a.rotary_dim, float(a.rope_theta), a.head_dim),
+                  lambda b, a, positions, dtype, scope: rotary_tables(b, a, positions, scope)),
+    "mla": (lambda a: (a.qk_rope_head_dim, float(a.rope_theta), a.yarn), _mla_rope_pair),
+}
 
 
 def norm_scale(b: GraphBuilder, desc: ModelDescription, w: Weights, name: str) -> str:
