@@ -15,11 +15,11 @@ import pytest
 from tandem.checkpoint import open_checkpoint
 from tandem.checkpoint.description import MLPKind, MoESpec, description_from_dict, description_to_dict
 from tandem.checkpoint.families import FAMILIES, MODEL_TYPES, deepseek_dsa
+from tandem.checkpoint.families.deepseek_dsa.tiny import DSA_KINDS, dsa_config, quantize_fp8_blocks
 from tandem.checkpoint.mla_specs import IndexerSpec, MLASpec
 from tandem.checkpoint.safetensors_files import TensorIndex, dequantize_fp8_blocks
 from tandem.cli import main
 from tandem.testing.tiny_checkpoints import write_safetensors, write_tiny_checkpoint
-from tandem.testing.tiny_dsa import DSA_KINDS, dsa_config, quantize_fp8_blocks
 
 from ..checkpoint_fixtures import refusal
 from ..conftest import edit_json, read_all

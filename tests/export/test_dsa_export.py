@@ -13,11 +13,11 @@ import pytest
 
 from tandem import contract as c
 from tandem.checkpoint import open_checkpoint
+from tandem.checkpoint.families.deepseek_dsa.tiny import DSA_KINDS
 from tandem.export.graphs import target_step
 from tandem.export.ops import lightning_indexer
 from tandem.export.primitives import Weights
 from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
-from tandem.testing.tiny_dsa import DSA_KINDS
 
 from ..paged_driver import PagedState, run_in_chunks, session
 
