@@ -31,7 +31,7 @@ from bench.common import machine  # noqa: E402
 from tandem import contract as c  # noqa: E402
 from tandem.checkpoint.description import description_from_dict  # noqa: E402
 from tandem.engines.backends.onnxruntime_backend import open_served, serving_files  # noqa: E402
-from tandem.engines.backends.onnxruntime_kernel_files import engine_library  # noqa: E402
+from tandem.engines.backends.onnxruntime_files import engine_library  # noqa: E402
 from tandem.engines.manifest import read_manifest  # noqa: E402
 from tandem.plugins import cpu_kernels  # noqa: E402
 from tests.paged_driver import PagedState, relaxed_off  # noqa: E402

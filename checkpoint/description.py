@@ -307,14 +307,14 @@ class ModelDescription:
         """The first attention layer's spec (trunk, then heads): the one every attention layer
         shares in families with a single attention shape. Per-layer readers use layers[i].mixer."""
         for layer in self.all_layers:
-            if isinstance(layer.mixer, AttentionSpec):
+            if mixer_name(layer.mixer) == "attention":
                 return layer.mixer
         raise ValueError(f"{self.architecture} has no attention layer")
 
     @property
     def linear_attention(self) -> LinearAttentionSpec | None:
         """The first Gated DeltaNet layer's spec; None for a model without one."""
-        return next((layer.mixer for layer in self.all_layers if isinstance(layer.mixer, LinearAttentionSpec)), None)
+        return next((layer.mixer for layer in self.all_layers if mixer_name(layer.mixer) == "gated_deltanet"), None)
 
     def layer_caches(self, mtp_layers: int | None = None) -> tuple[LayerCache, ...]:
         """The pools of every trunk layer, then of MTP heads 0..mtp_layers-1 (None: all the model has)."""

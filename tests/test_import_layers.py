@@ -70,7 +70,9 @@ def test_imports_point_down():
 
 
 SERVING_NEVER = BUILD_SIDE + ("tandem.engines.buckets", "tandem.engines.verification", "tandem.engines.builder",
-                              "tandem.engines.backends.onnxruntime_build", "tandem.engines.backends.tensorrt_build")
+                              "tandem.engines.backends.onnxruntime_build", "tandem.engines.backends.tensorrt_build",
+                              "tandem.engines.backends.onnxruntime_optimized",
+                              "tandem.engines.backends.onnxruntime_kernel_files")
 
 
 def test_serving_an_engine_dir_loads_no_build_module(engine_dirs):

@@ -28,11 +28,12 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
-from tandem.engines.backends import onnxruntime_kernel_files as kernel_files
+from tandem.engines.backends import onnxruntime_files
 from tandem.engines.backends.memory import HostMemory, Transfers
-from tandem.engines.backends.onnxruntime_optimized import cpu_signature, optimized_name
+from tandem.engines.backends.onnxruntime_files import engine_library, optimized_name
 from tandem.engines.manifest import read_manifest
 from tandem.plugins import cpu_kernels
+from tandem.plugins.cpu_features import cpu_signature
 
 NAME = "onnxruntime"
 __all__ = ["NAME", "Runner", "open_served", "serving_files", "session", "versions"]
@@ -152,7 +153,7 @@ class HostRunner:
         # the backend protocol's host kernels: the library the served graphs load, which also holds
         # the host sampler (pipeline/native_sampler.py); None where they are the lowered graphs
         served_optimized = any(f.endswith(".opt.onnx") for f in opened.values())
-        self.host_kernels = kernel_files.engine_library(Path(engine_dir)) if served_optimized else None
+        self.host_kernels = engine_library(Path(engine_dir)) if served_optimized else None
         self._bindings: dict[tuple, _Binding] = {}
 
     @property
@@ -191,7 +192,7 @@ def open_served(engine_dir: Path, served: str, threads: int | None = None, profi
     dir's kernel library."""
     optimized = served.endswith(".opt.onnx")
     return session(engine_dir / served, threads, profile_prefix, optimized=optimized,
-                   kernels=kernel_files.engine_library(engine_dir) if optimized else None)
+                   kernels=engine_library(engine_dir) if optimized else None)
 
 
 def serving_files(engine_dir: Path, files: list[str]) -> dict[str, str]:
@@ -203,8 +204,8 @@ def serving_files(engine_dir: Path, files: list[str]) -> dict[str, str]:
     built, here = manifest.get("versions", {}), versions()
     differs = [f"{k} {built.get(k)} -> {here[k]}" for k in ("onnxruntime", "cpu") if built.get(k) != here[k]]
     saved = {f for f in files if optimized_name(f) in manifest["files"]}
-    kernels = kernel_files.engine_library(engine_dir)
-    if saved and not differs and kernels is not None and (error := kernel_files.load_error(kernels)):
+    kernels = engine_library(engine_dir)
+    if saved and not differs and kernels is not None and (error := onnxruntime_files.load_error(kernels)):
         differs = [f"its CPU kernel library does not load: {error}"]
     if differs and saved:
         log.warning("%s: its optimized graphs were saved for another runtime or CPU (%s); optimizing the lowered "

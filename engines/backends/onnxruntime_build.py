@@ -14,11 +14,11 @@ import onnx
 import onnxruntime as ort
 
 from tandem.engines.backends import onnxruntime_backend as serving
-from tandem.engines.backends import onnxruntime_kernel_files as kernel_files
 from tandem.engines.backends.common import link_or_copy
 from tandem.engines.backends.onnxruntime_backend import NAME, versions
+from tandem.engines.backends.onnxruntime_files import engine_library, optimized_name
 from tandem.engines.backends.onnxruntime_kernel_files import save_served_graphs
-from tandem.engines.backends.onnxruntime_optimized import exact_copy, optimized_name
+from tandem.engines.backends.onnxruntime_optimized import exact_copy
 from tandem.engines.buckets import Bucket
 from tandem.engines.manifest import WEIGHTS_FILE
 from tandem.engines.verification import timed
@@ -87,7 +87,7 @@ class Checker:
 
     def __init__(self, engine_dir: Path, export_dir: Path):
         self.engine_dir, self.export_dir = engine_dir, export_dir
-        self.kernels = kernel_files.engine_library(engine_dir)
+        self.kernels = engine_library(engine_dir)
         self.runner = ReferenceRunner(self.kernels)
 
     def run(self, bucket: Bucket, engine: tuple[str, int], feeds: dict[str, np.ndarray]) -> tuple[dict, dict]:

@@ -12,12 +12,10 @@ optimizes for the CPU provider, the library the dir carries, and whether it load
 
 from __future__ import annotations
 
-import functools
 import shutil
 from pathlib import Path
 
 import onnx
-import onnxruntime as ort
 
 from tandem.engines.backends.onnxruntime_optimized import save_optimized
 from tandem.plugins import cpu_kernels
@@ -62,20 +60,3 @@ def save_served_graphs(export_dir: Path, out_dir: Path, graphs: dict[str, tuple[
     finally:
         for path in variants.values():
             path.unlink(missing_ok=True)
-
-
-def engine_library(engine_dir: Path) -> Path | None:
-    """The engine dir's copy of the kernel library, which its optimized graphs use; None where it has none."""
-    path = engine_dir / cpu_kernels.LIBRARY_FILE
-    return path if path.is_file() else None
-
-
-@functools.lru_cache(maxsize=8)
-def load_error(library: Path) -> str | None:
-    """Why ONNX Runtime cannot load the kernel library here (a C++ runtime older than the build
-    machine's, say); None where it loads."""
-    try:
-        ort.SessionOptions().register_custom_ops_library(str(library))
-    except Exception as e:  # noqa: BLE001 (ONNX Runtime raises its own Fail / RuntimeError types)
-        return str(e).splitlines()[0][:300]
-    return None

@@ -30,17 +30,11 @@ import onnxruntime as ort
 from onnx import helper, numpy_helper
 
 from tandem.engines.backends.common import rewrite_in_large_writes
+from tandem.engines.backends.onnxruntime_files import OPTIMIZED_WEIGHTS, optimized_name
 from tandem.engines.manifest import WEIGHTS_FILE
-from tandem.plugins.cpu_features import cpu_signature  # noqa: F401 (part of this module's interface)
 
-OPTIMIZED_WEIGHTS = "optimized.bin"
 _ALIGN = 4096                  # as weights.bin: ONNX Runtime maps page-aligned external data
 _EXTERNAL_MIN_BYTES = 1024     # smaller initializers stay inside the graph (as the exporter's constants)
-def optimized_name(engine_file: str) -> str:
-    """"verify_greedy.w4.onnx" -> "verify_greedy.w4.opt.onnx"."""
-    return f"{engine_file.removesuffix('.onnx')}.opt.onnx"
-
-
 def save_optimized(folder: Path, files: list[str], options, progress=None, sources: dict[str, Path] | None = None,
                    rewrite=None) -> set[str]:
     """Write `optimized_name(f)` for each engine file `f` in `folder`, its tensors in weights.bin

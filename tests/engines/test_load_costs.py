@@ -19,7 +19,7 @@ from tandem.engines.backends import (
     onnxruntime_kernel_files,
     onnxruntime_optimized,
 )
-from tandem.engines.backends.onnxruntime_optimized import OPTIMIZED_WEIGHTS, optimized_name
+from tandem.engines.backends.onnxruntime_files import OPTIMIZED_WEIGHTS, optimized_name
 from tandem.engines.buckets import plan
 from tandem.engines.builder import BuildError, build_engines
 from tandem.engines.manifest import MANIFEST, WEIGHTS_FILE, read_manifest, signed

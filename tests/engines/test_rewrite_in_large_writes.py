@@ -10,7 +10,7 @@ import pytest
 
 from tandem.engines.backends import common
 from tandem.engines.backends.common import rewrite_in_large_writes
-from tandem.engines.backends.onnxruntime_optimized import OPTIMIZED_WEIGHTS
+from tandem.engines.backends.onnxruntime_files import OPTIMIZED_WEIGHTS
 
 
 def test_the_file_is_written_anew_with_the_same_bytes(tmp_path):

@@ -9,8 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from tandem.engines.backends import onnxruntime_backend, onnxruntime_kernel_files
-from tandem.engines.backends.onnxruntime_optimized import optimized_name
+from tandem.engines.backends import onnxruntime_backend, onnxruntime_files
+from tandem.engines.backends.onnxruntime_files import optimized_name
 from tandem.engines.builder import build_engines
 from tandem.engines.manifest import read_manifest
 from tandem.export.builder import OPSET, TANDEM_DOMAIN
@@ -223,7 +223,7 @@ def test_without_a_compiler_the_build_uses_onnxruntime_kernels(tiny_root, tmp_pa
     served = onnx.load(str(out / optimized_name(read_manifest(out)["engines"][0]["file"])), load_external_data=False)
     assert not any(n.domain == CPU_DOMAIN for n in served.graph.node)
     assert any(n.op_type == "LinearAttention" for n in served.graph.node)
-    assert onnxruntime_kernel_files.engine_library(out) is None
+    assert onnxruntime_files.engine_library(out) is None
 
 
 # ---- ai.tandem.cpu::PagedAttention ------------------------------------------------------------
@@ -325,14 +325,14 @@ def test_a_library_that_does_not_load_here_serves_the_lowered_graphs(engine_dirs
                                                                      caplog):
     """Every graph falls back together (the target step and the verify must compute alike), with a
     warning that says why."""
-    assert onnxruntime_kernel_files.load_error(library) is None
+    assert onnxruntime_files.load_error(library) is None
     junk = tmp_path / "junk.so"
     junk.write_bytes(b"not a shared library")
-    assert onnxruntime_kernel_files.load_error(junk)
+    assert onnxruntime_files.load_error(junk)
     engine_dir = engine_dirs["qwen3_5_mtp3"]
     files = sorted({r["file"] for r in read_manifest(engine_dir)["engines"]})
     assert set(onnxruntime_backend.serving_files(engine_dir, files).values()) == {optimized_name(f) for f in files}
-    monkeypatch.setattr(onnxruntime_kernel_files, "load_error", lambda path: "undefined symbol: _ZSt28__throw")
+    monkeypatch.setattr(onnxruntime_files, "load_error", lambda path: "undefined symbol: _ZSt28__throw")
     with caplog.at_level("WARNING"):
         assert onnxruntime_backend.serving_files(engine_dir, files) == {f: f for f in files}
     assert "CPU kernel library does not load: undefined symbol" in caplog.text

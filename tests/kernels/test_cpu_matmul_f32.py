@@ -11,7 +11,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tandem.engines.backends import onnxruntime_backend
-from tandem.engines.backends.onnxruntime_optimized import OPTIMIZED_WEIGHTS
+from tandem.engines.backends.onnxruntime_files import OPTIMIZED_WEIGHTS
 from tandem.engines.builder import build_engines
 from tandem.export.cpu_kernel_lowering import CPU_DOMAIN
 from tandem.export.cpu_matmul_lowering import lower_matmul_to_kernel, swiglu_panels, weight_panels
