@@ -35,6 +35,12 @@ def feeds_for(desc, sess, batch, rows, ctx=256, page=16):
     for spec in c.graph_io(desc, TARGET_STEP)[0]:  # the pools, zero, in the contract's shapes
         if spec.shape[0] in dims:
             f[spec.name] = np.zeros(tuple(dims.get(d, d) for d in spec.shape), spec.dtype)
+    for i in sess.get_inputs():  # the rest (the verify's flags, want_logprobs): zeros, batch and rows filled in
+        if i.name not in f:
+            shape = [batch if d == "batch" else rows if d in ("rows", "width") else d if isinstance(d, int) else 1
+                     for d in i.shape]
+            f[i.name] = np.zeros(shape, {"tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": bool}
+                                 .get(i.type, np.float32))
     names = {i.name for i in sess.get_inputs()}
     return {k: v for k, v in f.items() if k in names}
 
