@@ -45,7 +45,7 @@ def torch_references(tiny_root):
     """kind -> (transformers text model, lm_head, torch MTPReference), loaded once per session."""
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    from tandem.testing.mtp_reference import MTPReference, load_target
+    from tandem.checkpoint.families.qwen_hybrid.reference import MTPReference, load_target
 
     out = {}
     for kind in TINY_KINDS:

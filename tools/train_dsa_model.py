@@ -5,7 +5,7 @@ index share (docs/families/deepseek_v32.md) can be measured on weights whose dra
     .venv/bin/python tools/train_dsa_model.py --out /tmp/dsa-small --eval-only
 
 Trunk: transformers' DeepseekV32ForCausalLM (sparse MLA with the lightning indexer, DeepSeek MoE,
-layer 0 dense). NextN: `model.layers.{N}` run by tandem's torch reference (testing/dsa_reference.
+layer 0 dense). NextN: `model.layers.{N}` run by tandem's torch reference (checkpoint/families/deepseek_dsa/reference.
 NextNReference.forward), the math the engines' drafts are tested against. Data and tokenizer are
 tools/train_small_model.py's (stdlib .py files, held-out split by path hash, byte-level BPE).
 
@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT.parent))
 sys.path.insert(0, str(ROOT / "tools"))
 from train_small_model import encode, read, stdlib_files  # noqa: E402
 
-from tandem.testing.dsa_reference import NextNReference  # noqa: E402
+from tandem.checkpoint.families.deepseek_dsa.reference import NextNReference  # noqa: E402
 from tandem.testing.tokenizer_files import save_tokenizer, train_byte_level_bpe  # noqa: E402
 
 STEPS_WEIGHTS = (0.5, 0.3, 0.2)     # NextN draft steps 0, 1, 2 (k = 3 at serving)
@@ -304,7 +304,6 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=192)
     parser.add_argument("--index-topk", type=int, default=16)
-    parser.add_argument("--max-steps", type=int, help="stop after this many steps even within --minutes")
     parser.add_argument("--max-steps", type=int, help="stop after this many steps, even within --minutes")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1].parent))
-from tandem.testing.mtp_reference import MTPReference  # noqa: E402
+from tandem.checkpoint.families.qwen_hybrid.reference import MTPReference  # noqa: E402
 from tandem.testing.tokenizer_files import SPECIAL_TOKENS, save_tokenizer, train_byte_level_bpe  # noqa: E402
 
 MTP_LAYERS = 3

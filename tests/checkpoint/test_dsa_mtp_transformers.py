@@ -1,4 +1,4 @@
-"""The DeepSeek-V3.2 NextN reference (testing/dsa_reference.NextNReference, which the engines' drafts
+"""The DeepSeek-V3.2 NextN reference (deepseek_dsa/reference.NextNReference, which the engines' drafts
 are held to in test_dsa_pipeline.py) == transformers' own MTP path, closing engine == reference ==
 transformers.
 
@@ -34,7 +34,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 from transformers import modeling_layers  # noqa: E402
 from transformers.generation import candidate_generator  # noqa: E402
 
-from tandem.testing.dsa_reference import NextNReference, load_target  # noqa: E402
+from tandem.checkpoint.families.deepseek_dsa.reference import NextNReference, load_target  # noqa: E402
 
 PROMPT = [5, 17, 33, 200, 7, 90, 12, 14, 150, 61, 8, 9, 30, 41]
 ACCEPTING = [89, 172, 220, 33, 53, 76, 359, 114, 25]    # the target accepts one of its drafts

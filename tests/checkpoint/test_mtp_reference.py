@@ -13,7 +13,7 @@ from tandem.testing.tiny_checkpoints import TINY_KINDS
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tandem.testing.mtp_reference import greedy_draft  # noqa: E402
+from tandem.checkpoint.families.qwen_hybrid.reference import greedy_draft  # noqa: E402
 
 PROMPT = [5, 17, 33, 200, 7, 64, 91]
 

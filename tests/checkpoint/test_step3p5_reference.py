@@ -13,7 +13,7 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("transformers.models.step3p7")
 
-from tandem.testing import step3p5_reference as ref  # noqa: E402
+from tandem.checkpoint.families.step3p5 import reference as ref  # noqa: E402
 
 # Longer than the window (8), so the sliding layers drop rows.
 PROMPT = [5, 17, 33, 200, 7, 64, 91, 12, 40, 41, 99, 150, 3, 77]

@@ -9,12 +9,12 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
+from tandem.checkpoint.families.deepseek_dsa import reference as dsa_reference
 from tandem.checkpoint.mla_specs import IndexerSpec, MLASpec, YarnSpec
 from tandem.export.builder import IR_VERSION, OPSET, TANDEM_DOMAIN, GraphBuilder
 from tandem.export.mla import mla_attention, rope_tables
 from tandem.export.ops import lightning_indexer, paged_sparse_attention
 from tandem.export.primitives import Weights
-from tandem.testing import dsa_reference
 from tandem.testing import op_references as ref
 
 from ..op_harness import run, single_op_model

@@ -133,7 +133,7 @@ def test_chunked_gdn_body_gives_the_same_target_step(tiny_root, exported):
 def test_head_graphs_reproduce_reference_drafting(exported, references, chained):
     """Re-anchor every head over the prompt rows (t_{i+1}, h_i), then draft k tokens: step s runs
     head s % n (chained) or head 0 (reused) over (d_1, g_0) .. (d_s, g_{s-1}) on top of its KV."""
-    from tandem.testing.mtp_reference import greedy_draft
+    from tandem.checkpoint.families.qwen_hybrid.reference import greedy_draft
 
     desc, target, heads = exported["qwen3_5_mtp3"]
     text_model, lm_head, ref = references["qwen3_5_mtp3"]
@@ -167,7 +167,7 @@ def test_head_graphs_reproduce_reference_drafting(exported, references, chained)
 def test_attention_biases_match_transformers(tmp_path):
     """q/k/v/o biases (`attention_bias`) are part of the exported attention: a tiny Qwen3.5 with them
     gives transformers' logits; without the bias Adds the graph is the bias-free model's."""
-    from tandem.testing.mtp_reference import load_target
+    from tandem.checkpoint.families.qwen_hybrid.reference import load_target
     from tandem.testing.tiny_checkpoints import write_tiny_checkpoint
 
     folder = write_tiny_checkpoint(tmp_path / "biased", "qwen3_5_mtp3", overrides={"attention_bias": True})

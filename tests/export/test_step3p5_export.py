@@ -26,7 +26,7 @@ from ..paged_driver import PagedState, run_in_chunks, session
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers.models.step3p7")
 
-from tandem.testing import step3p5_reference as ref  # noqa: E402
+from tandem.checkpoint.families.step3p5 import reference as ref  # noqa: E402
 
 TOL = 1e-4
 PROMPTS = [[5, 17, 33, 200, 7, 64, 91, 12, 40, 41, 99, 150, 3, 77, 250, 8, 19, 301, 44, 2],

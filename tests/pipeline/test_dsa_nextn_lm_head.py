@@ -12,13 +12,13 @@ import shutil
 import pytest
 
 from tandem.checkpoint import open_checkpoint
+from tandem.checkpoint.families.deepseek_dsa.reference import NextNReference, load_target
 from tandem.cli import main
 from tandem.engines.builder import build_engines
 from tandem.engines.manifest import read_manifest
 from tandem.engines.options import BuildOptions
 from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
-from tandem.testing.dsa_reference import NextNReference, load_target
 from tandem.testing.tiny_checkpoints import write_safetensors, write_tiny_checkpoint
 
 from ..conftest import read_all

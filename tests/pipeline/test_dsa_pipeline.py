@@ -13,13 +13,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from tandem.checkpoint.families.deepseek_dsa.reference import NextNReference, load_target
 from tandem.checkpoint.mla_specs import INDEX_KEYS, LATENT
 from tandem.engines.builder import build_engines
 from tandem.engines.options import BuildOptions
 from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.round_loop import RoundLoop
 from tandem.pipeline.sampling_params import SamplingParams
-from tandem.testing.dsa_reference import NextNReference, load_target
 
 from ..pipeline_fixtures import (
     after_one_round,

@@ -252,7 +252,7 @@ def test_drafts_match_the_reference_drafter(engine_dirs, tiny_root, monkeypatch,
     """The real heads inside the pipeline draft what the torch reference drafts from the same
     committed tokens: re-anchoring uses the target's hidden, chaining the heads' own."""
     pytest.importorskip("torch")
-    from tandem.testing.mtp_reference import MTPReference, greedy_draft, load_target
+    from tandem.checkpoint.families.qwen_hybrid.reference import MTPReference, greedy_draft, load_target
 
     text_model, lm_head, cfg = load_target(tiny_root / "qwen3_5_mtp3")
     ref = MTPReference.from_checkpoint(tiny_root / "qwen3_5_mtp3", text_model, lm_head, cfg)

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.slow
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
-ref = pytest.importorskip("tandem.testing.step3p5_reference")
+ref = pytest.importorskip("tandem.checkpoint.families.step3p5.reference")
 
 WINDOW = 8
 PROMPTS = [[5, 17, 33, 200, 7, 90, 12, 14, 150, 61, 8, 9, 30, 41], [9, 120, 77], [44],
