@@ -84,3 +84,40 @@ def test_serving_an_engine_dir_loads_no_build_module(engine_dirs):
             f"print(json.dumps(sorted(m for m in sys.modules if m.startswith({SERVING_NEVER!r}))))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+def test_no_import_cycles():
+    """No tandem module imports, at module level, one that imports it back (directly or around a loop)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = {("tandem." + ".".join(p.relative_to(root).with_suffix("").parts)).removesuffix(".__init__"): p
+             for folder in ("checkpoint", "export", "engines", "plugins", "pipeline", "server", "profiling", "testing")
+             for p in (root / folder).rglob("*.py")}
+    files.update({f"tandem.{p.stem}": p for p in root.glob("*.py") if p.stem != "__init__"})
+    graph = {}
+    for name, path in files.items():
+        deps = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tandem"):
+                deps |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                         for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names if a.name.startswith("tandem")}
+        graph[name] = deps & files.keys() - {name}
+    state, cycles = {}, []
+
+    def visit(module, path):
+        state[module] = "open"
+        for dep in sorted(graph[module]):
+            if state.get(dep) == "open":
+                cycles.append(path[path.index(dep):] + [dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[module] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
