@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tandem.engines.backends.onnxruntime_optimized import cpu_signature
 from tandem.pipeline import native_sampler
 from tandem.pipeline.llm import LLM
 from tandem.pipeline.native_sampler import NativeSampler
 from tandem.pipeline.sampler import filtered_probs, uniforms
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.plugins import cpu_kernels
+from tandem.plugins.cpu_features import cpu_signature
 from tandem.testing.sampling_reference import lm_like_logits
 
 SETTINGS = [(0.8, 0, 1.0), (1.0, 1, 1.0), (1.3, 20, 1.0), (0.5, 383, 1.0), (2.0, 0, 0.9), (0.8, 40, 0.95),
