@@ -160,7 +160,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (ManifestError, ValueError) as e:
         return _refused("serve", [str(e)])
     if status == 1:
-        print("serve: the engine thread stopped and could not recover (see the log above); exiting with status 1 "
+        print("serve: the serve-loop thread stopped and could not recover (see the log above); exiting with status 1 "
               "so that a supervisor restarts the server", file=sys.stderr)
     return status
 

@@ -288,7 +288,7 @@ class LLM:
 
     def check_request(self, prompt: str | list[int], params: SamplingParams) -> CheckedRequest:
         """Everything add_request refuses, without touching the scheduler: the server runs it
-        when a request arrives, so a bad one never reaches the engine thread."""
+        when a request arrives, so a bad one never reaches the serve-loop thread."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
         check_sampling(params)
@@ -404,7 +404,7 @@ class LLM:
 
     def stats(self) -> LLMStats:
         """The moment's load and the counters so far (pipeline/outputs.py LLMStats). Safe to call off the
-        engine thread: list lengths and counters, accurate to within the step in progress."""
+        serve-loop thread: list lengths and counters, accurate to within the step in progress."""
         lists = self.page_groups.lists.values()
         cache = self.prefix_cache
         return LLMStats(running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),

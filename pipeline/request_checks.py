@@ -1,5 +1,5 @@
 """Checks on one request's inputs, shared by `LLM.add_request` (offline) and the server (which runs
-them when a request arrives, before it reaches the engine thread). Each failure is a ValueError
+them when a request arrives, before it reaches the serve-loop thread). Each failure is a ValueError
 (RequestError, with the field as `param`) that names the field, says what was wrong and what to
 send instead; the server answers it with 400.
 

@@ -2,8 +2,8 @@
 loop -> OpenAI-shaped JSON or SSE chunks. Errors use the OpenAI error shape, always as JSON.
 
 A request is checked completely when it arrives (pydantic's strict types, then
-LLM.check_request: token ids, integer bounds, valid Unicode, lengths), so the engine thread
-only ever sees requests it can run. A watchdog notices if the engine thread ends: /health and
+LLM.check_request: token ids, integer bounds, valid Unicode, lengths), so the serve-loop thread
+only ever sees requests it can run. A watchdog notices if the serve-loop thread ends: /health and
 /ready turn 503 and `on_fatal` is called (`tandem serve` then exits 1).
 """
 
@@ -38,7 +38,7 @@ from tandem.server.validation_errors import describe
 
 log = logging.getLogger("tandem.server")
 DISCONNECT_POLL_S = 0.1    # how often a non-streamed request checks that its client is still there
-WATCHDOG_S = 0.2           # how often the engine thread is checked
+WATCHDOG_S = 0.2           # how often the serve-loop thread is checked
 
 
 @dataclass(frozen=True)
@@ -91,9 +91,9 @@ def create_app(llm: LLM, settings: ServerSettings,
         while loop.alive():
             await asyncio.sleep(WATCHDOG_S)
         state["ready"] = False
-        log.critical("the engine thread is not running (%r): failing the requests in flight and stopping",
+        log.critical("the serve-loop thread is not running (%r): failing the requests in flight and stopping",
                      loop.fatal)
-        loop.fail_everything(f"engine error: the engine thread stopped ({loop.fatal!r}); the server is restarting")
+        loop.fail_everything(f"engine error: the serve-loop thread stopped ({loop.fatal!r}); the server is restarting")
         if on_fatal is not None:
             on_fatal(loop.fatal)
 
@@ -139,7 +139,7 @@ def create_app(llm: LLM, settings: ServerSettings,
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not loop.alive():  # the process cannot serve; it is exiting for its supervisor to restart it
-            return AsciiJSON({"status": "engine thread not running"}, 503)
+            return AsciiJSON({"status": "serve-loop thread not running"}, 503)
         return {"status": "ok"}
 
     @app.api_route("/ready", methods=["GET", "HEAD"])

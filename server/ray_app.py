@@ -105,7 +105,7 @@ class Replica:
         self.app = create_app(LLM(engine_dir, config), settings, on_fatal=self._engine_stopped)
         self.loop = self.app.state.serve_loop
         self._lifespan = self.app.router.lifespan_context(self.app)
-        await self._lifespan.__aenter__()       # starts the engine thread and its watchdog
+        await self._lifespan.__aenter__()       # starts the serve-loop thread and its watchdog
         self._board = board
         self._push = asyncio.create_task(self._push_metrics())
 
@@ -137,10 +137,10 @@ class Replica:
             left.set()   # the gateway stopped reading (its client left): the app sees a disconnect, aborts
 
     def _engine_stopped(self, error: BaseException | None) -> None:
-        """The engine thread ended (where `tandem serve` exits 1): end the process now. Ray replaces
+        """The serve-loop thread ended (where `tandem serve` exits 1): end the process now. Ray replaces
         the replica sooner than after failed health checks (5 s against 10 s here), and the gateway
         sends the requests that had received nothing to another replica instead of their 503."""
-        log.critical("replica %s: the engine thread stopped (%r); exiting for Ray to replace it", self.name, error)
+        log.critical("replica %s: the serve-loop thread stopped (%r); exiting for Ray to replace it", self.name, error)
         os._exit(1)
 
     def record_routing_stats(self) -> dict[str, int]:
@@ -148,7 +148,7 @@ class Replica:
 
     def check_health(self) -> None:
         if not self.loop.alive():   # Serve replaces a replica whose health check raises
-            raise RuntimeError(f"the engine thread of replica {self.name} stopped ({self.loop.fatal!r})")
+            raise RuntimeError(f"the serve-loop thread of replica {self.name} stopped ({self.loop.fatal!r})")
 
     async def _push_metrics(self) -> None:
         while True:

@@ -1,7 +1,7 @@
 """`tandem serve`: load the engine directory, build the app, run uvicorn on loopback by default.
 
 With --ray the same app runs in replicas on Ray Serve (serve_ray, server/ray_app.py).
-The exit status is what a supervisor needs: 0 after a normal shutdown, 1 when the engine thread
+The exit status is what a supervisor needs: 0 after a normal shutdown, 1 when the serve-loop thread
 ended and the server stopped itself so that it can be restarted."""
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ class ServeLoop:
         self.llm = llm
         self.vllm = m.VllmSeries(model_name)   # the vLLM-named series
         self.max_queued = max_queued
-        self.fatal: BaseException | None = None   # why the engine thread ended, if it did
+        self.fatal: BaseException | None = None   # why the serve-loop thread ended, if it did
         self._commands: queue.Queue = queue.Queue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -72,7 +72,7 @@ class ServeLoop:
         llm.interrupt_bursts_when(self.commands_waiting)
 
     def commands_waiting(self) -> bool:
-        """Whether a request or an abort is queued for the engine thread."""
+        """Whether a request or an abort is queued for the serve-loop thread."""
         return not self._commands.empty()
 
     # ---- called from the event loop ----------------------------------------------------
@@ -118,7 +118,7 @@ class ServeLoop:
 
     def load_stats(self) -> dict[str, int]:
         """Sequences running and waiting, and free KV pages (every page group), for a router that
-        picks among replicas (server/ray_routing.py). Read off the engine thread: list lengths,
+        picks among replicas (server/ray_routing.py). Read off the serve-loop thread: list lengths,
         accurate to within the step in progress."""
         st = self.llm.stats()
         return {"running": st.running, "waiting": st.waiting + self._commands.qsize(),
@@ -133,7 +133,7 @@ class ServeLoop:
         for rid in list(self._live):
             self._fail(rid, message)
 
-    # ---- the engine thread -------------------------------------------------------------
+    # ---- the serve-loop thread -------------------------------------------------------------
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -144,7 +144,7 @@ class ServeLoop:
                     self._reset(e)
         except BaseException as e:  # the reset failed too: nothing is left to trust
             self.fatal = e
-            log.critical("the engine thread ended: %s: %s", type(e).__name__, e, exc_info=e)
+            log.critical("the serve-loop thread ended: %s: %s", type(e).__name__, e, exc_info=e)
 
     def _iterate(self) -> None:
         self._take_commands()

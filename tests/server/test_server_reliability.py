@@ -3,7 +3,7 @@
 - every bad input of the issue, and the ones that already passed, in one table: the right 4xx in
   the OpenAI error shape, an innocent stream running alongside unaffected, the server serving after;
 - a request that makes engine steps raise fails alone, innocents running with it are unchanged;
-- a dead engine thread: /ready and /health 503, and `tandem serve` exits 1;
+- a dead serve-loop thread: /ready and /health 503, and `tandem serve` exits 1;
 - a chunked body over the limit is a 413; a non-streamed request whose client hangs up is aborted.
 """
 
@@ -66,7 +66,7 @@ def _is_openai_error(r: httpx.Response, status: int) -> bool:
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 # (name, path, body, expected status, a piece of the error message or param)
 TABLE = [
-    # item 1: text that is not valid Unicode (used to kill the engine thread)
+    # text that is not valid Unicode: refused before it reaches the serve-loop thread
     ("surrogate in prompt", COMPLETIONS, _body(prompt="a\ud800b"), 400, "prompt is not valid Unicode"),
     ("surrogate in chat content", CHAT, _chat("a\ud800b"), 400, "messages[0].content is not valid Unicode"),
     ("surrogate in a content part", CHAT, _chat([{"type": "text", "text": "\udfff"}]), 400,
@@ -267,7 +267,7 @@ def test_a_dead_engine_thread_is_not_ready_and_fails_requests(engine_dirs, monke
     with Live(engine_dirs["qwen3_5_mtp3"]) as server:
         assert httpx.get(f"{server.url}/ready").status_code == 200
         r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=30)
-        assert r.status_code == 500 and _is_openai_error(r, 500) and "engine thread stopped" in r.text
+        assert r.status_code == 500 and _is_openai_error(r, 500) and "serve-loop thread stopped" in r.text
         assert not server.app.state.serve_loop.alive()
         assert httpx.get(f"{server.url}/ready").status_code == 503
         assert httpx.get(f"{server.url}/health").status_code == 503
