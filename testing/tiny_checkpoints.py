@@ -52,10 +52,6 @@ def tiny_config(kind: str, dtype: str = "float32") -> dict:
     return ALL_KINDS[kind].config(dtype)
 
 
-def step3p5_config(dtype: str = "float32", kind: str = "step3p5") -> dict:
-    return tiny_config(kind, dtype)
-
-
 def _init(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
     """Random values with the statistics of a trained model, so tests see real signal
     (no near-ties from all-equal logits)."""
@@ -92,12 +88,6 @@ def stored_shapes(config: dict, per_expert: bool = False) -> dict[str, tuple[int
     for src in _family_sources(config, per_expert).values():
         shapes.update(zip(src.names, src.shapes, strict=True))
     return shapes
-
-
-def step3p5_shapes(config: dict) -> dict[str, tuple[int, ...]]:
-    """Every stored tensor name -> shape of a Step-3.5 checkpoint (trunk layers, then the NextN MTP
-    layers at model.layers.{N..N+2}, each with its own shared head): the family's stored names."""
-    return stored_shapes(config)
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:

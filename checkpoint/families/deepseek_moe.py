@@ -1,11 +1,14 @@
-"""DeepSeek-V3's MLP layout, shared by the families built on it (DeepSeek-V3.2, GLM-5, GLM-4-MoE):
-the first layers dense, the rest MoE with sigmoid scoring, the score-correction bias, group-limited
-routing, a scaled routed sum and `n_shared_experts` shared experts folded into one."""
+"""DeepSeek-V3's MLP layout and stored names, shared by the families built on it (DeepSeek-V3.2,
+GLM-5, GLM-4-MoE): the first layers dense, the rest MoE with sigmoid scoring, the score-correction
+bias, group-limited routing, a scaled routed sum and `n_shared_experts` shared experts folded into
+one; stored under `model.` with `mlp.shared_experts.*`, experts one tensor each (the Hub) or stacked
+(transformers' save), NextN head j as decoder layer N+j."""
 
 from __future__ import annotations
 
-from tandem.checkpoint.description import MoESpec
-from tandem.checkpoint.families.base import ConfigError, config_value
+from tandem.checkpoint.description import ModelDescription, MoESpec
+from tandem.checkpoint.families.base import ConfigError, Source, config_value, nextn_stored, single
+from tandem.checkpoint.families.layer_tensors import expert_sources, nextn_model_shapes
 
 
 def mlp_types(cfg: dict, n: int, first_dense_default: int) -> list[str]:
@@ -31,3 +34,17 @@ def moe_spec(cfg: dict) -> MoESpec:
         norm_topk_prob=bool(cfg.get("norm_topk_prob", True)), router="sigmoid", score_correction_bias=True,
         routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)), shared_expert_gate=False,
         n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1))
+
+
+def sources(desc: ModelDescription, per_expert: bool = False) -> dict[str, Source]:
+    """Every canonical tensor's stored form (the trunk and its NextN heads)."""
+    out: dict[str, Source] = {}
+    for canonical, shape in nextn_model_shapes(desc).items():
+        stored = nextn_stored(canonical, desc.num_layers).replace(".mlp.shared_expert.", ".mlp.shared_experts.")
+        if canonical == "lm_head.weight":
+            out[canonical] = single("model.embed_tokens.weight" if desc.tie_word_embeddings else canonical, shape)
+        elif ".mlp.experts." in canonical:
+            out[canonical] = expert_sources(stored, shape, "model.", per_expert)
+        else:
+            out[canonical] = single("model." + stored, shape)
+    return out

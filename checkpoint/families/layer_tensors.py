@@ -21,7 +21,7 @@ from tandem.checkpoint.description import (
     MLPKind,
     ModelDescription,
 )
-from tandem.checkpoint.families.base import Shape, Source, single
+from tandem.checkpoint.families.base import Shape, Source, nextn_shapes, single
 from tandem.checkpoint.mla_specs import MLASpec
 
 
@@ -112,6 +112,15 @@ def trunk_shapes(d: ModelDescription) -> dict[str, Shape]:
         out.update(layer_shapes(d, f"layers.{i}.", layer))
     out["norm.weight"] = (h,)
     out["lm_head.weight"] = (v, h)
+    return out
+
+
+def nextn_model_shapes(d: ModelDescription) -> dict[str, Shape]:
+    """The trunk, then per NextN head j its own tensors (base.nextn_shapes) and its decoder layer."""
+    out = trunk_shapes(d)
+    for j, layer in enumerate(d.mtp.layers if d.mtp else ()):
+        out.update(nextn_shapes(d, j))
+        out.update(layer_shapes(d, f"mtp.layers.{j}.", layer))
     return out
 
 

@@ -16,7 +16,7 @@ from tandem.checkpoint.description import MLPKind, description_from_dict, descri
 from tandem.checkpoint.families import FAMILIES, MODEL_TYPES, step3p5
 from tandem.checkpoint.safetensors_files import TensorIndex
 from tandem.cli import main
-from tandem.testing.tiny_checkpoints import step3p5_config, write_safetensors, write_tiny_checkpoint
+from tandem.testing.tiny_checkpoints import tiny_config, write_safetensors, write_tiny_checkpoint
 
 from ..checkpoint_fixtures import refusal
 from ..conftest import edit_json, read_all
@@ -41,7 +41,7 @@ def step_copy(step_root, tmp_path):
 
 
 def describe(mtp_layers: int = 3, **changes):
-    cfg = {k: v for k, v in {**step3p5_config(), **changes}.items() if v is not None}
+    cfg = {k: v for k, v in {**tiny_config("step3p5"), **changes}.items() if v is not None}
     return step3p5.describe(cfg, ARCH, mtp_layers=mtp_layers, mtp_source="checkpoint")
 
 
@@ -128,7 +128,7 @@ def test_step3p7_text_part(step_copy):
 @pytest.mark.usefixtures("no_weight_reads")
 def test_without_mtp_tensors(step_copy):
     path = step_copy()
-    owns = step3p5.mtp_layout(step3p5_config()).owns
+    owns = step3p5.mtp_layout(tiny_config("step3p5")).owns
     write_safetensors(path / "model.safetensors", {n: a for n, a in read_all(path).items() if not owns(n)})
     msg = refusal(path)
     assert "no NextN (model.layers.6.* and up) tensors" in msg and "num_nextn_predict_layers=3" in msg
@@ -209,7 +209,7 @@ def test_inspect_describes_the_window_layers(step_root, capsys):
 
 def test_nextn_layers_from_a_draft_folder(step_root, tmp_path):
     """The NextN layers split off into a --draft folder are found by their model.layers.{N+j} names."""
-    owns = step3p5.mtp_layout(step3p5_config()).owns
+    owns = step3p5.mtp_layout(tiny_config("step3p5")).owns
     tensors, target, draft = read_all(step_root / "step3p5"), tmp_path / "t", tmp_path / "d"
     shutil.copytree(step_root / "step3p5", target)
     draft.mkdir()

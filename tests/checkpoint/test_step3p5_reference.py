@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tandem.testing.tiny_checkpoints import step3p5_config, step3p5_shapes, write_tiny_checkpoint
+from tandem.testing.tiny_checkpoints import stored_shapes, tiny_config, write_tiny_checkpoint
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -48,8 +48,8 @@ def test_every_stored_mtp_tensor_has_a_place(step):
     """load_mtp_model / NextNReference raise on a missing or unexpected name; here: all three layers
     are there with the Hub's own-head names, and transformers' MTP weights equal the stored ones."""
     folder, target, mtp, _ = step
-    cfg = step3p5_config()
-    n, stored = cfg["num_hidden_layers"], step3p5_shapes(cfg)
+    cfg = tiny_config("step3p5")
+    n, stored = cfg["num_hidden_layers"], stored_shapes(cfg)
     state = ref.mtp_state(folder, n, 3)
     assert len(state) == sum(name.startswith(f"model.layers.{i}.") for name in stored for i in range(n, n + 3))
     for j in range(3):

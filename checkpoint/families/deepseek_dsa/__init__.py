@@ -30,19 +30,13 @@ from tandem.checkpoint.description import LayerSpec, MLPKind, ModelDescription, 
 from tandem.checkpoint.families import deepseek_moe
 from tandem.checkpoint.families.base import (
     ConfigError,
-    Shape,
-    Source,
     checkpoint_dtype,
     config_value,
     eos_token_ids,
     nextn_fit_lm_heads,
     nextn_layout,
-    nextn_shapes,
-    nextn_stored,
     nextn_unused_tensors,
-    single,
 )
-from tandem.checkpoint.families.layer_tensors import expert_sources, layer_shapes, trunk_shapes
 from tandem.checkpoint.mla_specs import IndexerSpec, MLASpec, YarnSpec
 
 FAMILY = "deepseek_dsa"
@@ -167,34 +161,6 @@ def describe(config: dict, architecture: str, *, mtp_layers: int, mtp_source: st
         bos_token_id=cfg.get("bos_token_id"), norm_zero_centred=False)
 
 
-# ---- canonical tensors -> stored ----------------------------------------------------------
-
-def canonical_shapes(d: ModelDescription) -> dict[str, Shape]:
-    out = trunk_shapes(d)
-    for j, layer in enumerate(d.mtp.layers if d.mtp else ()):
-        out.update(nextn_shapes(d, j))   # without shared_head.head where the heads use lm_head
-        out.update(layer_shapes(d, f"mtp.layers.{j}.", layer))
-    return out
-
-
-def _stored(canonical: str, n: int) -> str:
-    """Stored name without the `model.` prefix: NextN head j is layer N+j; shared experts plural."""
-    return nextn_stored(canonical, n).replace(".mlp.shared_expert.", ".mlp.shared_experts.")
-
-
-def sources(desc: ModelDescription, per_expert: bool = False) -> dict[str, Source]:
-    """Every canonical tensor's stored form; experts per expert (the Hub) or stacked (transformers)."""
-    prefix, n = ARCHITECTURES[desc.architecture][1], desc.num_layers
-    out: dict[str, Source] = {}
-    for canonical, shape in canonical_shapes(desc).items():
-        if canonical == "lm_head.weight":
-            out[canonical] = single(prefix + "embed_tokens.weight" if desc.tie_word_embeddings else canonical, shape)
-        elif ".mlp.experts." in canonical:
-            out[canonical] = expert_sources(_stored(canonical, n), shape, prefix, per_expert)
-        else:
-            out[canonical] = single(prefix + _stored(canonical, n), shape)
-    return out
-
-
+sources = deepseek_moe.sources             # DeepSeek-V3's stored names (both architectures under `model.`)
 unused_tensors = nextn_unused_tensors    # each NextN layer's copy of the embedding
 fit_mtp_to_tensors = nextn_fit_lm_heads  # heads without shared_head.head project with lm_head

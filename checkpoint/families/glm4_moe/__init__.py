@@ -22,19 +22,14 @@ from tandem.checkpoint.description import AttentionSpec, LayerSpec, MLPKind, Mod
 from tandem.checkpoint.families import deepseek_moe
 from tandem.checkpoint.families.base import (
     ConfigError,
-    Source,
     checkpoint_dtype,
     config_value,
     eos_token_ids,
     nextn_fit_lm_heads,
     nextn_layout,
-    nextn_shapes,
-    nextn_stored,
     nextn_unused_tensors,
     rope_settings,
-    single,
 )
-from tandem.checkpoint.families.layer_tensors import expert_sources, layer_shapes, trunk_shapes
 
 FAMILY = "glm4_moe"
 ARCHITECTURES = {"Glm4MoeForCausalLM": ("glm4_moe", "model.", None)}
@@ -44,6 +39,7 @@ CHAT_FORMATS = {"Glm4MoeForCausalLM": {"tool_calls": "glm", "reasoning": "think"
 mtp_layout = nextn_layout              # NextN head j stored as decoder layer N+j
 unused_tensors = nextn_unused_tensors  # each NextN layer's copy of the embedding
 fit_mtp_to_tensors = nextn_fit_lm_heads
+sources = deepseek_moe.sources         # DeepSeek-V3's stored names
 
 
 def text_config(config: dict, architecture: str) -> dict:
@@ -76,20 +72,3 @@ def describe(config: dict, architecture: str, *, mtp_layers: int, mtp_source: st
         max_position_embeddings=int(cfg.get("max_position_embeddings", 131072)),
         dtype=checkpoint_dtype(config, cfg, default="bfloat16"), mtp=mtp, eos_token_ids=eos_token_ids(config, cfg),
         bos_token_id=cfg.get("bos_token_id"), norm_zero_centred=False)
-
-
-def sources(desc: ModelDescription, per_expert: bool = False) -> dict[str, Source]:
-    """Every canonical tensor's stored form; experts per expert (the Hub) or stacked (transformers)."""
-    n, out = desc.num_layers, {}
-    shapes = trunk_shapes(desc)
-    for j, layer in enumerate(desc.mtp.layers if desc.mtp else ()):
-        shapes |= nextn_shapes(desc, j) | layer_shapes(desc, f"mtp.layers.{j}.", layer)
-    for canonical, shape in shapes.items():
-        stored = nextn_stored(canonical, n).replace(".mlp.shared_expert.", ".mlp.shared_experts.")
-        if canonical == "lm_head.weight":
-            out[canonical] = single("model.embed_tokens.weight" if desc.tie_word_embeddings else canonical, shape)
-        elif ".mlp.experts." in canonical:
-            out[canonical] = expert_sources(stored, shape, "model.", per_expert)
-        else:
-            out[canonical] = single("model." + stored, shape)
-    return out

@@ -40,17 +40,15 @@ from tandem.checkpoint.families import base
 from tandem.checkpoint.families.base import (
     SUPPORTED_ROPE_TYPES,
     ConfigError,
-    Shape,
     Source,
     checkpoint_dtype,
     config_value,
     eos_token_ids,
     nextn_layout,
-    nextn_shapes,
     nextn_stored,
     single,
 )
-from tandem.checkpoint.families.layer_tensors import layer_shapes, trunk_shapes
+from tandem.checkpoint.families.layer_tensors import nextn_model_shapes
 
 FAMILY = "step3p5"
 # architecture -> (model_type, prefix of the text weights, config key holding the text config)
@@ -220,15 +218,6 @@ def describe(config: dict, architecture: str, *, mtp_layers: int, mtp_source: st
 
 # ---- canonical tensors -> stored ----------------------------------------------------------
 
-def canonical_shapes(d: ModelDescription) -> dict[str, Shape]:
-    """Trunk tensors, then per NextN head j its projection, own final norm and lm head and its layer."""
-    out = trunk_shapes(d)
-    for j, layer in enumerate(d.mtp.layers if d.mtp else ()):
-        out.update(nextn_shapes(d, j))
-        out.update(layer_shapes(d, f"mtp.layers.{j}.", layer))
-    return out
-
-
 def _stored(canonical: str, prefix: str, n: int) -> str:
     name = nextn_stored(canonical, n)
     for ours, theirs in _RENAMES:
@@ -244,7 +233,7 @@ def sources(desc: ModelDescription, per_expert: bool = False) -> dict[str, Sourc
     """Every canonical tensor's stored form (experts are always stacked per layer on the Hub)."""
     prefix, n = ARCHITECTURES[desc.architecture][1], desc.num_layers
     out: dict[str, Source] = {}
-    for canonical, shape in canonical_shapes(desc).items():
+    for canonical, shape in nextn_model_shapes(desc).items():
         if canonical == "lm_head.weight":
             out[canonical] = single(prefix + "embed_tokens.weight" if desc.tie_word_embeddings else canonical, shape)
         elif canonical.endswith(".mlp.experts.gate_up_proj"):
