@@ -5,25 +5,40 @@ Plain Python over numbers the engine hands in (no engines, no runtime imports). 
 `width(batch)` once per speculative round and reports the round back with `observe(...)`.
 
     expected tokens per sequence at width w      E(w) = 1 + alpha_1 + ... + alpha_{w-1}
-        alpha_i = P(at least i drafts accepted | at least i drafted), decayed counts per position
-    rate(w) = E(w) / cost(w)                      cost(w): least of the last round times at w
+        alpha_i = P(at least i drafts accepted | at least i drafted), from decayed counts per
+        position; past the first, blended with `prior_weight` rows' worth of the position before's
+        alpha (the prior)
+    rate(w) = E(w) / cost(w)                      cost(w): least of the last steady round times at w
                                                   (interference only ever adds time)
     width 1 is speculation off (plain decode steps): E(1) = 1
+
+A round's time is its width's cost only when the bucket's round before ran the same width (steady):
+the first round after a change of width pays for the change (drafts the narrower round did not make
+run as extra head calls, another engine's first call), 0.2-0.8 ms on the shipped model against a
+1.0-1.3 ms round, and counting it made every probed width look dear, so the bucket kept a narrow
+width where the widest paid. A probe of a width with no steady cost yet runs `min_samples` rounds
+more to measure it.
+
+Every round ages the counts at every position by `decay`, drafted or not (a decaying history):
+what the bucket saw 20-30 rounds ago weighs about a tenth of what it saw last round. So a probe
+after a stretch off weighs against faded evidence (a bucket turned off on a bad stretch takes a
+good one back within tens of rounds, not hundreds), and a deep position no longer drafted fades
+toward its prior (as good as the position before): a bucket that dropped to a narrow width on one
+stretch of text (one request's, at batch 1) tries the wider widths again within about as many
+rounds and keeps them where they pay. Position 1 has no prior: its counts alone (unseen: 1).
 
 Measured costs can be handed in (`costs`: seconds per round per width and batch size, from
 `tandem profile`, runtime_settings.json): a width uses them until it has its own samples, so a
 bucket whose rounds cannot pay (a tiny model's: every round costs more plain steps than its width)
 starts off and is hopeless from its first round. A width neither measured nor given a cost is
-judged optimistically (cost: the largest measured cost of a narrower
-width, else 0; alpha_i unseen: alpha_{i-1}), so it is tried once it might beat the best measured
-one; its first round is not kept (it builds the bucket's bindings). Every `probe_every` rounds
+judged optimistically (cost: the largest measured cost of a narrower width, else 0; alpha_i unseen:
+alpha_{i-1}), so it is tried once it might beat the best measured one. Every `probe_every` rounds
 (doubling up to `probe_max` while the choice holds) one round runs a width next to the choice, above
 and below in turn: above, acceptance at the next position is seen again and the width can climb
 back; below, that width's cost is measured again. From off, upward probes run width 2 until its
 cost is measured (it bounds the wider widths' costs), then the widest and width 2 in turn: the
 widest sees every draft position's acceptance again, so a bucket that went off on early, noisy
-estimates (acceptance at the deep positions is only updated where drafted) can find that a wide
-width pays even where width 2 does not.
+estimates can find that a wide width pays even where width 2 does not.
 
 Off for good (`hopeless`): drafting off still costs the heads' catch-up, so a bucket stops drafting
 once it is known not to pay, from costs alone (every width loses even at full acceptance) or from
@@ -47,6 +62,7 @@ class WidthPolicy:
     samples: int = 8            # round times kept per width (their least is the cost)
     min_samples: int = 2        # a width counts as measured with this many kept round times
     rejudge_rounds: int = 256   # engine rounds a probes' verdict of off holds for new requests (RoundLoop.step)
+    prior_weight: float = 0.5   # drafted rows' worth of the prior (the position before's alpha) in each alpha
 
     def __post_init__(self):
         if not 1 <= self.probe_every <= self.probe_max:
@@ -57,6 +73,8 @@ class WidthPolicy:
             raise ValueError(f"need 1 <= min_samples <= samples, got {self.min_samples}, {self.samples}")
         if self.rejudge_rounds < 1:
             raise ValueError(f"rejudge_rounds must be >= 1, got {self.rejudge_rounds}")
+        if self.prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
 
 
 @dataclass(frozen=True)
@@ -80,12 +98,13 @@ class _Bucket:
     accepted: list[float]
     times: dict[int, deque] = field(default_factory=dict)
     given: dict[int, float] = field(default_factory=dict)   # width -> seconds per round, until measured here
-    seen: set[int] = field(default_factory=set)   # widths whose first (binding-building) round passed
+    last: int | None = None              # the width of the bucket's last round (its next at it is steady)
     rounds: int = 0
     next_probe: int = 0
     interval: int = 0
     probes: int = 0
     probing: int | None = None           # the width this round probes
+    probe_left: int = 0                  # rounds the probe runs after this one (measuring its cost)
     probed: set[int] = field(default_factory=set)   # widths probed since the choice last changed
     last_probe: int = 0                  # (off: the widest and width 2 alternate)
 
@@ -135,6 +154,9 @@ class WidthController:
         """The verify width for this round at `batch` sequences (1: plain decode steps)."""
         st = self._state(batch, constrained)
         st.rounds += 1
+        if st.probe_left:             # a probe measuring its width's cost: its rounds run back to back
+            st.probe_left -= 1
+            return st.probing
         best = self._best(st)
         if best != st.choice:
             st.choice, st.interval = best, self.policy.probe_every
@@ -156,6 +178,8 @@ class WidthController:
             if st.probing is not None:
                 st.probed.add(st.probing)
                 st.last_probe = st.probing
+                if not self._costed(st, st.probing):    # its first round is a change of width: not a cost
+                    st.probe_left = self.policy.min_samples
             return st.probing or st.choice
         return st.choice
 
@@ -166,21 +190,22 @@ class WidthController:
         st = self._state(batch, constrained)
         if st.probing is not None and st.probing == width > st.choice:
             self._promising(st, width, drafted, accepted)
-        st.probing = None
-        deepest = min(max(drafted, default=0), len(st.drafted))
-        for i in range(deepest):   # only positions drafted this round age: an unseen one keeps its estimate
+        if not st.probe_left:
+            st.probing = None
+        for i in range(len(st.drafted)):   # every round ages every position, drafted or not
             st.drafted[i] *= self.policy.decay
             st.accepted[i] *= self.policy.decay
         for d, a in zip(drafted, accepted):
             for i in range(min(d, len(st.drafted))):
                 st.drafted[i] += 1
                 st.accepted[i] += i < a
-        if seconds is None:
-            return
-        if width not in st.seen:
-            st.seen.add(width)     # the first round at a width builds its bindings: not its cost
-            return
-        st.times.setdefault(width, deque(maxlen=self.policy.samples)).append(seconds)
+        steady, st.last = st.last == width, width
+        if seconds is not None and steady:    # (a change of width costs its first round more: not kept)
+            st.times.setdefault(width, deque(maxlen=self.policy.samples)).append(seconds)
+
+    def _costed(self, st: _Bucket, width: int) -> bool:
+        """Whether the bucket has a cost for `width`: its own steady samples, or a given one."""
+        return len(st.times.get(width, ())) >= self.policy.min_samples or width in st.given
 
     def _promising(self, st: _Bucket, width: int, drafted: list[int], accepted: list[int]) -> None:
         """An upward probe is followed by another soon (no back-off) when its acceptance at the
@@ -221,10 +246,13 @@ class WidthController:
 
     def _estimates(self, st: _Bucket, seen: dict[int, float] | None = None) -> list[WidthEstimate]:
         """seen: acceptance per position to take instead of the bucket's (a probe's, to judge it)."""
-        alpha, prev = [], 1.0
+        alpha, prev, m = [], 1.0, self.policy.prior_weight
         for i, (a, d) in enumerate(zip(st.accepted, st.drafted)):
-            a = (seen or {}).get(i, a / d if d > 1e-9 else None)
-            prev = prev if a is None else min(a, prev)   # unseen: as good as the position before
+            # past the first position, the counts blended with the prior (as good as the position
+            # before; unseen: the prior alone); the first has its counts alone (drafted in every round
+            # that drafts, it never goes stale; unseen: 1)
+            est = (a + m * prev) / (d + m) if i else a / d if d > 1e-9 else 1.0
+            prev = min((seen or {}).get(i, est), prev)
             alpha.append(prev)
         out, floor = [], 0.0
         for w in self.widths:
@@ -240,7 +268,7 @@ class WidthController:
     def _best(self, st: _Bucket) -> int:
         """The start width until it is measured (or given a cost); then the best rate (ties: the
         narrower width)."""
-        if len(st.times.get(st.choice, ())) < self.policy.min_samples and st.choice not in st.given:
+        if not self._costed(st, st.choice):
             return st.choice
         best = max(self._estimates(st), key=lambda e: (e.rate, -e.width))
         return best.width
