@@ -177,8 +177,10 @@ class RoundLoop:
                 done.append(seq)
         if self.width_control is not None:
             for s, _, _ in work:      # drafting cannot pay at this batch size: no heads to keep (_adaptive_round),
-                if self.width_control.hopeless(len(self.scheduler.running), _constrained(s)):   # unless the
-                    s.speculative = s.speculative and s.k_fixed      # request fixed its k: that always wins
+                if s.speculative and not s.k_fixed and \
+                        self.width_control.hopeless(len(self.scheduler.running), _constrained(s)):
+                    s.speculative = False       # (a request that fixed its k drafts: that always wins)
+                    self._judged()
         spec = [(s, a, b, o) for (s, a, b), o in zip(work, outs.rows()) if s.speculative]
         if spec:  # re-anchor the heads over this chunk: row i pairs tokens[i+1] with h_i
             self._reanchor([(s, s.tokens[a + 1 : b + 1], o[c.HIDDEN][: b - a]) for s, a, b, o in spec])
@@ -277,8 +279,8 @@ class RoundLoop:
             for s in judged:      # plain decoding for good: no drafts, probes or heads' catch-up
                 s.speculative = False
                 self._lagging.pop(s, None)
-            if judged and self._judged_since is None:
-                self._judged_since = self.stats.rounds
+            if judged:
+                self._judged()
             if fixed:
                 self._speculative_round(fixed)
             if judged:
@@ -304,9 +306,15 @@ class RoundLoop:
             narrower = self._width > 1 and (not on or any(d != self._width - 1 for d in drafted))
             mixed = (on and off) or any(s.k_fixed for s in seqs) or narrower
             self.width_control.observe(batch, self._width, None if mixed else seconds, drafted,
-                                       [s.metrics.accepted - before[s][1] for s in on], constrained)
+                                       [s.metrics.accepted - before[s][1] for s in on], constrained, steps=made)
         finally:
             self._width = None
+
+    def _judged(self) -> None:
+        """A verdict of off turned sequences plain: it holds new requests from this round on, for
+        WidthPolicy.rejudge_rounds rounds (step)."""
+        if self._judged_since is None:
+            self._judged_since = self.stats.rounds
 
     def _open_width(self, seqs: list[Sequence], wanted: int) -> int:
         """`wanted` when the engine its round calls is open (or is one LLM() began opening, `waits_for`:

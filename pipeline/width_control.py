@@ -6,8 +6,7 @@ Plain Python over numbers the engine hands in (no engines, no runtime imports). 
 
     expected tokens per sequence at width w      E(w) = 1 + alpha_1 + ... + alpha_{w-1}
         alpha_i = P(at least i drafts accepted | at least i drafted), from decayed counts per
-        position; past the first, blended with `prior_weight` rows' worth of the position before's
-        alpha (the prior)
+        position (never drafted: alpha_{i-1})
     rate(w) = E(w) / cost(w)                      cost(w): least of the last steady round times at w
                                                   (interference only ever adds time)
     width 1 is speculation off (plain decode steps): E(1) = 1
@@ -16,16 +15,21 @@ A round's time is its width's cost only when the bucket's round before ran the s
 the first round after a change of width pays for the change (drafts the narrower round did not make
 run as extra head calls, another engine's first call), 0.2-0.8 ms on the shipped model against a
 1.0-1.3 ms round, and counting it made every probed width look dear, so the bucket kept a narrow
-width where the widest paid. A probe of a width with no steady cost yet runs `min_samples` rounds
-more to measure it.
+width where the widest paid. A probe runs a second round, a steady sample of its width's cost (the
+first samples at a bucket's start include the engines' own first runs: 3.9 ms for a 1.4 ms round
+at batch 2 on the shipped model), and where the width has no cost yet `min_samples` rounds after
+the first.
 
 Every round ages the counts at every position by `decay`, drafted or not (a decaying history):
-what the bucket saw 20-30 rounds ago weighs about a tenth of what it saw last round. So a probe
-after a stretch off weighs against faded evidence (a bucket turned off on a bad stretch takes a
-good one back within tens of rounds, not hundreds), and a deep position no longer drafted fades
-toward its prior (as good as the position before): a bucket that dropped to a narrow width on one
-stretch of text (one request's, at batch 1) tries the wider widths again within about as many
-rounds and keeps them where they pay. Position 1 has no prior: its counts alone (unseen: 1).
+what the bucket saw 20-30 rounds ago weighs about a tenth of what it saw last round, and a ratio
+keeps its value as it ages. So a probe after a stretch off weighs against faded evidence (a bucket
+turned off on a bad stretch takes a good one back within tens of rounds, not hundreds). A draft
+position past the choice's whose count has faded below `stale_rows` is stale: where taking it as
+good as the position before would make a wider width beat the choice, that width is probed at
+once (`_stale_probe`), so a bucket that dropped to a narrow width on one stretch of text (one
+request's, at batch 1) looks at the wide widths again within about 20-30 rounds and takes them
+where they pay. Probe intervals count decode steps: an off round's burst counts its steps, so
+probing costs the same share of the work, drafting or off.
 
 Measured costs can be handed in (`costs`: seconds per round per width and batch size, from
 `tandem profile`, runtime_settings.json): a width uses them until it has its own samples, so a
@@ -33,17 +37,19 @@ bucket whose rounds cannot pay (a tiny model's: every round costs more plain ste
 starts off and is hopeless from its first round. A width neither measured nor given a cost is
 judged optimistically (cost: the largest measured cost of a narrower width, else 0; alpha_i unseen:
 alpha_{i-1}), so it is tried once it might beat the best measured one. Every `probe_every` rounds
-(doubling up to `probe_max` while the choice holds) one round runs a width next to the choice, above
+(doubling up to `probe_max` while the choice holds) a probe runs a width next to the choice, above
 and below in turn: above, acceptance at the next position is seen again and the width can climb
 back; below, that width's cost is measured again. From off, upward probes run width 2 until its
 cost is measured (it bounds the wider widths' costs), then the widest and width 2 in turn: the
 widest sees every draft position's acceptance again, so a bucket that went off on early, noisy
 estimates can find that a wide width pays even where width 2 does not.
 
-Off for good (`hopeless`): drafting off still costs the heads' catch-up, so a bucket stops drafting
+Off for good (`hopeless`): drafting off still costs the heads' catch-up (off with the heads kept
+current ran 10% slower than plain decoding at batch 1 on the shipped model, 24% at batch 4), so a
+bucket stops drafting
 once it is known not to pay, from costs alone (every width loses even at full acceptance) or from
-what its probes saw (off, the widest probed since the choice last changed, and the probes backed
-off to `probe_max`: none looked promising). The second verdict holds `rejudge_rounds` engine rounds,
+what its probes saw (off, and `confirm_probes` probes in a row, the widest among them, none
+looked promising: 8, 16 and 32 steps apart). The second verdict holds `rejudge_rounds` engine rounds,
 whatever requests come and go (requests one after another are one workload: probing each anew cost
 random heads 5% of a 128-token request); then `rejudge` and the next requests are probed again.
 """
@@ -62,7 +68,8 @@ class WidthPolicy:
     samples: int = 8            # round times kept per width (their least is the cost)
     min_samples: int = 2        # a width counts as measured with this many kept round times
     rejudge_rounds: int = 256   # engine rounds a probes' verdict of off holds for new requests (RoundLoop.step)
-    prior_weight: float = 0.5   # drafted rows' worth of the prior (the position before's alpha) in each alpha
+    stale_rows: float = 0.25    # a draft position whose aged count falls below this many rows is stale
+    confirm_probes: int = 3     # probes from off in a row that look unpromising (the widest among them): hopeless
 
     def __post_init__(self):
         if not 1 <= self.probe_every <= self.probe_max:
@@ -73,8 +80,10 @@ class WidthPolicy:
             raise ValueError(f"need 1 <= min_samples <= samples, got {self.min_samples}, {self.samples}")
         if self.rejudge_rounds < 1:
             raise ValueError(f"rejudge_rounds must be >= 1, got {self.rejudge_rounds}")
-        if self.prior_weight <= 0:
-            raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
+        if self.stale_rows <= 0:
+            raise ValueError(f"stale_rows must be > 0, got {self.stale_rows}")
+        if self.confirm_probes < 1:
+            raise ValueError(f"confirm_probes must be >= 1, got {self.confirm_probes}")
 
 
 @dataclass(frozen=True)
@@ -106,6 +115,7 @@ class _Bucket:
     probing: int | None = None           # the width this round probes
     probe_left: int = 0                  # rounds the probe runs after this one (measuring its cost)
     probed: set[int] = field(default_factory=set)   # widths probed since the choice last changed
+    quiet: int = 0                       # probes from off in a row none of which looked promising
     last_probe: int = 0                  # (off: the widest and width 2 alternate)
 
 
@@ -161,8 +171,13 @@ class WidthController:
         if best != st.choice:
             st.choice, st.interval = best, self.policy.probe_every
             st.next_probe = st.rounds + st.interval
-            st.probed = set()
-        if st.rounds >= st.next_probe:
+            st.probed, st.quiet = set(), 0
+        if not self._costed(st, st.choice):     # the choice is measured before anything is probed
+            return st.choice
+        stale = self._stale_probe(st)
+        if stale is not None:
+            st.probing = stale
+        elif st.rounds >= st.next_probe:
             st.interval = min(2 * st.interval, self.policy.probe_max)
             st.next_probe = st.rounds + st.interval
             st.probes += 1
@@ -175,19 +190,39 @@ class WidthController:
                 st.probing = above[0]
             elif below:
                 st.probing = below[-1]
-            if st.probing is not None:
-                st.probed.add(st.probing)
-                st.last_probe = st.probing
-                if not self._costed(st, st.probing):    # its first round is a change of width: not a cost
-                    st.probe_left = self.policy.min_samples
-            return st.probing or st.choice
-        return st.choice
+        if st.probing is None:
+            return st.choice
+        st.probed.add(st.probing)
+        st.last_probe = st.probing
+        st.quiet += st.choice == 1      # (_promising sets it back to 0)
+        # its first round pays for the change of width: the rounds after it are its cost (a width's
+        # first samples, at a bucket's start, include the engine's own first runs)
+        st.probe_left = 1 if self._costed(st, st.probing) else self.policy.min_samples
+        return st.probing
+
+    def _stale_probe(self, st: _Bucket) -> int | None:
+        """While drafting: the width to probe now because a draft position past the choice's went stale
+        (its aged count below `stale_rows`: not drafted for tens of rounds) and, taken as good as the
+        position before, it would make that width beat the choice; None where none would. Stale
+        evidence is looked at again, not assumed good: assuming it kept a batch-4 bucket switching to
+        width 4 every 20 rounds, where width 4 loses."""
+        if st.choice < 2:
+            return None
+        stale = {i: None for i in range(st.choice - 1, len(st.drafted)) if st.drafted[i] < self.policy.stale_rows}
+        if not stale:
+            return None
+        rates = {e.width: e.rate for e in self._estimates(st, stale)}
+        best = max((w for w in self.widths if w > st.choice), key=lambda w: (rates[w], -w), default=None)
+        return best if best is not None and rates[best] > rates[st.choice] else None
 
     def observe(self, batch: int, width: int, seconds: float | None, drafted: list[int],
-                accepted: list[int], constrained: bool = False) -> None:
+                accepted: list[int], constrained: bool = False, steps: int = 1) -> None:
         """One round at `batch` sequences: per sequence its drafts and how many were accepted;
-        `seconds` the round's wall time at `width` (None: not attributable to one width)."""
+        `seconds` the round's wall time at `width` per step (None: not attributable to one width);
+        `steps` the decode steps it took (an off round's burst: several), which the probes' intervals
+        count: probing then costs the same share of the work, drafting or off."""
         st = self._state(batch, constrained)
+        st.rounds += steps - 1
         if st.probing is not None and st.probing == width > st.choice:
             self._promising(st, width, drafted, accepted)
         if not st.probe_left:
@@ -199,8 +234,10 @@ class WidthController:
             for i in range(min(d, len(st.drafted))):
                 st.drafted[i] += 1
                 st.accepted[i] += i < a
-        steady, st.last = st.last == width, width
-        if seconds is not None and steady:    # (a change of width costs its first round more: not kept)
+        # a round's time counts after a round at the same width (a change costs its first round more);
+        # a round of several widths (seconds None: requests with their own k, a budget's end) ends the run
+        steady, st.last = st.last == width, width if seconds is not None else None
+        if seconds is not None and steady:
             st.times.setdefault(width, deque(maxlen=self.policy.samples)).append(seconds)
 
     def _costed(self, st: _Bucket, width: int) -> bool:
@@ -232,7 +269,7 @@ class WidthController:
             rates = {e.width: e.rate for e in self._estimates(st, seen)}
             if max(rates[w] for w in self.widths if st.choice < w <= width) <= rates[st.choice]:
                 return
-        st.interval = self.policy.probe_every
+        st.interval, st.quiet = self.policy.probe_every, 0
         st.next_probe = st.rounds + st.interval
 
     # ---- the estimates -----------------------------------------------------------------
@@ -244,15 +281,14 @@ class WidthController:
     def estimates(self, batch: int, constrained: bool = False) -> list[WidthEstimate]:
         return self._estimates(self._state(batch, constrained))
 
-    def _estimates(self, st: _Bucket, seen: dict[int, float] | None = None) -> list[WidthEstimate]:
-        """seen: acceptance per position to take instead of the bucket's (a probe's, to judge it)."""
-        alpha, prev, m = [], 1.0, self.policy.prior_weight
+    def _estimates(self, st: _Bucket, seen: dict[int, float | None] | None = None) -> list[WidthEstimate]:
+        """seen: acceptance per position to take instead of the bucket's (a probe's, to judge it; None:
+        as if never drafted)."""
+        alpha, prev = [], 1.0
         for i, (a, d) in enumerate(zip(st.accepted, st.drafted)):
-            # past the first position, the counts blended with the prior (as good as the position
-            # before; unseen: the prior alone); the first has its counts alone (drafted in every round
-            # that drafts, it never goes stale; unseen: 1)
-            est = (a + m * prev) / (d + m) if i else a / d if d > 1e-9 else 1.0
-            prev = min((seen or {}).get(i, est), prev)
+            # aged counts keep their ratio; never drafted (or taken as such): as good as the position before
+            est = (seen or {}).get(i, a / d if d > 0.0 else None)
+            prev = prev if est is None else min(est, prev)
             alpha.append(prev)
         out, floor = [], 0.0
         for w in self.widths:
@@ -283,7 +319,7 @@ class WidthController:
         requests are probed again. A verdict from costs alone stands."""
         for st in self._buckets.values():
             if st.choice == 1:      # (a probe already due sooner keeps its round)
-                st.probed, st.interval = set(), self.policy.probe_every
+                st.probed, st.interval, st.quiet = set(), self.policy.probe_every, 0
                 st.next_probe = min(st.next_probe, st.rounds + st.interval)
 
     def hopeless(self, batch: int, constrained: bool = False) -> bool:
@@ -292,18 +328,19 @@ class WidthController:
         - every width w >= 2 costs at least w of them per round (its estimate's bound), so it loses
           even with every draft accepted (a tiny model's rounds, per-call overhead; a compute-bound
           batch's), or
-        - its probes confirmed off: the widest width was probed since the choice last changed (every
-          draft position seen) and the probes backed off to `probe_max` (none looked promising), so
-          the acceptance they saw does not pay for the rounds' cost (random or mismatched heads;
-          rounds nearly as dear as their width in plain steps).
+        - its probes confirmed off: the last `confirm_probes` probes (the widest among those since the
+          choice last changed: every draft position seen) looked unpromising, so the acceptance
+          they saw does not pay for the rounds' cost (random or mismatched heads; rounds nearly as
+          dear as their width in plain steps).
         The engine then stops drafting for the bucket's sequences for good, and stops keeping their
-        heads current, which alone cost 11-17% of a run on the shipped model."""
+        heads current (their catch-up, and their pass over each new prompt), so the verdict comes
+        after three probes, not when they have backed off to probe_max."""
         st = self._state(batch, constrained)
         est = self._estimates(st)
         plain = est[0].cost
         if plain is None or st.choice != 1:
             return False
-        confirmed = st.interval >= self.policy.probe_max and self.widths[-1] in st.probed
+        confirmed = st.quiet >= self.policy.confirm_probes and self.widths[-1] in st.probed
         return confirmed or all(e.bound >= e.width * plain for e in est[1:])
 
 

@@ -59,9 +59,10 @@ def test_never_accepted_turns_drafting_off_then_probes_with_growing_gaps():
     assert off_from == 3 and ctl.choice(1) == 1
     # probes (first round, width, rounds): from off, width 2 until its cost is measured (three rounds
     # back to back: the first after a change of width is not its cost), then the widest (every draft
-    # position seen again; measured at the start) and width 2 in turn, one round each
+    # position seen again; measured at the start) and width 2 in turn, two rounds each (the second
+    # a steady sample of the width's cost)
     probes = [(i, w, n) for i, w, n in _runs(widths) if i > off_from and w > 1]
-    assert [(w, n) for _, w, n in probes][:5] == [(2, 3), (4, 1), (2, 1), (4, 1), (2, 1)]
+    assert [(w, n) for _, w, n in probes][:5] == [(2, 3), (4, 2), (2, 2), (4, 2), (2, 2)]
     gaps = np.diff([i for i, _, _ in probes])
     assert list(gaps) == sorted(gaps) and gaps[-1] == ctl.policy.probe_max
     assert widths.count(1) >= 0.95 * len(widths)
@@ -69,7 +70,7 @@ def test_never_accepted_turns_drafting_off_then_probes_with_growing_gaps():
 
 def test_probes_that_keep_confirming_off_make_the_bucket_hopeless():
     # rounds that would pay at full acceptance (width 2 at 1.3 plain steps), heads never right: off
-    # for good once every width above was probed and the probes backed off to probe_max, not before
+    # for good once three probes in a row, the widest among them, looked unpromising, not before
     verdicts = []
     ctl = WidthController([2, 3, 4], [1])
     for _ in range(200):
@@ -77,9 +78,10 @@ def test_probes_that_keep_confirming_off_make_the_bucket_hopeless():
         ctl.observe(1, w, COST[w], [w - 1], [0])
         verdicts.append(ctl.hopeless(1))
     first = verdicts.index(True)
-    assert all(verdicts[first:]) and ctl.policy.probe_max // 2 < first < ctl.policy.probe_max
+    # probes from off 8, 16 and 32 rounds apart, after the start width and the narrower ones are measured
+    assert all(verdicts[first:]) and 8 + 16 + 32 <= first < 8 + 16 + 32 + 64
     st = ctl._state(1)
-    assert 4 in st.probed and st.interval == ctl.policy.probe_max
+    assert 4 in st.probed and st.quiet >= ctl.policy.confirm_probes
     # the engine ran empty: the verdict is dropped, and the next probe comes no later than it would have
     due = st.next_probe
     ctl.rejudge()
@@ -201,9 +203,9 @@ def test_a_change_of_width_is_not_the_new_widths_cost():
 def test_deep_positions_no_longer_drafted_are_tried_again():
     # one request rejects every second draft (the second head wrong on its text): width 2 is best
     # (2 tokens in 0.95 ms against 2 in 1.25); the next accepts every draft. Evidence of the second
-    # position fades every round, drafted or not, toward the prior (as good as the first), so the
-    # bucket tries the wider widths again every 10-20 rounds and climbs, where probes one width up
-    # alone kept it at width 2 for good
+    # position fades every round, drafted or not; once stale it is probed at the widest width it
+    # could make win (every 20-30 rounds), so the bucket climbs soon after the good request starts,
+    # where probes one width up alone kept it at width 2 for good
     ctl = WidthController([2, 3, 4], [1])
     widths = run_switching(ctl, 200, lambda r, d: [min(d, 1) if r < 100 else d])
     assert widths[60:100].count(2) >= 32
@@ -226,6 +228,11 @@ def test_first_round_at_a_width_is_not_its_cost_and_buckets_are_separate():
     ctl.observe(1, 2, 0.9, [1], [1])
     costs = {e.width: e.cost for e in ctl.estimates(1)}
     assert costs[2] == 1.3 and costs[3] is None and list(ctl._state(1).times[3]) == [1.6]
+    # a round of several widths (a request with its own k) ends the run: the round after it is not kept
+    ctl.observe(1, 2, 1.2, [1], [1])
+    ctl.observe(1, 2, None, [1, 3], [1, 3])
+    ctl.observe(1, 2, 0.5, [1], [1])
+    assert list(ctl._state(1).times[2]) == [1.4, 1.3, 1.2]
     assert all(e.cost is None for e in ctl.estimates(8))
 
 
@@ -274,24 +281,27 @@ class ModeledCost(WidthController):
 
     cost = COST
 
-    def observe(self, batch, width, seconds, drafted, accepted, constrained=False):
-        super().observe(batch, width, None if seconds is None else self.cost[width], drafted, accepted, constrained)
+    def observe(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1):
+        super().observe(batch, width, None if seconds is None else self.cost[width], drafted, accepted, constrained,
+                        steps)
 
 
-def test_wrong_heads_turn_drafting_off_and_probe_again(engine_dirs, plain, monkeypatch, widths):
+def test_wrong_heads_turn_drafting_off_probe_and_end_it(engine_dirs, plain, monkeypatch, widths):
+    """Heads never right, rounds that would pay at full acceptance: off after the start width is
+    measured, three probes (width 2 until its cost is measured, the widest, width 2: their
+    intervals count an off round's burst by its steps), then plain for good before the
+    sequences end."""
     install_drafter(monkeypatch, "wrong")
     llm = LLM(engine_dirs[KIND], NO_CACHE)
-    llm.round_loop.width_control = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8])
+    llm.round_loop.width_control = ctl = ModeledCost(sorted(llm.verify_widths), [1, 2, 4, 8])
     assert generate(llm, PROMPTS) == plain
     off_from = widths.index(1)
     assert off_from <= 4                            # warm-up: the start width measured, then off
-    after = widths[off_from:]
-    assert after.count(1) >= 0.7 * len(after) and any(w > 1 for w in after)   # off, with probes
-    first = next(i for i, w in enumerate(after) if w > 1)   # the first: width 2 until its cost is measured
-    assert after[first:first + 3] == [2, 2, 2]
-    assert llm.round_loop.width_control.choice(len(PROMPTS)) == 1
+    probes = [(w, n) for i, w, n in _runs(widths) if i > off_from and w > 1]
+    assert probes == [(2, 3), (max(llm.verify_widths), 2), (2, 2)]
+    assert ctl.choice(len(PROMPTS)) == 1 and ctl.hopeless(len(PROMPTS))
+    assert not any(s.speculative for s in llm.test_sequences)
     assert llm.runner.calls.get("target_step", 0) >= 0.8 * len(widths)       # off rounds are plain steps
-    assert all(s.speculative for s in llm.test_sequences)     # a width-2 round could pay: not hopeless
 
 
 # every round dearer than its width in plain steps (width 3, never measured from off, is bounded by
@@ -303,32 +313,36 @@ class Hopeless(ModeledCost):
     cost = DEAR
 
 
-def test_rounds_that_cannot_pay_end_drafting_and_the_heads_catch_up(engine_dirs, plain, monkeypatch, widths):
+def test_rounds_that_cannot_pay_end_drafting_and_the_heads_catch_up(engine_dirs, monkeypatch, widths):
     """Rounds that cost more plain steps than their width (a tiny model's per-call overhead): once
     the bucket is off and every width is known to lose even at full acceptance, its sequences decode
     plain for good: no probes, no heads' catch-up, and a later request skips the heads in prefill."""
+    params = SamplingParams(max_tokens=192, ignore_eos=True)   # (drafts all accepted: rounds go fast)
+    plain = run(engine_dirs[KIND], PROMPTS, params, RuntimeConfig(speculative=False))[0]
     install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
     llm = LLM(engine_dirs[KIND])
     llm.round_loop.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
-    assert generate(llm, PROMPTS) == plain
+    assert generate(llm, PROMPTS, params) == plain
     assert llm.round_loop.width_control.hopeless(len(PROMPTS))
     assert not any(s.speculative for s in llm.test_sequences)
-    assert len(widths) <= 24                       # the start width, off, three probes: then plain steps
+    assert len(widths) <= 40                       # the start width, off, probes measuring each: then plain
     reanchor = llm.round_loop.stats.phase_seconds.get("reanchor", 0.0)
     heads = llm.runner.calls.get("mtp_head_0", 0)
-    assert generate(llm, PROMPTS) == plain
+    assert generate(llm, PROMPTS, params) == plain
     assert llm.runner.calls.get("mtp_head_0", 0) == heads         # the new requests' prefill ran no head
     assert llm.round_loop.stats.phase_seconds.get("reanchor", 0.0) == reanchor
 
 
-def test_a_request_k_wins_over_a_hopeless_verdict(engine_dirs, plain, monkeypatch, widths):
+def test_a_request_k_wins_over_a_hopeless_verdict(engine_dirs, monkeypatch, widths):
     """Once a bucket is judged hopeless, requests that leave k to the engine decode plain, but one that
     sends its own k still drafts that many each round, from its prefill on (and stays exact)."""
+    params = SamplingParams(max_tokens=192, ignore_eos=True)   # (drafts all accepted: rounds go fast)
+    plain = run(engine_dirs[KIND], PROMPTS, params, RuntimeConfig(speculative=False))[0]
     install_drafter(monkeypatch, "oracle", {f"r{i}": out for i, out in plain.items()})
     llm = LLM(engine_dirs[KIND])
     llm.round_loop.width_control = Hopeless(sorted(llm.verify_widths), [1, 2, 4, 8], policy=WidthPolicy(probe_every=2))
-    assert generate(llm, PROMPTS) == plain and llm.round_loop.width_control.hopeless(len(PROMPTS))
-    fixed = replace(LONG, k=2)
+    assert generate(llm, PROMPTS, params) == plain and llm.round_loop.width_control.hopeless(len(PROMPTS))
+    fixed = replace(params, k=2)
     assert generate(llm, PROMPTS, fixed) == plain
     for s in llm.test_sequences:   # 2 a round (but the last, where the budget leaves 1)
         assert s.speculative and s.metrics.rounds > 0 and s.metrics.drafted_per_position[0] == s.metrics.rounds
@@ -403,10 +417,37 @@ def test_a_verdict_of_off_holds_new_requests_for_a_bounded_number_of_rounds(engi
     assert {i: s.output_ids() for i, s in enumerate(seqs)} == plain and late.output_ids() == plain[1][:8]
 
 
+class JudgedOff(ModeledCost):
+    """A verdict of off from the first round on, dropped by `rejudge` (as a probes' verdict is)."""
+
+    verdict = True
+
+    def hopeless(self, batch, constrained=False):
+        return self.verdict
+
+    def rejudge(self):
+        self.verdict = False
+        super().rejudge()
+
+
+def test_a_verdict_first_seen_at_a_prefill_holds_a_bounded_number_of_rounds(engine_dirs, plain, monkeypatch):
+    """Requests one after another: the verdict of off is first seen when the next request is
+    prefilled (no round ran in between). That request and those after it decode plain, and after
+    rejudge_rounds rounds a new request has heads again (the verdict's clock starts at that prefill)."""
+    install_drafter(monkeypatch, "wrong")
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(decode_burst=1))
+    llm.round_loop.width_control = JudgedOff(sorted(llm.verify_widths), [1, 4], policy=WidthPolicy(rejudge_rounds=12))
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    drafted = [llm.generate([PROMPTS[0]], params)[0].metrics.rounds > 0 for _ in range(5)]
+    assert drafted[0] is False and any(drafted)     # 6 rounds a request: the third or fourth has heads again
+    assert llm.round_loop.width_control.verdict is False
+
+
 def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
-    # width 2 at 1.9 steps could pay, and width 3 at 2.8
+    # width 2 at 1.9 steps could pay, and width 3 at 2.8 (the probes' verdict kept out of it)
+    costs_only = WidthPolicy(confirm_probes=1000)
     for cost, hopeless in ((DEAR, True), ({**DEAR, 2: 1.9}, False), ({**DEAR, 2: 2.5, 3: 2.8}, False)):
-        ctl = WidthController([2, 3, 4], [1])
+        ctl = WidthController([2, 3, 4], [1], policy=costs_only)
         simulate(ctl, 100, lambda r, d: [0], cost=cost)
         assert ctl.choice(1) == 1 and ctl.hopeless(1) == hopeless, cost
     ctl = WidthController([2, 3, 4], [1])
@@ -441,7 +482,7 @@ class Scripted:
     def width(self, batch, constrained=False):
         return self.widths.pop(0) if self.widths else 4
 
-    def observe(self, *args):
+    def observe(self, *args, **kwargs):
         pass
 
     def hopeless(self, batch, constrained=False):

@@ -129,9 +129,9 @@ def test_only_full_width_rounds_are_timed(shipped, monkeypatch):  # noqa: F811
     seen = []
     observe = WidthController.observe
 
-    def record(self, batch, width, seconds, drafted, accepted, constrained=False):
+    def record(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1):
         seen.append((width, seconds, list(drafted)))
-        observe(self, batch, width, seconds, drafted, accepted, constrained)
+        observe(self, batch, width, seconds, drafted, accepted, constrained, steps)
 
     monkeypatch.setattr(WidthController, "observe", record)
     llm = LLM(shipped)
