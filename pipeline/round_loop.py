@@ -91,6 +91,8 @@ class RoundLoop:
         self.synthetic_acceptance = synthetic_acceptance
         self.width_per_batch = dict(sorted((width_per_batch or {}).items()))
         self.width_control, self._width = width_control, None     # _width: this round's, when adaptive
+        self._report: tuple | None = None      # what an adaptive round gave, told after its outputs (step)
+        self._caught_up = 0.0                  # seconds of the heads' catch-up, kept out of the rounds' times
         # drafting off: heads catch up later in one call; a window page group cannot wait (its pools
         # hold only head_lag rows of lag), so there they catch up every round
         self.lag_rows = 1 if scheduler.windowed else max(1, scheduler.prefill_chunk)
@@ -149,6 +151,9 @@ class RoundLoop:
                     self._plain_round(rest)
         touched += decoding
         outputs = [self._postprocess(s) for s in dict.fromkeys(touched)]
+        if self._report is not None:    # the round's time includes the host's work on its outputs
+            report, self._report = self._report, None
+            self._tell_controller(*report, alone=not plain)
         if decoding:
             self.stats.rounds += 1
             self.stats.round_seconds += time.perf_counter() - t0
@@ -265,9 +270,9 @@ class RoundLoop:
 
     # ---- adaptive width (pipeline/width_control.py) --------------------------------------
     def _adaptive_round(self, seqs: list[Sequence]) -> None:
-        """The controller picks the round's width and is told what it gave: drafts and accepted
-        counts per sequence, and the round's time (not the heads' catch-up; none when the round
-        mixed widths). Width 1: plain decode steps, the heads' re-anchor deferred (_off_round)."""
+        """The controller picks the round's width and is told what it gave (step, once the round's
+        outputs are made: _tell_controller). Width 1: plain decode steps, the heads' re-anchor
+        deferred (_off_round)."""
         for s in [s for s in self._lagging if s.status == Status.FINISHED]:
             del self._lagging[s]
         batch, constrained = len(seqs), any(_constrained(s) for s in seqs)
@@ -292,23 +297,34 @@ class RoundLoop:
             on = [s for s in seqs if self.round_k(s, batch) > 0]
             self._catch_up([s for s in on if s in self._lagging])
             before = {s: (s.metrics.drafted, s.metrics.accepted) for s in on}
-            t, made = time.perf_counter(), 1
+            t, made, self._caught_up = time.perf_counter(), 1, 0.0
             if on:
                 self._speculative_round(on)
             if off:
                 with self._phase("decode"):
                     made = self._off_round(off)
-            seconds = (time.perf_counter() - t) / made   # an off round's burst: the cost of one token
             drafted = [s.metrics.drafted - before[s][0] for s in on]
             # a round's time is its width's cost only where every sequence drafted width - 1: one that
             # drafted fewer (its budget's end, a draft the grammar refused) ran a narrower, cheaper verify,
             # and a round whose sequences all had no budget left for drafts ran plain steps
             narrower = self._width > 1 and (not on or any(d != self._width - 1 for d in drafted))
-            mixed = (on and off) or any(s.k_fixed for s in seqs) or narrower
-            self.width_control.observe(batch, self._width, None if mixed else seconds, drafted,
-                                       [s.metrics.accepted - before[s][1] for s in on], constrained, steps=made)
+            mixed = bool(on and off) or any(s.k_fixed for s in seqs) or narrower
+            self._report = (batch, self._width, t, made, mixed, drafted,
+                            [s.metrics.accepted - before[s][1] for s in on], constrained)
         finally:
             self._width = None
+
+    def _tell_controller(self, batch: int, width: int, start: float, made: int, mixed: bool, drafted: list[int],
+                         accepted: list[int], constrained: bool, alone: bool) -> None:
+        """What a round gave: drafts and accepted counts per sequence, and its time per step from
+        the round's start to its outputs made, so a round pays for the host's work on its outputs
+        as a burst does once for its steps; the heads' catch-up (an off round's when its kept rows
+        reach lag_rows, or a drafting round's after off) is kept out: it is the price of changing
+        state, not of a step, and counted it made plain steps look 10-200% dearer now and then. None
+        where the round mixed widths, or plain sequences decoded in the same step (`alone` False)."""
+        seconds = (time.perf_counter() - start - self._caught_up) / made
+        self.width_control.observe(batch, width, seconds if alone and not mixed else None, drafted, accepted,
+                                   constrained, steps=made)
 
     def _judged(self) -> None:
         """A verdict of off turned sequences plain: it holds new requests from this round on, for
@@ -379,8 +395,10 @@ class RoundLoop:
             if start == s.head_committed:
                 work.append((s, ids, np.stack(hidden)))
         if work:
+            start = time.perf_counter()
             with self._phase("reanchor"):
                 self._reanchor(work)
+            self._caught_up += time.perf_counter() - start
 
     def _draft(self, seqs: list[Sequence]) -> dict[str, list[int]]:
         """d_1 comes from the last re-anchor; steps s = 1..k-1 extend the chain. Head s drafts over
