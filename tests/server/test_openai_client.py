@@ -9,12 +9,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.server.chat_template import ChatTemplate
-
-from .test_server import Live
-from .test_server import client as openai_client
 
 openai = pytest.importorskip("openai")
 PROMPT = [9, 120, 77, 301, 15, 2, 88]
@@ -25,22 +21,6 @@ VLLM_FIELDS = {"top_k": 50, "min_p": 0.0, "repetition_penalty": 1.3, "min_tokens
 OFFLINE = dict(top_k=50, repetition_penalty=1.3, min_tokens=4, stop_token_ids=(3,), bad_words=("zzzz",),
                allowed_token_ids=tuple(range(0, 300)), ignore_eos=True, presence_penalty=0.4, frequency_penalty=0.6,
                logit_bias=((17, 3.0), (33, -5.0)), stop=("\n\n\n",))
-
-
-@pytest.fixture(scope="module")
-def live(engine_dirs):
-    with Live(engine_dirs["qwen3_5_mtp3"]) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return openai_client(live, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def plain(engine_dirs):
-    return LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False))
 
 
 def _same_logprobs(got: list[float], want) -> None:

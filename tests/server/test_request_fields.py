@@ -13,12 +13,6 @@ from .test_server import Live
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def live(engine_dirs):
-    with Live(engine_dirs["qwen3_5_mtp3"]) as server:
-        yield server
-
-
 def _body(**fields) -> bytes:
     return json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2, **fields}).encode()
 

@@ -13,7 +13,6 @@ from tandem.pipeline.sampling_params import SamplingParams
 from tandem.server.responses import INT64, candidate_params
 
 from .test_server import Live
-from .test_server import client as openai_client
 
 PROMPT = [9, 120, 77, 301, 15, 2, 88]
 
@@ -22,11 +21,6 @@ PROMPT = [9, 120, 77, 301, 15, 2, 88]
 def live(engine_dirs):
     with Live(engine_dirs["qwen3_5_mtp3"], max_queued=8) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return openai_client(live, timeout=60)
 
 
 def test_seeded_choices_differ_and_repeat(client):
@@ -98,11 +92,6 @@ def test_candidate_seeds_wrap_into_int64():
 
 
 PROMPTS = [[5, 17, 33], [9, 120, 77, 301], "def f(x):"]
-
-
-@pytest.fixture(scope="module")
-def plain(engine_dirs):
-    return LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False))
 
 
 def test_several_prompts_each_get_their_choices(client, plain):

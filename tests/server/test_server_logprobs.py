@@ -7,30 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
-
-from .test_server import Live
-from .test_server import client as openai_client
 
 PROMPT = [9, 120, 77, 301, 15, 2, 88]
 EXTRA = {"ignore_eos": True, "temperature": 0.0}   # (the server samples at temperature 1 by default)
-
-
-@pytest.fixture(scope="module")
-def live(engine_dirs):
-    with Live(engine_dirs["qwen3_5_mtp3"]) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    return openai_client(live, timeout=60)
-
-
-@pytest.fixture(scope="module")
-def plain(engine_dirs):
-    return LLM(engine_dirs["qwen3_5_mtp3"], RuntimeConfig(speculative=False))
 
 
 def test_chat_logprobs_in_openai_shape_streamed_or_not(client):

@@ -27,12 +27,6 @@ VOCAB = 384      # the tiny checkpoints' vocabulary (the tokenizer itself has 30
 MARK = VOCAB - 1  # three of these in one engine row make the injected fault fire
 
 
-@pytest.fixture(scope="module")
-def live(engine_dirs):
-    with Live(engine_dirs["qwen3_5_mtp3"]) as server:
-        yield server
-
-
 def _body(**fields) -> bytes:
     """A completions body as JSON; ensure_ascii keeps a lone surrogate as its \\u escape."""
     return json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 2, **fields}, ensure_ascii=True).encode()

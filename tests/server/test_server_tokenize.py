@@ -14,12 +14,6 @@ from .test_server import Live
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "def add(a, b):"}]
 
 
-@pytest.fixture(scope="module")
-def live(engine_dirs):
-    with Live(engine_dirs["qwen3_5_mtp3"]) as server:
-        yield server
-
-
 def post(live, path: str, body: dict, **kw) -> httpx.Response:
     """`body` as JSON with \\u escapes (a lone surrogate is sent as the escape a client would send)."""
     return httpx.post(f"{live.url}{path}", content=json.dumps(body), timeout=30,
