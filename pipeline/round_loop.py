@@ -91,7 +91,6 @@ class RoundLoop:
         self.synthetic_acceptance = synthetic_acceptance
         self.width_per_batch = dict(sorted((width_per_batch or {}).items()))
         self.width_control, self._width = width_control, None     # _width: this round's, when adaptive
-        self._report: tuple | None = None      # what an adaptive round gave, told after its outputs (step)
         self._caught_up = 0.0                  # seconds of the heads' catch-up, kept out of the rounds' times
         # drafting off: heads catch up later in one call; a window page group cannot wait (its pools
         # hold only head_lag rows of lag), so there they catch up every round
@@ -143,16 +142,16 @@ class RoundLoop:
         decoding = sorted(self.scheduler.decode_batch(), key=attrgetter("slot"))
         spec = [s for s in decoding if s.speculative]
         plain = [s for s in decoding if not s.speculative]
+        report = None       # what an adaptive round gave: told to the controller once its outputs are made
         if spec:
-            self._adaptive_round(spec) if self.width_control else self._speculative_round(spec)
+            report = self._adaptive_round(spec) if self.width_control else self._speculative_round(spec)
         if plain:   # n tokens a step where the batch can take them (a burst, or the dir's multi-step graph)
             with self._phase("decode"):
                 if rest := (self.decode.run(plain) if self.decode is not None else plain):
                     self._plain_round(rest)
         touched += decoding
         outputs = [self._postprocess(s) for s in dict.fromkeys(touched)]
-        if self._report is not None:    # the round's time includes the host's work on its outputs
-            report, self._report = self._report, None
+        if report is not None:      # (the round's time includes the host's work on its outputs)
             self._tell_controller(*report, alone=not plain)
         if decoding:
             self.stats.rounds += 1
@@ -269,10 +268,10 @@ class RoundLoop:
         return k
 
     # ---- adaptive width (pipeline/width_control.py) --------------------------------------
-    def _adaptive_round(self, seqs: list[Sequence]) -> None:
-        """The controller picks the round's width and is told what it gave (step, once the round's
-        outputs are made: _tell_controller). Width 1: plain decode steps, the heads' re-anchor
-        deferred (_off_round)."""
+    def _adaptive_round(self, seqs: list[Sequence]) -> tuple | None:
+        """The controller picks the round's width; returns what the round gave, for step to tell it
+        once the round's outputs are made (_tell_controller; None: the bucket decoded plain for good).
+        Width 1: plain decode steps, the heads' re-anchor deferred (_off_round)."""
         for s in [s for s in self._lagging if s.status == Status.FINISHED]:
             del self._lagging[s]
         batch, constrained = len(seqs), any(_constrained(s) for s in seqs)
@@ -291,7 +290,7 @@ class RoundLoop:
             if judged:
                 with self._phase("decode"):
                     self._plain_round(judged)
-            return
+            return None
         try:
             off = [s for s in seqs if self.round_k(s, batch) == 0]
             on = [s for s in seqs if self.round_k(s, batch) > 0]
@@ -309,8 +308,8 @@ class RoundLoop:
             # and a round whose sequences all had no budget left for drafts ran plain steps
             narrower = self._width > 1 and (not on or any(d != self._width - 1 for d in drafted))
             mixed = bool(on and off) or any(s.k_fixed for s in seqs) or narrower
-            self._report = (batch, self._width, t, made, mixed, drafted,
-                            [s.metrics.accepted - before[s][1] for s in on], constrained)
+            return (batch, self._width, t, made, mixed, drafted,
+                    [s.metrics.accepted - before[s][1] for s in on], constrained)
         finally:
             self._width = None
 
