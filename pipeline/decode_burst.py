@@ -92,7 +92,7 @@ class DecodeBurst:
         free ones, at an eighth of their speed), and the batch would take two calls a step. A batch
         larger than the largest bucket splits its calls (ModelRunner.decode): one step. `hidden`:
         each call's hidden rows [n, H] are appended to it (the heads' catch-up rows while drafting
-        is off, RoundLoop._off_round)."""
+        is off, AdaptiveRounds._off_round)."""
         steps = min((s.decode_rows(self.steps, self.samples) for s in seqs), default=1)
         steps = steps if most is None else min(steps, most)
         if steps < 2 or len(seqs) > self.runner.batch_sizes[-1]:

@@ -88,7 +88,7 @@ class Scheduler:
     def decode_batch(self) -> list[Sequence]:
         out, reserved = [], False
         for seq in [s for s in self.running if s.status == Status.DECODE]:
-            # a speculative sequence: its widest round, or a burst while drafting is off (RoundLoop._off_round)
+            # a speculative sequence: its widest round, or a burst while drafting is off (AdaptiveRounds._off_round)
             rows = seq.decode_rows(self.decode_steps, self.decode_samples)
             rows = max(rows, seq.k + 1) if seq.speculative else rows
             positions = min(seq.committed + rows, self.max_positions)   # (RoundLoop.round_k stays inside)
