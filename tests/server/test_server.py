@@ -69,12 +69,6 @@ class Live:
 
 
 @pytest.fixture(scope="module")
-def live(engine_dirs):
-    with Live(engine_dirs["qwen3_5_mtp3"]) as server:
-        yield server
-
-
-@pytest.fixture(scope="module")
 def offline(engine_dirs):
     llm = LLM(engine_dirs["qwen3_5_mtp3"])
     template = ChatTemplate.from_engine_dir(engine_dirs["qwen3_5_mtp3"])
