@@ -286,9 +286,12 @@ class WidthController:
     def estimates(self, batch: int, constrained: bool = False) -> list[WidthEstimate]:
         return self._estimates(self._state(batch, constrained))
 
-    def _estimates(self, st: _Bucket, seen: dict[int, float | None] | None = None) -> list[WidthEstimate]:
+    def _estimates(self, st: _Bucket, seen: dict[int, float | None] | None = None,
+                   least: bool = False) -> list[WidthEstimate]:
         """seen: acceptance per position to take instead of the bucket's (a probe's, to judge it; None:
-        as if never drafted)."""
+        as if never drafted). least: every width's cost its least round time (the verdict from costs,
+        which stands for the process: a bucket's first rounds, beside engines still opening, ran 2-3x
+        their time, and their median made rounds that pay 1.4x look hopeless)."""
         alpha, prev = [], 1.0
         for i, (a, d) in enumerate(zip(st.accepted, st.drafted)):
             # aged counts keep their ratio; never drafted (or taken as such): as good as the position before
@@ -300,7 +303,7 @@ class WidthController:
             expected = 1.0 + sum(alpha[: w - 1])
             times = st.times.get(w, ())
             # (an off round's time per step falls with its burst's length: its least is a full burst's)
-            typical = min if w == 1 else statistics.median
+            typical = min if w == 1 or least else statistics.median
             cost = typical(times) if len(times) >= self.policy.min_samples else st.given.get(w)
             if cost is not None:
                 floor = max(floor, cost)
@@ -335,7 +338,7 @@ class WidthController:
     def hopeless(self, batch: int, constrained: bool = False) -> bool:
         """Whether drafting is known not to pay at this batch size: the bucket off, plain steps
         measured, and either
-        - every width w >= 2 costs at least w of them per round (its estimate's bound), so it loses
+        - every width w >= 2 costs at least w of them per round (its least round time, or its bound), so it loses
           even with every draft accepted (a tiny model's rounds, per-call overhead; a compute-bound
           batch's), or
         - its probes confirmed off: the last `confirm_probes` probes (the widest among those since the
@@ -346,7 +349,7 @@ class WidthController:
         heads current (their catch-up, and their pass over each new prompt), so the verdict comes
         after three probes, not when they have backed off to probe_max."""
         st = self._state(batch, constrained)
-        est = self._estimates(st)
+        est = self._estimates(st, least=True)
         plain = est[0].cost
         if plain is None or st.choice != 1:
             return False

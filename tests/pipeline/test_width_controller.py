@@ -245,6 +245,20 @@ def test_drafting_must_beat_plain_steps_by_the_margin():
         assert ctl.choice(1) == chosen, cost
 
 
+def test_a_bucket_s_first_slow_rounds_do_not_make_it_hopeless():
+    # the shipped model's first request in a process (engines still opening beside it): each width's
+    # first steady rounds ran 2-3x their time. Their median makes every width cost at least its width
+    # in plain steps; the verdict from costs stands for the process, so it takes each width's least
+    ctl = WidthController([2, 3, 4], [1])
+    for width, seconds in ((4, 6.9), (4, 3.9), (4, 2.1), (1, 0.76), (1, 0.74), (1, 0.76),
+                           (3, 6.0), (3, 1.9), (3, 4.0), (2, 4.7), (2, 1.6), (2, 3.1)):
+        ctl.observe(1, width, seconds, [width - 1], [width - 1])
+    st = ctl._state(1)
+    st.choice = 1
+    assert {e.width: e.cost for e in ctl.estimates(1)} == {1: 0.74, 2: 2.35, 3: 2.95, 4: 3.0}
+    assert not ctl.hopeless(1)
+
+
 def test_policy_refuses_nonsense():
     with pytest.raises(ValueError, match="probe_every"):
         WidthPolicy(probe_every=0)
