@@ -46,6 +46,7 @@ class AdaptiveRounds:
             self._catch_up([s for s in on if s in self._lagging])
             before = {s: (s.metrics.drafted, s.metrics.accepted) for s in on}
             t, made, self._caught_up = time.perf_counter(), 1, 0.0
+            first_runs = self.runner.first_runs
             if on:
                 self._speculative_round(on)
             if off:
@@ -58,21 +59,24 @@ class AdaptiveRounds:
             narrower = self._width > 1 and (not on or any(d != self._width - 1 for d in drafted))
             mixed = bool(on and off) or any(s.k_fixed for s in seqs) or narrower
             return (batch, self._width, t, made, mixed, drafted,
-                    [s.metrics.accepted - before[s][1] for s in on], constrained)
+                    [s.metrics.accepted - before[s][1] for s in on], constrained, first_runs)
         finally:
             self._width = None
 
     def _tell_controller(self, batch: int, width: int, start: float, made: int, mixed: bool, drafted: list[int],
-                         accepted: list[int], constrained: bool, alone: bool) -> None:
+                         accepted: list[int], constrained: bool, first_runs: int, alone: bool) -> None:
         """What a round gave: drafts and accepted counts per sequence, and its time per step from
         the round's start to its outputs made, so a round pays for the host's work on its outputs
         as a burst does once for its steps; the heads' catch-up (an off round's when its kept rows
         reach lag_rows, or a drafting round's after off) is kept out: it is the price of changing
         state, not of a step, and counted it made plain steps look 10-200% dearer now and then. None
-        where the round mixed widths, or plain sequences decoded in the same step (`alone` False)."""
+        where the round mixed widths, or plain sequences decoded in the same step (`alone` False).
+        Cold where the round ran an engine's first call (`first_runs`: the runner's count of those
+        before it): the runtime's first run, whose time is not the width's (the first request of a
+        process ran its first width-4 round at 9.3 ms against 1.3)."""
         seconds = (time.perf_counter() - start - self._caught_up) / made
         self.width_control.observe(batch, width, seconds if alone and not mixed else None, drafted, accepted,
-                                   constrained, steps=made)
+                                   constrained, steps=made, cold=self.runner.first_runs != first_runs)
 
     def _judged(self) -> None:
         """A verdict of off turned sequences plain: it holds new requests from this round on, for

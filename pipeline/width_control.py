@@ -12,7 +12,9 @@ Plain Python over numbers the engine hands in (no engines, no runtime imports). 
                                                   rounds vary more: width 4 won at batch 4 by it)
     width 1 is speculation off (plain decode steps): E(1) = 1
 
-A round's time is its width's cost only when the bucket's round before ran the same width (steady):
+A round's time is its width's cost only when the bucket's round before ran the same width (steady)
+and it ran no engine's first call (`cold`: the runtime's first run of a session, 4-11 ms against a
+1.3 ms round; kept, the first request of a process turned drafting that pays 1.4x off for its rest):
 the first round after a change of width pays for the change (drafts the narrower round did not make
 run as extra head calls, another engine's first call), 0.2-0.8 ms on the shipped model against a
 1.0-1.3 ms round, and counting it made every probed width look dear, so the bucket kept a narrow
@@ -37,7 +39,11 @@ Measured costs can be handed in (`costs`: seconds per round per width and batch 
 bucket whose rounds cannot pay (a tiny model's: every round costs more plain steps than its width)
 starts off and is hopeless from its first round. A width neither measured nor given a cost is
 judged optimistically (cost: the largest measured cost of a narrower width, else 0; alpha_i unseen:
-alpha_{i-1}), so it is tried once it might beat the best measured one. Every `probe_every` steps
+alpha_{i-1}), so it is tried once it might beat the best measured one (judged on the line between
+its measured neighbours instead, a schema's bucket never tried the widths between, so it measured
+no verdict from costs and kept probing: its third request ran 0.78-0.85x plain against 1.0x). Plain
+steps cost their least time, so every off round counts, the first after drafting included.
+Every `probe_every` steps
 (doubling up to `probe_max` while the choice holds) a probe runs a width next to the choice, above
 and below in turn: above, acceptance at the next position is seen again and the width can climb
 back; below, that width's cost is measured again. From off, upward probes run width 2 until its
@@ -221,11 +227,13 @@ class WidthController:
         return best if best is not None and rates[best] > rates[st.choice] else None
 
     def observe(self, batch: int, width: int, seconds: float | None, drafted: list[int],
-                accepted: list[int], constrained: bool = False, steps: int = 1) -> None:
+                accepted: list[int], constrained: bool = False, steps: int = 1, cold: bool = False) -> None:
         """One round at `batch` sequences: per sequence its drafts and how many were accepted;
         `seconds` the round's wall time at `width` per step (None: not attributable to one width);
         `steps` the decode steps it took (an off round's burst: several), which the probes' intervals
-        count: probing then costs the same share of the work, drafting or off."""
+        count: probing then costs the same share of the work, drafting or off. `cold`: the round ran
+        an engine's first call (the runtime's first run of a session, several times a round's time):
+        a drafting width does not keep its time, and the round after it is steady."""
         st = self._state(batch, constrained)
         st.rounds += steps - 1
         if st.probing is not None and st.probing == width > st.choice:
@@ -241,8 +249,11 @@ class WidthController:
                 st.accepted[i] += i < a
         # a round's time counts after a round at the same width (a change costs its first round more);
         # a round of several widths (seconds None: requests with their own k, a budget's end) ends the run
+        # Plain steps cost their least time, which neither a change nor a first run lowers: every off
+        # round counts (their bursts are long, and waiting for two steady ones spent half of a
+        # 64-token first request off)
         steady, st.last = st.last == width, width if seconds is not None else None
-        if seconds is not None and steady:
+        if seconds is not None and (steady and not cold or width == 1):
             st.times.setdefault(width, deque(maxlen=self.policy.samples)).append(seconds)
 
     def _costed(self, st: _Bucket, width: int) -> bool:

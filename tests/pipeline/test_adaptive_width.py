@@ -57,11 +57,11 @@ def generate(llm: LLM, prompts, params=LONG) -> dict[int, list[int]]:
 class ModeledCost(WidthController):
     """The engine's round times replaced by `cost` (COST by default): on tiny engines a round is all
     per-call overhead (and the test machine's load adds its own), so whether drafting pays there
-    is not the point."""
+    is not the point. A modeled round is never cold (the engine's first runs are its times' matter)."""
 
     cost = COST
 
-    def observe(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1):
+    def observe(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1, cold=False):
         super().observe(batch, width, None if seconds is None else self.cost[width], drafted, accepted, constrained,
                         steps)
 
@@ -96,9 +96,9 @@ def test_a_rounds_time_counts_its_outputs_not_the_heads_catch_up(engine_dirs, pl
     seen, catching = [], []
 
     class Recording(WidthController):
-        def observe(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1):
+        def observe(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1, cold=False):
             seen.append((width, seconds))
-            super().observe(batch, width, seconds, drafted, accepted, constrained, steps)
+            super().observe(batch, width, seconds, drafted, accepted, constrained, steps, cold)
 
     postprocess, catch_up, reanchor = RoundLoop._postprocess, RoundLoop._catch_up, RoundLoop._reanchor
 
@@ -131,6 +131,35 @@ def test_a_rounds_time_counts_its_outputs_not_the_heads_catch_up(engine_dirs, pl
     assert llm.round_loop.stats.phase_seconds["reanchor"] > 1.0           # catch-ups ran (inside off rounds too)
     assert any(w > 1 and t >= 0.02 for w, t in timed)                     # two outputs of 10 ms: counted
     assert all(t < 0.05 for _, t in timed), timed       # a 0.5 s catch-up over <= 8 steps: never counted
+
+
+def test_a_round_that_ran_an_engine_s_first_call_is_told_cold(engine_dirs, plain, monkeypatch):
+    """An engine's first two calls (the runtime's first runs: several times a round's time) make
+    their rounds cold, whose times the controller does not keep; a later round of that engine is
+    not, a new shape (another batch size, more pages of context) included, and the same requests
+    again have no cold round. (Plain steps' engine ran at the prefill.)"""
+    seen = []
+
+    class Recording(WidthController):
+        def observe(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1, cold=False):
+            seen.append((self.bucket(batch), width, cold))
+            super().observe(batch, width, seconds, drafted, accepted, constrained, steps, cold)
+
+        def hopeless(self, batch, constrained=False):
+            return False        # (tiny engines' rounds cannot pay: every round is seen)
+
+    llm = LLM(engine_dirs[KIND], NO_CACHE)
+    llm.round_loop.width_control = Recording(sorted(llm.verify_widths), [1, 2, 4, 8])
+    assert generate(llm, PROMPTS) == plain
+    # cold: each drafting width's first two rounds (its engine's first two runs), no other
+    firsts = [i for w in {w for _, w, _ in seen} for i in [i for i, x in enumerate(seen) if x[1] == w][:2]]
+    assert [i for i, x in enumerate(seen) if x[2]] == sorted(i for i in firsts if seen[i][1] > 1), seen
+    # plain steps ran through growing contexts (tables of 1, 2, 4 ... pages: a new shape each), none cold
+    shapes = {key[3] for key in llm.runner._bindings if key[0].name == "target_step" and key[1] == 2}
+    assert len(shapes) >= 2 and seen.count((2, 1, False)) >= 3
+    assert llm.runner.first_runs == sum(llm.runner._engine_runs.values()) >= 4
+    seen.clear()
+    assert generate(llm, PROMPTS) == plain and seen and not any(cold for _, _, cold in seen)
 
 
 class Hopeless(ModeledCost):

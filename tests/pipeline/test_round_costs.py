@@ -129,9 +129,9 @@ def test_only_full_width_rounds_are_timed(shipped, monkeypatch):  # noqa: F811
     seen = []
     observe = WidthController.observe
 
-    def record(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1):
+    def record(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1, cold=False):
         seen.append((width, seconds, list(drafted)))
-        observe(self, batch, width, seconds, drafted, accepted, constrained, steps)
+        observe(self, batch, width, seconds, drafted, accepted, constrained, steps, cold)
 
     monkeypatch.setattr(WidthController, "observe", record)
     llm = LLM(shipped)

@@ -223,6 +223,20 @@ def test_first_round_at_a_width_is_not_its_cost_and_buckets_are_separate():
     assert all(e.cost is None for e in ctl.estimates(8))
 
 
+def test_an_engine_s_first_run_is_not_its_width_s_cost_and_plain_counts_every_burst():
+    # the first request of a process: width 4's first round ran its engine's first call (9.3 ms
+    # against 1.3); kept, its median made drafting that pays look dear. The round after a cold one is
+    # steady. Plain steps cost their least time, so every off round counts, the first after drafting too
+    ctl = WidthController([2, 3, 4], [1])
+    for seconds, cold in ((12.0, True), (9.3, True), (1.4, False), (1.3, False)):
+        ctl.observe(1, 4, seconds, [3], [3], cold=cold)
+    assert list(ctl._state(1).times[4]) == [1.4, 1.3]
+    ctl.observe(1, 1, 0.9, [], [], steps=12, cold=True)
+    ctl.observe(1, 1, 0.7, [], [], steps=16)
+    costs = {e.width: e.cost for e in ctl.estimates(1)}
+    assert costs[1] == 0.7 and costs[4] == pytest.approx(1.35)
+
+
 def test_a_drafting_width_costs_its_median_round_and_plain_its_fullest_burst():
     # a drafting round's typical time: one lucky round (less host work that time) does not make
     # width 2 look cheap; an off round's per-step time falls with its burst's length (a request's
