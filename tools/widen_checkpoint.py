@@ -82,19 +82,29 @@ def widen(src: Path, out: Path, hidden: int, intermediate: int) -> dict:
     from safetensors.torch import load_file, save_file
 
     config = json.loads((src / "config.json").read_text())
+    if config.get("model_type") != "qwen3_5_text":      # (its rules know the dense Qwen3.5 text layout only)
+        raise SystemExit(f"{src}: model_type {config.get('model_type')!r}; this widens dense Qwen3.5 text "
+                         "checkpoints (model_type 'qwen3_5_text'), such as models/tandem-tiny-code")
     h, i = config["hidden_size"], config["intermediate_size"]
     if hidden < h or intermediate < i:
         raise SystemExit(f"--hidden {hidden} / --intermediate {intermediate}: below the checkpoint's {h} / {i}")
+    if out.exists() and any(out.iterdir()):
+        raise SystemExit(f"{out}: exists and is not empty; name a new folder (nothing there is overwritten)")
     state = load_file(str(src / "model.safetensors"))
     wide = {n: torch.from_numpy(widen_tensor(n, t.float().numpy(), h, hidden, i, intermediate))
             for n, t in state.items()}
-    out.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")     # renamed when whole: no half-written checkpoint
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
     for f in src.iterdir():           # tokenizer, generation config, chat template
         if f.is_file() and f.name not in ("config.json", "model.safetensors", "README.md", "training_report.json"):
-            shutil.copy2(f, out / f.name)
-    save_file(wide, str(out / "model.safetensors"), metadata={"format": "pt"})
+            shutil.copy2(f, partial / f.name)
+    save_file(wide, str(partial / "model.safetensors"), metadata={"format": "pt"})
     config.update(hidden_size=hidden, intermediate_size=intermediate, dtype="float32")
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (partial / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    if out.exists():
+        out.rmdir()                   # (empty, checked above)
+    partial.rename(out)
     return {"parameters": sum(t.numel() for t in wide.values()), "from": str(src), "to": str(out)}
 
 

@@ -49,6 +49,18 @@ def test_the_widened_model_computes_the_small_one(pair):
                 greedy_draft(model.model, model.lm_head, mtp, prompt, k=3)
 
 
-def test_a_tensor_without_a_rule_is_refused():
+def test_a_tensor_without_a_rule_or_another_layout_is_refused(tmp_path):
     with pytest.raises(ValueError, match="model.extra.weight .*no rule"):
         wc.widen_tensor("model.extra.weight", np.zeros((3, 5, 7), np.float32), 256, 320, 768, 1024)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v32", "hidden_size": 64}))
+    with pytest.raises(SystemExit, match="deepseek_v32.*qwen3_5_text"):
+        wc.widen(tmp_path, tmp_path / "out", hidden=128, intermediate=256)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_folder_that_holds_files_is_not_written_over(pair):
+    folder = pair[2]
+    before = {f.name: f.stat().st_mtime_ns for f in folder.iterdir()}
+    with pytest.raises(SystemExit, match="not empty"):
+        wc.widen(SHIPPED, folder, hidden=320, intermediate=1024)
+    assert {f.name: f.stat().st_mtime_ns for f in folder.iterdir()} == before
