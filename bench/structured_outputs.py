@@ -6,9 +6,10 @@ schema, speculation on and off, and the share of a run the host's grammar work t
 For each batch size, `batch` code prompts (the shipped model's kind of text) are generated with
 max_tokens `--tokens`, greedy, in four setups: no schema / a nested JSON schema, speculation off /
 on. The setups run round robin, `--passes` times each, in one process (a noisy machine moves all
-of them alike); medians are printed. Accept length is tokens committed per verify round; "grammar"
-is the host's mask work (the engine's `grammar` phase: draft masks, forced drafts, the heads' masks)
-as a share of the run's wall time.
+of them alike); medians are printed, and each pass's on / off ratio (with `--adaptive` the first
+requests of a process pay for measuring their rounds). Accept length is tokens committed per verify
+round; "grammar" is the host's mask work (the engine's `grammar` phase: draft masks, forced drafts,
+the heads' masks) as a share of the run's wall time.
 """
 
 from __future__ import annotations
@@ -71,6 +72,12 @@ def main(argv: list[str] | None = None) -> dict:
                          "tokens_per_s": tps, "accept_length": acc, "grammar_share": share})
             print(f"{batch} | {'nested' if schema else 'none'} | {'on' if spec else 'off'} | {tps:.1f} | "
                   f"{acc:.2f} | {share:.1%}")
+        # the adaptive width measures a process's first requests' rounds before it judges them: per pass
+        for schema in (False, True):
+            ratios = [on[0] / off[0] for on, off in zip(got[schema, True], got[schema, False])]
+            rows[-4 + 2 * schema + 1]["on_off_per_pass"] = ratios
+            print(f"  batch {batch}, {'nested' if schema else 'none'}: on / off per pass "
+                  + " ".join(f"{r:.2f}" for r in ratios))
     return {"tokens": args.tokens, "passes": args.passes, "rows": rows}
 
 
