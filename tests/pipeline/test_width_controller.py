@@ -285,12 +285,34 @@ def test_policy_refuses_nonsense():
 
 
 def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
-    # width 2 at 1.9 steps could pay, and width 3 at 2.8 (the probes' verdict kept out of it)
+    # width 2 at 1.9 steps could pay, and width 3 at 2.8 where measured (the probes' verdict kept out of
+    # it); a width not measured is taken on the line between its measured neighbours: width 3 between
+    # 2.5 and 4.3 at 3.4, and the bucket's rounds are judged by it
     costs_only = WidthPolicy(confirm_probes=1000)
-    for cost, hopeless in ((DEAR, True), ({**DEAR, 2: 1.9}, False), ({**DEAR, 2: 2.5, 3: 2.8}, False)):
-        ctl = WidthController([2, 3, 4], [1], policy=costs_only)
+    cheap_3 = {**DEAR, 2: 2.5, 3: 2.8}
+    for cost, start, hopeless in ((DEAR, 4, True), ({**DEAR, 2: 1.9}, 4, False), (cheap_3, 3, False),
+                                  (cheap_3, 4, True)):
+        ctl = WidthController([2, 3, 4], [1], start={1: start}, policy=costs_only)
         simulate(ctl, 100, lambda r, d: [0], cost=cost)
-        assert ctl.choice(1) == 1 and ctl.hopeless(1) == hopeless, cost
+        assert ctl.choice(1) == 1 and ctl.hopeless(1) == hopeless, (cost, start)
+        assert (len(ctl._state(1).times.get(3, ())) > 0) == (start == 3)
+
+
+def test_a_schema_s_dear_widest_rounds_judge_the_widths_between_at_once():
+    # the shipped model's multi-call rounds under a JSON schema: width 4 at 7.4 ms against 0.94 ms a
+    # constrained plain token; widths 2 and 3 not measured are judged on the line (3.1 and 5.3 ms), so
+    # the verdict comes from the widest's rounds; at the floor (0.94 ms) they were each chosen and
+    # measured in turn, losing the process's second schema request
     ctl = WidthController([2, 3, 4], [1])
-    simulate(ctl, 5, lambda r, d: [0], cost=DEAR)     # width 2 not measured yet: not known
-    assert ctl.choice(1) == 1 and not ctl.hopeless(1)
+    for width, seconds in ((4, 8.5), (4, 7.8), (4, 7.4), (1, 1.02), (1, 0.94)):
+        ctl.observe(1, width, seconds, [width - 1], [width - 1], constrained=True)
+    assert ctl.width(1, constrained=True) == 1 and ctl.hopeless(1, constrained=True)
+    bounds = {e.width: e.bound for e in ctl._estimates(ctl._state(1, True), least=True)}
+    step = (7.4 - 0.94) / 3
+    assert bounds[2] == pytest.approx(0.94 + step) and bounds[3] == pytest.approx(0.94 + 2 * step)
+    # before plain steps are measured nothing is judged
+    ctl = WidthController([2, 3, 4], [1])
+    simulate(ctl, 4, lambda r, d: [0], cost=DEAR)
+    assert not ctl.hopeless(1)
+    simulate(ctl, 2, lambda r, d: [0], cost=DEAR)
+    assert ctl._costed(ctl._state(1), 1) and ctl.hopeless(1)
