@@ -39,11 +39,9 @@ Measured costs can be handed in (`costs`: seconds per round per width and batch 
 bucket whose rounds cannot pay (a tiny model's: every round costs more plain steps than its width)
 starts off and is hopeless from its first round. A width neither measured nor given a cost is
 judged optimistically (cost: the largest measured cost of a narrower width, else 0; alpha_i unseen:
-alpha_{i-1}), so it is tried once it might beat the best measured one (judged on the line between
-its measured neighbours instead, a schema's bucket never tried the widths between, so it measured
-no verdict from costs and kept probing: its third request ran 0.78-0.85x plain against 1.0x). Plain
-steps cost their least time, so every off round counts, the first after drafting included.
-Every `probe_every` steps
+alpha_{i-1}), so it is tried once it might beat the best measured one; the verdict from costs
+(below) takes it on the line between its measured neighbours. Plain steps cost their least time, so
+every off round counts, the first after drafting included. Every `probe_every` steps
 (doubling up to `probe_max` while the choice holds) a probe runs a width next to the choice, above
 and below in turn: above, acceptance at the next position is seen again and the width can climb
 back; below, that width's cost is measured again. From off, upward probes run width 2 until its
@@ -54,9 +52,9 @@ estimates can find that a wide width pays even where width 2 does not.
 Off for good (`hopeless`): drafting off still costs the heads' catch-up (off with the heads kept
 current ran 10% slower than plain decoding at batch 1 on the shipped model, 24% at batch 4), so a
 bucket stops drafting once it is known not to pay, from costs alone (every width loses even at full
-acceptance; a width not measured taken on the line between its measured neighbours, `_between`,
-where the choice takes the floor) or from what its probes saw (off, and `confirm_probes` probes in a row, the widest
-among them, none looked promising: 8, 16 and 32 steps apart). The second verdict holds
+acceptance; a width not measured taken on the line between its measured neighbours, `_between`)
+or from what its probes saw (off, and `confirm_probes` probes in a row, the widest among them, none
+looked promising: 8, 16 and 32 steps apart). The second verdict holds
 `rejudge_rounds` engine rounds, whatever requests come and go (requests one after another are one
 workload: probing each anew cost random heads 5% of a 128-token request); then `rejudge` and the
 next requests are probed again.
