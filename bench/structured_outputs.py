@@ -74,10 +74,11 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{acc:.2f} | {share:.1%}")
         # the adaptive width measures a process's first requests' rounds before it judges them: per pass
         for schema in (False, True):
+            name = "nested" if schema else "none"
             ratios = [on[0] / off[0] for on, off in zip(got[schema, True], got[schema, False])]
-            rows[-4 + 2 * schema + 1]["on_off_per_pass"] = ratios
-            print(f"  batch {batch}, {'nested' if schema else 'none'}: on / off per pass "
-                  + " ".join(f"{r:.2f}" for r in ratios))
+            next(r for r in rows if (r["batch"], r["schema"], r["speculation"]) == (batch, name, True)
+                 )["on_off_per_pass"] = ratios
+            print(f"  batch {batch}, {name}: on / off per pass " + " ".join(f"{r:.2f}" for r in ratios))
     return {"tokens": args.tokens, "passes": args.passes, "rows": rows}
 
 

@@ -330,13 +330,16 @@ class WidthController:
         narrower width), where drafting beats plain steps by min_gain."""
         if not self._costed(st, st.choice):
             return st.choice
-        if self._rounds_lose(st):       # (the verdict from costs: no width is worth trying)
-            return 1
         est = self._estimates(st)
         best = max(est, key=lambda e: (e.rate, -e.width))
         # the heads cost outside the rounds too (their pass over each prompt, a request's first round):
         # drafting that only ties with plain steps in rounds loses over whole requests
-        return best.width if best.rate > est[0].rate * (1 + self.policy.min_gain) else 1
+        if best.rate <= est[0].rate * (1 + self.policy.min_gain):
+            return 1
+        # a width not measured is chosen on hope (the floor); where the verdict from costs (the line)
+        # says no width can pay, it is not worth trying. (A measured width that beats plain steps
+        # cannot be judged so: its least time is at most its median.)
+        return 1 if best.cost is None and self._rounds_lose(st) else best.width
 
     def choice(self, batch: int, constrained: bool = False) -> int:
         """The width the bucket runs between probes."""

@@ -84,6 +84,18 @@ def test_wrong_heads_turn_drafting_off_probe_and_end_it(engine_dirs, plain, monk
     assert llm.runner.calls.get("target_step", 0) >= 0.8 * len(widths)       # off rounds are plain steps
 
 
+class Recording(WidthController):
+    """The engine's own round times, and every round it reports: (bucket, width, seconds, cold)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.seen: list[tuple] = []
+
+    def observe(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1, cold=False):
+        self.seen.append((self.bucket(batch), width, seconds, cold))
+        super().observe(batch, width, seconds, drafted, accepted, constrained, steps, cold)
+
+
 def test_a_rounds_time_counts_its_outputs_not_the_heads_catch_up(engine_dirs, plain, monkeypatch):
     """A round's time runs to its outputs made (the host's work on them is the round's, as a burst's
     is once for its steps), but not through the heads' catch-up over rows kept while off (the price
@@ -93,13 +105,7 @@ def test_a_rounds_time_counts_its_outputs_not_the_heads_catch_up(engine_dirs, pl
     from tandem.pipeline.round_loop import RoundLoop
 
     install_drafter(monkeypatch, "wrong")
-    seen, catching = [], []
-
-    class Recording(WidthController):
-        def observe(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1, cold=False):
-            seen.append((width, seconds))
-            super().observe(batch, width, seconds, drafted, accepted, constrained, steps, cold)
-
+    catching = []
     postprocess, catch_up, reanchor = RoundLoop._postprocess, RoundLoop._catch_up, RoundLoop._reanchor
 
     def slow_postprocess(self, seq):
@@ -122,12 +128,12 @@ def test_a_rounds_time_counts_its_outputs_not_the_heads_catch_up(engine_dirs, pl
     monkeypatch.setattr(RoundLoop, "_catch_up", counted_catch_up)
     monkeypatch.setattr(RoundLoop, "_reanchor", slow_reanchor)
     llm = LLM(engine_dirs[KIND], NO_CACHE)
-    llm.round_loop.width_control = Recording(sorted(llm.verify_widths), [1, 2, 4, 8],
-                                             policy=WidthPolicy(confirm_probes=99))
+    llm.round_loop.width_control = ctl = Recording(sorted(llm.verify_widths), [1, 2, 4, 8],
+                                                   policy=WidthPolicy(confirm_probes=99))
     llm.round_loop.lag_rows = 8         # off rounds catch the heads up every 8 kept rows
     short = SamplingParams(max_tokens=48, ignore_eos=True)
     assert generate(llm, PROMPTS, short) == {i: o[:48] for i, o in plain.items()}
-    timed = [(w, t) for w, t in seen if t is not None]
+    timed = [(w, t) for _, w, t, _ in ctl.seen if t is not None]
     assert llm.round_loop.stats.phase_seconds["reanchor"] > 1.0           # catch-ups ran (inside off rounds too)
     assert any(w > 1 and t >= 0.02 for w, t in timed)                     # two outputs of 10 ms: counted
     assert all(t < 0.05 for _, t in timed), timed       # a 0.5 s catch-up over <= 8 steps: never counted
@@ -138,19 +144,14 @@ def test_a_round_that_ran_an_engine_s_first_call_is_told_cold(engine_dirs, plain
     their rounds cold, whose times the controller does not keep; a later round of that engine is
     not, a new shape (another batch size, more pages of context) included, and the same requests
     again have no cold round. (Plain steps' engine ran at the prefill.)"""
-    seen = []
-
-    class Recording(WidthController):
-        def observe(self, batch, width, seconds, drafted, accepted, constrained=False, steps=1, cold=False):
-            seen.append((self.bucket(batch), width, cold))
-            super().observe(batch, width, seconds, drafted, accepted, constrained, steps, cold)
-
+    class NeverHopeless(Recording):
         def hopeless(self, batch, constrained=False):
             return False        # (tiny engines' rounds cannot pay: every round is seen)
 
     llm = LLM(engine_dirs[KIND], NO_CACHE)
-    llm.round_loop.width_control = Recording(sorted(llm.verify_widths), [1, 2, 4, 8])
+    llm.round_loop.width_control = ctl = NeverHopeless(sorted(llm.verify_widths), [1, 2, 4, 8])
     assert generate(llm, PROMPTS) == plain
+    seen = [(b, w, cold) for b, w, _, cold in ctl.seen]
     # cold: each drafting width's first two rounds (its engine's first two runs), no other
     firsts = [i for w in {w for _, w, _ in seen} for i in [i for i, x in enumerate(seen) if x[1] == w][:2]]
     assert [i for i, x in enumerate(seen) if x[2]] == sorted(i for i in firsts if seen[i][1] > 1), seen
@@ -158,8 +159,8 @@ def test_a_round_that_ran_an_engine_s_first_call_is_told_cold(engine_dirs, plain
     shapes = {key[3] for key in llm.runner._bindings if key[0].name == "target_step" and key[1] == 2}
     assert len(shapes) >= 2 and seen.count((2, 1, False)) >= 3
     assert llm.runner.first_runs == sum(llm.runner._engine_runs.values()) >= 4
-    seen.clear()
-    assert generate(llm, PROMPTS) == plain and seen and not any(cold for _, _, cold in seen)
+    ctl.seen.clear()
+    assert generate(llm, PROMPTS) == plain and ctl.seen and not any(cold for *_, cold in ctl.seen)
 
 
 class Hopeless(ModeledCost):
