@@ -42,8 +42,9 @@
 // bit for bit.
 //
 // Tiles: R rows (up to 8) x V panels, R * V <= 16 accumulators in registers; each k loads row k of
-// the V panels once for the R rows. Chunks of 4 panels are shared out on ONNX Runtime's pool; rows go
-// in blocks of 8 inside a chunk (its panels come from L2 again for each block).
+// the V panels once for the R rows. Chunks of 4 panels are shared out on ONNX Runtime's pool. Past 8
+// rows a chunk goes 2 panels and 128 rows of k (a slice) at a time, every block of 8 rows over the
+// slice, the tiles' sums kept in memory between slices (`sliced`).
 
 #include <cmath>
 #include <vector>
@@ -58,6 +59,7 @@ namespace {
 constexpr int64_t kLanes = 16;          // columns per panel
 constexpr int64_t kChunkPanels = 4;     // panels per task of the pool
 constexpr int64_t kAhead = 64;          // rows of a panel a prefetching tile reads ahead
+constexpr int64_t kSlice = 128;         // rows of k per slice past 8 rows (2 panels' slice: 16 KB float32)
 
 template <typename W>     // float (float32 panels) or uint16_t (bfloat16 bit patterns)
 struct Call {
@@ -118,21 +120,26 @@ TANDEM_AVX512F inline __m512 load16(const uint16_t* w) {   // 16 bfloat16 -> flo
 }
 
 // y[m0 .. m0 + R] for panels [p0, p0 + V) (swiglu: V / 2 gate and up pairs), stores masked to N.
-// PF: prefetch each panel kAhead rows ahead into L1 (see panels_avx512).
+// PF: prefetch each panel `ahead` rows ahead into L1 (see panels_avx512).
+// Over k in [k0, k1) only where `part` is given ([R, V, 16] sums of the tile's rows and panels):
+// the sums start from it (k0 > 0) and go back to it unless k1 = K, where the epilogue writes y; a
+// stored float32 comes back the same, so each element is still one fma chain over k in order.
 template <int R, int V, bool PF = false, typename W>
-TANDEM_AVX512F void tile(const Call<W>& c, int64_t m0, int64_t p0) {
+TANDEM_AVX512F void tile(const Call<W>& c, int64_t m0, int64_t p0, int64_t k0 = 0, int64_t k1 = -1,
+                         float* part = nullptr, int64_t ahead = kAhead) {
+  if (k1 < 0) k1 = c.K;
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) acc[r][v] = k0 == 0 ? _mm512_setzero_ps() : _mm512_loadu_ps(part + (r * V + v) * kLanes);
   }
   const int64_t panel = c.K * kLanes;
-  const W* b = c.B + p0 * panel;
+  const W* b = c.B + p0 * panel + k0 * kLanes;
   const float* a = c.A + m0 * c.K;
-  for (int64_t k = 0; k < c.K; ++k, b += kLanes) {
+  for (int64_t k = k0; k < k1; ++k, b += kLanes) {
     __m512 w[V];
     if (PF) {
       for (int v = 0; v < V; ++v) {
-        _mm_prefetch(reinterpret_cast<const char*>(b + v * panel + kAhead * kLanes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(b + v * panel + ahead * kLanes), _MM_HINT_T0);
       }
     }
     for (int v = 0; v < V; ++v) w[v] = load16(b + v * panel);
@@ -140,6 +147,12 @@ TANDEM_AVX512F void tile(const Call<W>& c, int64_t m0, int64_t p0) {
       const __m512 x = _mm512_set1_ps(a[r * c.K + k]);
       for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(x, w[v], acc[r][v]);
     }
+  }
+  if (k1 < c.K) {
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(part + (r * V + v) * kLanes, acc[r][v]);
+    }
+    return;
   }
   for (int r = 0; r < R; ++r) {
     const __m512 scale = _mm512_set1_ps(c.r != nullptr ? c.r[m0 + r] : 1.0f);
@@ -185,12 +198,53 @@ TANDEM_AVX512F void rows_of(const Call<W>& c, int64_t m0, int64_t p0, int64_t p1
   }
 }
 
+// A slice of k for every row: blocks of 8 rows (one of fewer last) over panels [p, p + V), each
+// from the slice's sums before (part: [rows, V, 16])
+template <int V, typename W>
+TANDEM_AVX512F void slice_rows(const Call<W>& c, int64_t p, int64_t k0, int64_t k1, float* part) {
+  int64_t m = 0;
+  for (; m + 8 <= c.M; m += 8) {   // the first block fetches the next slice (the rest read this one from L1)
+    float* at = part + m * V * kLanes;
+    m == 0 ? tile<8, V, true>(c, m, p, k0, k1, at, kSlice) : tile<8, V>(c, m, p, k0, k1, at);
+  }
+  float* at = part + m * V * kLanes;
+  switch (c.M - m) {
+    case 7: tile<7, V>(c, m, p, k0, k1, at); break;
+    case 6: tile<6, V>(c, m, p, k0, k1, at); break;
+    case 5: tile<5, V>(c, m, p, k0, k1, at); break;
+    case 4: tile<4, V>(c, m, p, k0, k1, at); break;
+    case 3: tile<3, V>(c, m, p, k0, k1, at); break;
+    case 2: tile<2, V>(c, m, p, k0, k1, at); break;
+    case 1: tile<1, V>(c, m, p, k0, k1, at); break;
+    default: break;
+  }
+}
+
+// More than 8 rows (a wide verify, a batch's verify, prefill): the panels go V = 2 at a time and k
+// in slices of kSlice, every block of 8 rows over a slice before the next slice, while the first
+// block prefetches the next slice: the panels stream from memory as the blocks after the first
+// compute on this slice from L1. Blocks of 8 rows over whole chunks, unprefetched, left memory idle
+// while the later blocks computed: on the 147M model's layer shapes (Intel Xeon, 2 cores) this takes
+// 16 / 32 rows in 0.75-0.85x / 0.85-0.9x of their time (bench/matmul_nbits.py --bits 32), its
+// verify of 16 / 32 rows in 0.8x / 0.85x; without the prefetch it is no faster than they were.
+template <typename W>
+TANDEM_AVX512F void sliced(const Call<W>& c, int64_t p0, int64_t p1) {
+  thread_local std::vector<float> part;      // [M, V, 16] sums over the slices before
+  part.resize(static_cast<size_t>(c.M * 2 * kLanes));
+  for (int64_t p = p0; p < p1; p += 2) {
+    for (int64_t k0 = 0; k0 < c.K; k0 += kSlice) {
+      const int64_t k1 = std::min(c.K, k0 + kSlice);
+      p + 1 < p1 ? slice_rows<2>(c, p, k0, k1, part.data()) : slice_rows<1>(c, p, k0, k1, part.data());
+    }
+  }
+}
+
 // A call of 5-8 rows (batch 8 decode) runs one block of tiles of 8-16 fmas per weight line: the
 // hardware prefetchers fall behind those, so they prefetch 64 rows ahead, into L1 (T0). 150M
 // target step at batch 8, AMD Zen 4: 1.08-1.19x with NTA, 1.05-1.13x with T0 (16 rows ahead 0.99x,
 // 128 1.09x, 256 1.04x); Intel Xeon (Sapphire Rapids class): T0 1.2x none and 1.18x NTA, so T0 on
-// both. The same at 4 rows measured 0.92-0.97x and at 1 row 0.96-1.00x, so those do not. Where
-// blocks of 8 rows repeat (prefill, wide verify), the panels come from L2 again: no prefetch.
+// both. The same at 4 rows measured 0.92-0.97x and at 1 row 0.96-1.00x, so those do not. Past 8
+// rows the first block of each slice prefetches the next slice (`sliced`).
 template <typename W>
 TANDEM_AVX512F void panels_avx512(const Call<W>& c, int64_t p0, int64_t p1) {
   switch (c.M) {
@@ -200,16 +254,12 @@ TANDEM_AVX512F void panels_avx512(const Call<W>& c, int64_t p0, int64_t p1) {
     case 5: return rows_of<5, 2, true>(c, 0, p0, p1);
     default: break;
   }
-  int64_t m = 0;
-  for (; m + 8 <= c.M; m += 8) rows_of<8, 2>(c, m, p0, p1);
-  switch (c.M - m) {
-    case 7: rows_of<7, 2>(c, m, p0, p1); break;
-    case 6: rows_of<6, 2>(c, m, p0, p1); break;
-    case 5: rows_of<5, 2>(c, m, p0, p1); break;
-    case 4: rows_of<4, 4>(c, m, p0, p1); break;
-    case 3: rows_of<3, 4>(c, m, p0, p1); break;
-    case 2: rows_of<2, 4>(c, m, p0, p1); break;
-    case 1: rows_of<1, 4>(c, m, p0, p1); break;
+  if (c.M > 8) return sliced(c, p0, p1);
+  switch (c.M) {
+    case 4: return rows_of<4, 4>(c, 0, p0, p1);
+    case 3: return rows_of<3, 4>(c, 0, p0, p1);
+    case 2: return rows_of<2, 4>(c, 0, p0, p1);
+    case 1: return rows_of<1, 4>(c, 0, p0, p1);
     default: break;
   }
 }

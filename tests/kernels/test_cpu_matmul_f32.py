@@ -54,7 +54,8 @@ def test_both_kernels_equal_each_other_and_the_product(library, monkeypatch, K, 
     fast_here = cpu_kernels.f32_matmul()                          # (before the portable switch below)
     rng = np.random.default_rng(K * 1000 + N)
     W = rng.standard_normal((K, N)).astype(np.float32)
-    A = rng.standard_normal((11, K)).astype(np.float32)          # a tile of 8 rows and one of 3
+    # past 8 rows, k in slices (kSlice 128): two blocks of 8 rows and one of 3, every K its slices
+    A = rng.standard_normal((19, K)).astype(np.float32)
     A[4] = 0.0
     portable = _run(library, W, A, monkeypatch, portable=True)
     exact = A.astype(np.float64) @ W.astype(np.float64)
@@ -69,16 +70,17 @@ def test_both_kernels_equal_each_other_and_the_product(library, monkeypatch, K, 
 
 @pytest.mark.parametrize("portable", [False, True], ids=["avx512", "portable"])
 def test_a_rows_result_does_not_depend_on_the_calls_rows(library, monkeypatch, portable):
-    """Tiles of 8, 5-7, 4, 2-3 and 1 rows run other register blocks: every row of a call equals the
-    same row alone, bit for bit (a verify row equals a decode step)."""
+    """Tiles of 8, 5-7, 4, 2-3 and 1 rows run other register blocks, and calls past 8 rows take k in
+    slices (K = 300: three): every row of a call equals the same row alone, bit for bit (a verify
+    row equals a decode step)."""
     if not portable and not cpu_kernels.f32_matmul():
         pytest.skip("no AVX-512 here")
     monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1" if portable else "0")
     rng = np.random.default_rng(7)
     W = rng.standard_normal((300, 150)).astype(np.float32)
     sess = onnxruntime_backend.session(_kernel_model(W), kernels=library)
-    A = rng.standard_normal((13, 300)).astype(np.float32)
-    for rows in (13, 7, 5, 4, 3, 2):
+    A = rng.standard_normal((21, 300)).astype(np.float32)
+    for rows in (21, 16, 13, 9, 7, 5, 4, 3, 2):
         y = sess.run(None, {"A": A[:rows]})[0]
         for m in range(rows):
             assert np.array_equal(sess.run(None, {"A": A[m : m + 1]})[0][0], y[m]), (rows, m)
@@ -175,12 +177,12 @@ def _fused_model(W, residual: bool, epsilon: float = 1e-6, swiglu: bool = False,
 def test_swiglu_is_silu_of_the_gate_times_up(library, monkeypatch, norm):
     """y = silu(x W_gate) * (x W_up), x the row or its RMS-normalized form, against float64 (silu's
     own exp within 1e-5 of the largest output), both kernels bit for bit, every row as if alone;
-    I = 40: its last panel pair is partly padding."""
+    I = 40: its last panel pair is partly padding; 19 rows and K = 300: k in three slices."""
     fast_here = cpu_kernels.f32_matmul()
     rng = np.random.default_rng(13)
-    K, I, eps = 48, 40, 1e-6
-    W = (rng.standard_normal((K, 2 * I)) * 0.5).astype(np.float32)
-    A = (rng.standard_normal((10, K)) * 2).astype(np.float32)
+    K, I, eps = 300, 40, 1e-6
+    W = (rng.standard_normal((K, 2 * I)) * 0.2).astype(np.float32)
+    A = (rng.standard_normal((19, K)) * 2).astype(np.float32)
     A[2] *= 40                                                           # gates far into silu's tails
     x = A.astype(np.float64)
     if norm:
@@ -192,8 +194,8 @@ def test_swiglu_is_silu_of_the_gate_times_up(library, monkeypatch, norm):
         monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1" if portable else "0")
         sess = onnxruntime_backend.session(_fused_model(W, False, eps, swiglu=True, norm=norm), kernels=library)
         y = results[portable] = sess.run(None, {"A": A})[0]
-        assert y.shape == (10, I) and np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
-        for m in (0, 2, 9):
+        assert y.shape == (19, I) and np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
+        for m in (0, 2, 9, 18):
             assert np.array_equal(sess.run(None, {"A": A[m : m + 1]})[0][0], y[m])
     if fast_here:
         assert np.array_equal(results[True], results[False])
@@ -201,13 +203,14 @@ def test_swiglu_is_silu_of_the_gate_times_up(library, monkeypatch, norm):
 
 @pytest.mark.parametrize("residual", [False, True], ids=["norm", "norm+residual"])
 def test_rms_norm_and_residual_are_the_norm_the_product_and_the_add(library, monkeypatch, residual):
-    """y = A / rms(A) . W + R against float64, both kernels bit for bit, every row as if alone."""
+    """y = A / rms(A) . W + R against float64, both kernels bit for bit, every row as if alone (19
+    rows, K = 300: k in slices, the norm and residual after the last)."""
     fast_here = cpu_kernels.f32_matmul()
     rng = np.random.default_rng(11)
-    K, N, eps = 70, 45, 1e-6
+    K, N, eps = 300, 45, 1e-6
     W = rng.standard_normal((K, N)).astype(np.float32)
-    A = (rng.standard_normal((11, K)) * 3).astype(np.float32)
-    feeds = {"A": A, **({"R": rng.standard_normal((11, N)).astype(np.float32)} if residual else {})}
+    A = (rng.standard_normal((19, K)) * 3).astype(np.float32)
+    feeds = {"A": A, **({"R": rng.standard_normal((19, N)).astype(np.float32)} if residual else {})}
     a64 = A.astype(np.float64)
     exact = (a64 / np.sqrt((a64**2).mean(axis=1, keepdims=True) + eps)) @ W.astype(np.float64)
     if residual:
@@ -218,7 +221,7 @@ def test_rms_norm_and_residual_are_the_norm_the_product_and_the_add(library, mon
         sess = onnxruntime_backend.session(_fused_model(W, residual, eps), kernels=library)
         y = results[portable] = sess.run(None, feeds)[0]
         assert np.abs(y - exact).max() <= 1e-5 * np.abs(exact).max()
-        for m in (0, 5, 10):
+        for m in (0, 5, 10, 18):
             alone = {k: v[m : m + 1] for k, v in feeds.items()}
             assert np.array_equal(sess.run(None, alone)[0][0], y[m])
     if fast_here:
