@@ -41,10 +41,11 @@
 // a decode step bit for bit, and the portable loop (std::fma, same order) equals the AVX-512 kernel
 // bit for bit.
 //
-// Tiles: R rows (up to 8) x V panels, R * V <= 16 accumulators in registers; each k loads row k of
-// the V panels once for the R rows. Chunks of 4 panels are shared out on ONNX Runtime's pool. Past 8
-// rows a chunk goes 2 panels and 128 rows of k (a slice) at a time, every block of 8 rows over the
-// slice, the tiles' sums kept in memory between slices (`sliced`).
+// Tiles: R rows x V panels in registers, each k loading row k of the V panels once for the R rows:
+// up to 8 rows, R * V <= 16 accumulators; past 8 rows, blocks of up to 12 rows x 2 panels (24).
+// Chunks of 4 panels are shared out on ONNX Runtime's pool. Past 8 rows a chunk goes 2 panels and
+// 128 rows of k (a slice) at a time, every block over the slice, the tiles' sums kept in memory
+// between slices (`sliced`).
 
 #include <cmath>
 #include <vector>
@@ -60,6 +61,7 @@ constexpr int64_t kLanes = 16;          // columns per panel
 constexpr int64_t kChunkPanels = 4;     // panels per task of the pool
 constexpr int64_t kAhead = 64;          // rows of a panel a prefetching tile reads ahead
 constexpr int64_t kSlice = 128;         // rows of k per slice past 8 rows (2 panels' slice: 16 KB float32)
+constexpr int64_t kBlockRows = 12;      // rows per tile past 8 rows: 12 x 2 panels, 24 accumulators
 
 template <typename W>     // float (float32 panels) or uint16_t (bfloat16 bit patterns)
 struct Call {
@@ -198,35 +200,47 @@ TANDEM_AVX512F void rows_of(const Call<W>& c, int64_t m0, int64_t p0, int64_t p1
   }
 }
 
-// A slice of k for every row: blocks of 8 rows (one of fewer last) over panels [p, p + V), each
-// from the slice's sums before (part: [rows, V, 16])
+// One block of `rows` rows (1..kBlockRows) over panels [p, p + V) and a slice of k
+template <int V, bool PF, typename W>
+TANDEM_AVX512F void block_rows(const Call<W>& c, int64_t rows, int64_t m, int64_t p, int64_t k0, int64_t k1,
+                               float* part) {
+  switch (rows) {
+    case 12: return tile<12, V, PF>(c, m, p, k0, k1, part, kSlice);
+    case 11: return tile<11, V, PF>(c, m, p, k0, k1, part, kSlice);
+    case 10: return tile<10, V, PF>(c, m, p, k0, k1, part, kSlice);
+    case 9: return tile<9, V, PF>(c, m, p, k0, k1, part, kSlice);
+    case 8: return tile<8, V, PF>(c, m, p, k0, k1, part, kSlice);
+    case 7: return tile<7, V, PF>(c, m, p, k0, k1, part, kSlice);
+    case 6: return tile<6, V, PF>(c, m, p, k0, k1, part, kSlice);
+    case 5: return tile<5, V, PF>(c, m, p, k0, k1, part, kSlice);
+    case 4: return tile<4, V, PF>(c, m, p, k0, k1, part, kSlice);
+    case 3: return tile<3, V, PF>(c, m, p, k0, k1, part, kSlice);
+    case 2: return tile<2, V, PF>(c, m, p, k0, k1, part, kSlice);
+    default: return tile<1, V, PF>(c, m, p, k0, k1, part, kSlice);
+  }
+}
+
+// A slice of k for every row, in blocks of as even a size as kBlockRows allows (16 rows: 8 and 8;
+// 32: 11, 11 and 10), each from the slice's sums before (part: [rows, V, 16]); the first block
+// fetches the next slice, the rest read this one from L1
 template <int V, typename W>
 TANDEM_AVX512F void slice_rows(const Call<W>& c, int64_t p, int64_t k0, int64_t k1, float* part) {
-  int64_t m = 0;
-  for (; m + 8 <= c.M; m += 8) {   // the first block fetches the next slice (the rest read this one from L1)
+  const int64_t blocks = (c.M + kBlockRows - 1) / kBlockRows, rows = (c.M + blocks - 1) / blocks;
+  for (int64_t m = 0; m < c.M; m += rows) {
+    const int64_t r = std::min(rows, c.M - m);
     float* at = part + m * V * kLanes;
-    m == 0 ? tile<8, V, true>(c, m, p, k0, k1, at, kSlice) : tile<8, V>(c, m, p, k0, k1, at);
-  }
-  float* at = part + m * V * kLanes;
-  switch (c.M - m) {
-    case 7: tile<7, V>(c, m, p, k0, k1, at); break;
-    case 6: tile<6, V>(c, m, p, k0, k1, at); break;
-    case 5: tile<5, V>(c, m, p, k0, k1, at); break;
-    case 4: tile<4, V>(c, m, p, k0, k1, at); break;
-    case 3: tile<3, V>(c, m, p, k0, k1, at); break;
-    case 2: tile<2, V>(c, m, p, k0, k1, at); break;
-    case 1: tile<1, V>(c, m, p, k0, k1, at); break;
-    default: break;
+    m == 0 ? block_rows<V, true>(c, r, m, p, k0, k1, at) : block_rows<V, false>(c, r, m, p, k0, k1, at);
   }
 }
 
 // More than 8 rows (a wide verify, a batch's verify, prefill): the panels go V = 2 at a time and k
-// in slices of kSlice, every block of 8 rows over a slice before the next slice, while the first
+// in slices of kSlice, every block of rows over a slice before the next slice, while the first
 // block prefetches the next slice: the panels stream from memory as the blocks after the first
 // compute on this slice from L1. Blocks of 8 rows over whole chunks, unprefetched, left memory idle
-// while the later blocks computed: on the 147M model's layer shapes (Intel Xeon, 2 cores) this takes
-// 16 / 32 rows in 0.75-0.85x / 0.85-0.9x of their time (bench/matmul_nbits.py --bits 32), its
-// verify of 16 / 32 rows in 0.8x / 0.85x; without the prefetch it is no faster than they were.
+// while the later blocks computed: against them, on the 147M model (Intel Xeon, 2 cores), its verify
+// of 16 / 32 rows takes 0.75x / 0.76x the time and its 64-row prefill chunk 0.83x; without the
+// prefetch, slices alone were no faster. Blocks of 12 rows (24 accumulators) rather than 8: the
+// 32-row verify 0.88x, the prefill chunk 0.93x.
 template <typename W>
 TANDEM_AVX512F void sliced(const Call<W>& c, int64_t p0, int64_t p1) {
   thread_local std::vector<float> part;      // [M, V, 16] sums over the slices before

@@ -61,7 +61,7 @@ def test_bf16_bits_round_to_nearest_even_and_keep_bfloat16_values():
 def test_bf16_panels_equal_float32_panels_of_the_same_weights(library, monkeypatch, K, N):
     rng = np.random.default_rng(K * 31 + N)
     W = Bf16Weights.round(rng.standard_normal((K, N)).astype(np.float32))
-    A = rng.standard_normal((19, K)).astype(np.float32)    # blocks of 8, 8 and 3 rows, k in slices past 128
+    A = rng.standard_normal((19, K)).astype(np.float32)    # blocks of 10 and 9 rows, k in slices past 128
     for portable in _kernels():
         monkeypatch.setenv("TANDEM_CPU_KERNELS_PORTABLE", "1" if portable else "0")
         full = onnxruntime_backend.session(_model(weight_panels(W), N, False), kernels=library).run(None, {"A": A})[0]
