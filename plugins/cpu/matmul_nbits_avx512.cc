@@ -5,10 +5,11 @@
 // nibbles) of 16 columns, a dword per column, so vpdpbusd multiplies it by one dword of the row's
 // activations broadcast to every lane (from memory) and each lane sums its own column: no shuffle
 // of weights or scales. Per group of 32 inputs, 8 such vpdpbusd (4 loads and 4 nibble splits for
-// 4 bits) make the exact int32 dots of 16 columns, less the zero points' share (z sum(xq_g): one
-// multiply and subtract a group, where a pass over the blocks after the dots cost more: one-row
-// tiles 1.09-1.17x faster at int4, 1.07x at int8, Zen 4); their float conversion times (the 16
-// columns' block scales x the row's sx) goes into a float accumulator per row. The layout before this one
+// 4 bits) make the exact int32 dots of 16 columns; their float conversion less the zero points'
+// share (z sum(xq_g), one fma a group, exact: every value is an integer under 2^22; a pass over the
+// blocks after the dots cost more: one-row tiles 1.09-1.17x faster at int4, 1.07x at int8, Zen 4;
+// the integer multiply and subtract it replaces took 1.05-1.1x longer at 8-32 rows, Intel Xeon)
+// times (the 16 columns' block scales x the row's sx) goes into a float accumulator per row. The layout before this one
 // (ONNX Runtime's, a column's bytes in a row, 4 columns a step) needed two permutes of the weights
 // and one of the scales per 128 bytes, 7 vector operations where this needs 2.75 for int8:
 // docs/performance.md has the figures. A tile runs up to 4 rows at once, 8 for int8 (verify rows
@@ -138,7 +139,7 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
       }
     }
     const __m512 sw = block_scales(scales + (g >> block_shift) * kTile);
-    const __m512i zeros = block_zeros_int<BITS>(c, t, g >> block_shift);
+    const __m512 zeros = _mm512_cvtepi32_ps(block_zeros_int<BITS>(c, t, g >> block_shift));
     for (int r = 0; r < R; ++r) {
       __m512i total = dot[r][0];
       if constexpr (kChains > 1) {
@@ -149,10 +150,13 @@ TANDEM_AVX512 void tile(const MatMulNBitsCall& c, const QuantizedRows& a, int64_
         }
         total = _mm512_add_epi32(total, BITS == 4 ? _mm512_srai_epi32(odd, 4) : odd);
       }
-      // less the zero points' share, exact: dot(q - z, xq) = dot(q, xq) - z sum(xq)
-      total = _mm512_sub_epi32(total, _mm512_mullo_epi32(zeros, _mm512_set1_epi32(a.sums[(m0 + r) * a.groups + g])));
+      // less the zero points' share: dot(q - z, xq) = dot(q, xq) - z sum(xq), exact in float32 (one
+      // fma where an integer multiply took two uops and a subtract): |dot| and |z sum| are at most
+      // 32 * 255 * 127 < 2^21, their difference under 2^22, so every value is an integer float32 holds
+      const __m512 sum = _mm512_set1_ps(static_cast<float>(a.sums[(m0 + r) * a.groups + g]));
+      const __m512 exact = _mm512_fnmadd_ps(zeros, sum, _mm512_cvtepi32_ps(total));
       const __m512 scale = _mm512_mul_ps(sw, _mm512_set1_ps(a.sx[(m0 + r) * a.groups + g]));
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[r]);
+      acc[r] = _mm512_fmadd_ps(exact, scale, acc[r]);
     }
   }
   const int64_t n0 = t * kTile, left = c.N - n0;
