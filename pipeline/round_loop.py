@@ -76,6 +76,25 @@ def _sampling_inputs(p: SamplingParams) -> dict:
             "min_p_log": min_p_log(p.min_p)}
 
 
+PAD_DRAFT = -1      # a verify row's filler past a sequence's drafts: never accepted (RoundLoop._verify_rows)
+
+
+def _round_groups(seqs: list[Sequence], drafts: dict[str, list[int]], max_positions: int,
+                  merge: bool = True) -> list[tuple[int, list[Sequence]]]:
+    """The engine calls of a round: (width, sequences). Sequences with fewer drafts than the widest
+    (their budgets' ends, chains cut by p_min) ride its call with filler rows, where those rows stay
+    inside the block tables: one call where one per width ran several (147M model, batch 8: the round
+    in which four of eight requests reached max_tokens took 85 ms against 35). `merge` False (the
+    synthetic-acceptance aid): one call per width."""
+    width = {s.request_id: len(drafts[s.request_id]) + 1 for s in seqs}
+    widest = max(width.values())
+    merged = [s for s in seqs if s.committed + widest <= max_positions] if merge and widest > 1 else []
+    inside = {s.request_id for s in merged}
+    rest = [s for s in seqs if s.request_id not in inside]
+    return ([(widest, merged)] if merged else []) + [
+        (w, [s for s in rest if width[s.request_id] == w]) for w in sorted({width[s.request_id] for s in rest})]
+
+
 class RoundLoop(AdaptiveRounds):
     def __init__(self, runner: ModelRunner, pools: Pools, scheduler: Scheduler, eos_ids: tuple[int, ...],
                  mtp_layers: int, chained: bool = True, synthetic_acceptance: float | None = None,
@@ -217,8 +236,8 @@ class RoundLoop(AdaptiveRounds):
             drafts = self._draft(seqs)
         with self._phase("grammar"):
             masks = self._grammar_masks(seqs, drafts)
-        for width in sorted({len(d) + 1 for d in drafts.values()}):
-            group = [s for s in seqs if len(drafts[s.request_id]) + 1 == width]
+        for width, group in _round_groups(seqs, drafts, self.scheduler.max_positions,
+                                          merge=self.synthetic_acceptance is None):
             sampling = any(not s.params.greedy for s in group)
             # a grammar request's drafts come from the heads under its masks, and a request with logprobs
             # reads them from the verify graph: the multi-call round (a unified round drafts the next
@@ -357,7 +376,7 @@ class RoundLoop(AdaptiveRounds):
             new = drafts[seq.request_id][:a] + [t]
             if seq.logprobs is not None and width > 1:   # the target's, from the verify rows that emitted them
                 seq.logprobs += logprobs.from_verify(out, new, seq.params.logprobs)
-            seq.metrics.record_round(width - 1, a)
+            seq.metrics.record_round(len(drafts[seq.request_id]), a)
             seq.committed += a + 1
             seq.tokens += new
             anchor.append((seq, new, out[c.HIDDEN][: a + 1]))
@@ -372,13 +391,22 @@ class RoundLoop(AdaptiveRounds):
         u = None
         if self.synthetic_acceptance is not None or any(not s.params.greedy for s in seqs):
             u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
-        rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id], context=s.committed, pages=s.table.pages,
+        # a sequence with fewer drafts than the call's width (its budget's end, a chain cut by p_min) fills
+        # its rows past them with token -1: the graphs' embedding reads it as the last token's (ONNX
+        # Gather counts negative ids from the end) and no target token equals it, so acceptance stops
+        # before it (_round_groups)
+        rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id] + [PAD_DRAFT] * (width - 1 - len(drafts[s.request_id])),
+                     context=s.committed, pages=s.table.pages,
                      slot=s.slot, uniforms=None if u is None else u[i], bitmask=masks.get(s.request_id),
                      edits=s.rules.draft_edits(s.output_ids(), drafts[s.request_id]) if s.rules else None,
                      logprobs=s.logprobs is not None,
                      **_sampling_inputs(s.params))
                 for i, s in enumerate(seqs)]
         self.relaxed.fill(seqs, drafts, rows)
+        for s, r in zip(seqs, rows):        # a row judging a filler never relaxes
+            if r.relaxed_rows is not None:
+                r.relaxed_rows = [*r.relaxed_rows[: len(drafts[s.request_id])],
+                                  *[0] * (width - len(drafts[s.request_id]))]
         return rows
 
     def _synthetic_verify(self, seqs, rows, width):

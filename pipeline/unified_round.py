@@ -64,7 +64,7 @@ class UnifiedRound:
         self.pools.commit_states(outs.arrays, np.arange(n), np.array([s.slot for s in seqs]))
         for i, seq in enumerate(seqs):
             a = int(accepted[i])
-            seq.metrics.record_round(width - 1, a)
+            seq.metrics.record_round(len(drafts[seq.request_id]), a)
             seq.tokens += drafts[seq.request_id][:a] + [int(nxt[i])]
             seq.committed += a + 1
             seq.head_committed += a + 1
