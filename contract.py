@@ -48,6 +48,10 @@ LAST_ROW = "last_row"
 TEMPERATURE, TOP_K, TOP_P, UNIFORMS = "temperature", "top_k", "top_p", "uniforms"
 MAX_LOGPROBS = 20       # top logprobs a row reports at most (OpenAI's and vLLM's limit)
 MIN_TEMPERATURE = 1e-5  # below it a row is greedy (as vLLM): logits / T would overflow float32
+# a verify or round row past a sequence's drafts (a batch whose sequences drafted different counts
+# runs at the widest): the embedding's Gather reads it as the last token (ONNX counts negative ids
+# from the end) and no target token equals it, so acceptance stops before it
+FILLER_DRAFT = -1
 # relaxed acceptance (export/acceptance.py): verify inputs that engines built before them lack; the
 # runtime binds them only where an engine has them (without: exact acceptance), so no version bump
 RELAXED_TOPK, RELAXED_DELTA, RELAXED_ROWS = "relaxed_topk", "relaxed_delta", "relaxed_rows"
@@ -214,7 +218,8 @@ def target_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list
 def verify_step_io(desc: ModelDescription, dtype: str = "float32") -> tuple[list[TensorSpec], list[TensorSpec]]:
     """Target over [pending, d_1..d_k] fused with acceptance; states kept after the accepted rows."""
     layer_in, layer_out = _trunk_layer_specs(desc, dtype)
-    ins = [TensorSpec(INPUT_IDS, "int64", ("batch", "rows"), "[pending token, draft 1..k]"),
+    ins = [TensorSpec(INPUT_IDS, "int64", ("batch", "rows"), "[pending token, draft 1..k]; FILLER_DRAFT past a "
+                      "row's drafts: never accepted"),
            *_paging_inputs(desc.layer_caches(mtp_layers=0)),
            TensorSpec(TEMPERATURE, "float32", ("batch",), "below MIN_TEMPERATURE: greedy; else sampling temperature"),
            TensorSpec(TOP_K, "int64", ("batch",), "top-k filter, 0 = off"),

@@ -76,9 +76,6 @@ def _sampling_inputs(p: SamplingParams) -> dict:
             "min_p_log": min_p_log(p.min_p)}
 
 
-PAD_DRAFT = -1      # a verify row's filler past a sequence's drafts: never accepted (RoundLoop._verify_rows)
-
-
 def _round_groups(seqs: list[Sequence], drafts: dict[str, list[int]], max_positions: int,
                   merge: bool = True) -> list[tuple[int, list[Sequence]]]:
     """The engine calls of a round: (width, sequences). Sequences with fewer drafts than the widest
@@ -392,10 +389,9 @@ class RoundLoop(AdaptiveRounds):
         if self.synthetic_acceptance is not None or any(not s.params.greedy for s in seqs):
             u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
         # a sequence with fewer drafts than the call's width (its budget's end, a chain cut by p_min) fills
-        # its rows past them with token -1: the graphs' embedding reads it as the last token's (ONNX
-        # Gather counts negative ids from the end) and no target token equals it, so acceptance stops
-        # before it (_round_groups)
-        rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id] + [PAD_DRAFT] * (width - 1 - len(drafts[s.request_id])),
+        # its rows past them with contract.FILLER_DRAFT, never accepted (_round_groups)
+        fill = {s.request_id: [c.FILLER_DRAFT] * (width - 1 - len(drafts[s.request_id])) for s in seqs}
+        rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id] + fill[s.request_id],
                      context=s.committed, pages=s.table.pages,
                      slot=s.slot, uniforms=None if u is None else u[i], bitmask=masks.get(s.request_id),
                      edits=s.rules.draft_edits(s.output_ids(), drafts[s.request_id]) if s.rules else None,
