@@ -70,17 +70,20 @@ class RelaxedRows:
         return True if token == begin else False if token == end else inside
 
     def fill(self, seqs, drafts: dict[str, list[int]], rows) -> None:
-        """Set each verify Rows' relaxed inputs (rows[i] belongs to seqs[i])."""
+        """Set each verify Rows' relaxed inputs (rows[i] belongs to seqs[i]). Rows past a sequence's
+        drafts that judge a filler (contract.FILLER_DRAFT: the call is wider than its drafts) never relax."""
         for seq, r in zip(seqs, rows):
             setting = self.setting(seq.params)
             if setting is None:
                 continue
             r.relaxed_topk, r.relaxed_delta = setting.top_k, setting.delta
+            n = len(drafts[seq.request_id])
+            fillers = [0] * (len(r.ids) - n) if len(r.ids) > n + 1 else []
             if not setting.thinking_only:
-                r.relaxed_rows = [1] * len(r.ids)
+                r.relaxed_rows = [1] * len(r.ids) if not fillers else [1] * n + fillers
                 continue
             inside, mask = self.inside(seq), []
             for d in drafts[seq.request_id]:   # row i sees tokens + d_1..d_i
                 mask.append(int(inside))
                 inside = self._step(inside, d)
-            r.relaxed_rows = [*mask, int(inside)]
+            r.relaxed_rows = [*mask, *(fillers or [int(inside)])]

@@ -390,8 +390,7 @@ class RoundLoop(AdaptiveRounds):
             u = uniforms([s.seed for s in seqs], np.array([len(s.tokens) for s in seqs])[:, None] + np.arange(width))
         # a sequence with fewer drafts than the call's width (its budget's end, a chain cut by p_min) fills
         # its rows past them with contract.FILLER_DRAFT, never accepted (_round_groups)
-        fill = {s.request_id: [c.FILLER_DRAFT] * (width - 1 - len(drafts[s.request_id])) for s in seqs}
-        rows = [Rows(ids=[s.tokens[-1]] + drafts[s.request_id] + fill[s.request_id],
+        rows = [Rows(ids=[s.tokens[-1], *(d := drafts[s.request_id]), *[c.FILLER_DRAFT] * (width - 1 - len(d))],
                      context=s.committed, pages=s.table.pages,
                      slot=s.slot, uniforms=None if u is None else u[i], bitmask=masks.get(s.request_id),
                      edits=s.rules.draft_edits(s.output_ids(), drafts[s.request_id]) if s.rules else None,
@@ -399,10 +398,6 @@ class RoundLoop(AdaptiveRounds):
                      **_sampling_inputs(s.params))
                 for i, s in enumerate(seqs)]
         self.relaxed.fill(seqs, drafts, rows)
-        for s, r in zip(seqs, rows):        # a row judging a filler never relaxes
-            if r.relaxed_rows is not None:
-                r.relaxed_rows = [*r.relaxed_rows[: len(drafts[s.request_id])],
-                                  *[0] * (width - len(drafts[s.request_id]))]
         return rows
 
     def _synthetic_verify(self, seqs, rows, width):

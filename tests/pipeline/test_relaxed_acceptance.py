@@ -186,6 +186,19 @@ def test_thinking_span_rows():
     assert rr.inside(seq) and (seq.tokens.extend([3, 8, 4]) or True) and not rr.inside(seq)
 
 
+def test_rows_that_judge_a_filler_never_relax():
+    """A call wider than a sequence's drafts fills its rows past them (contract.FILLER_DRAFT): the rows
+    judging a filler get 0 whatever the setting."""
+    from tandem.contract import FILLER_DRAFT
+    from tandem.pipeline.model_runner import Rows
+
+    rr = RelaxedRows(markers=(7, 8))
+    for setting in (RelaxedAcceptance(top_k=4, delta=0.3, thinking_only=True), RelaxedAcceptance(top_k=4, delta=0.3)):
+        seq, row = _Seq([1, 7, 3], setting), Rows(ids=[3, 4, FILLER_DRAFT, FILLER_DRAFT], context=0, pages=[])
+        rr.fill([seq], {"r": [4]}, [row])
+        assert row.relaxed_rows == [1, 0, 0, 0]
+
+
 def test_pipeline_relaxed_on_accepts_wrong_drafts_and_thinking_only_outside_is_exact(engine_dirs, monkeypatch):
     path = engine_dirs["qwen3_5_mtp3"]
     install_drafter(monkeypatch, "wrong")        # every draft is the greedy token + 1: never accepted exactly
