@@ -41,13 +41,17 @@ starts off and is hopeless from its first round. A width neither measured nor gi
 judged optimistically (cost: the largest measured cost of a narrower width, else 0; alpha_i unseen:
 alpha_{i-1}), so it is tried once it might beat the best measured one; the verdict from costs
 (below) takes it on the line between its measured neighbours. Plain steps cost their least time, so
-every off round counts, the first after drafting included. Every `probe_every` steps
+every off round counts, the first after drafting included, and one off round (a burst) measures
+them: a process's first schema request at batch 1 then ends drafting after its third round, before
+the heads' catch-up over the off rounds' rows. Every `probe_every` steps
 (doubling up to `probe_max` while the choice holds) a probe runs a width next to the choice, above
 and below in turn: above, acceptance at the next position is seen again and the width can climb
 back; below, that width's cost is measured again. From off, upward probes run width 2 until its
 cost is measured (it bounds the wider widths' costs), then the widest and width 2 in turn: the
 widest sees every draft position's acceptance again, so a bucket that went off on early, noisy
-estimates can find that a wide width pays even where width 2 does not.
+estimates can find that a wide width pays even where width 2 does not. A bucket the verdict from
+costs judged runs no probe: it stands for the process (a width-2 probe, with the heads' catch-up
+before it, cost the first schema request at batch 8 a fifth of its time).
 
 Off for good (`hopeless`): drafting off still costs the heads' catch-up (off with the heads kept
 current ran 10% slower than plain decoding at batch 1 on the shipped model, 24% at batch 4), so a
@@ -73,7 +77,7 @@ class WidthPolicy:
     probe_max: int = 128        # the interval doubles after each probe that changed nothing, up to this
     decay: float = 0.9          # acceptance counts are multiplied by this each observed round
     samples: int = 8            # round times kept per width (their median is the cost)
-    min_samples: int = 2        # a width counts as measured with this many kept round times
+    min_samples: int = 2        # a drafting width counts as measured with this many kept round times
     rejudge_rounds: int = 256   # engine rounds a probes' verdict of off holds for new requests (RoundLoop.step)
     stale_rows: float = 0.25    # a draft position whose aged count falls below this many rows is stale
     min_gain: float = 0.05      # drafting is chosen over plain steps only where its rate is this much higher
@@ -184,6 +188,8 @@ class WidthController:
             st.probed, st.quiet = set(), 0
         if not self._costed(st, st.choice):     # the choice is measured before anything is probed
             return st.choice
+        if st.choice == 1 and self._rounds_lose(st):
+            return 1        # the verdict from costs stands for the process: nothing a probe sees changes it
         stale = self._stale_probe(st)
         if stale is not None:
             st.probing = stale
@@ -257,7 +263,12 @@ class WidthController:
 
     def _costed(self, st: _Bucket, width: int) -> bool:
         """Whether the bucket has a cost for `width`: its own steady samples, or a given one."""
-        return len(st.times.get(width, ())) >= self.policy.min_samples or width in st.given
+        return self._measured(st, width) or width in st.given
+
+    def _measured(self, st: _Bucket, width: int) -> bool:
+        """Whether the bucket has its own samples of `width`: min_samples of them; one off round for plain
+        steps (a burst of them, and their least time counts, which a later round only lowers)."""
+        return len(st.times.get(width, ())) >= (1 if width == 1 else self.policy.min_samples)
 
     def _promising(self, st: _Bucket, width: int, drafted: list[int], accepted: list[int]) -> None:
         """An upward probe is followed by another soon (no back-off) when its acceptance at the
@@ -313,7 +324,7 @@ class WidthController:
             times = st.times.get(w, ())
             # (an off round's time per step falls with its burst's length: its least is a full burst's)
             typical = min if w == 1 or least else statistics.median
-            costs[w] = typical(times) if len(times) >= self.policy.min_samples else st.given.get(w)
+            costs[w] = typical(times) if self._measured(st, w) else st.given.get(w)
         out, floor = [], 0.0
         for w in self.widths:
             expected, cost = 1.0 + sum(alpha[: w - 1]), costs[w]

@@ -96,6 +96,16 @@ class Recording(WidthController):
         super().observe(batch, width, seconds, drafted, accepted, constrained, steps, cold)
 
 
+class NeverHopeless(Recording):
+    """Never judged off (tiny engines' rounds cannot pay): every round and probe is seen."""
+
+    def hopeless(self, batch, constrained=False):
+        return False
+
+    def _rounds_lose(self, st):
+        return False
+
+
 def test_a_rounds_time_counts_its_outputs_not_the_heads_catch_up(engine_dirs, plain, monkeypatch):
     """A round's time runs to its outputs made (the host's work on them is the round's, as a burst's
     is once for its steps), but not through the heads' catch-up over rows kept while off (the price
@@ -128,8 +138,7 @@ def test_a_rounds_time_counts_its_outputs_not_the_heads_catch_up(engine_dirs, pl
     monkeypatch.setattr(RoundLoop, "_catch_up", counted_catch_up)
     monkeypatch.setattr(RoundLoop, "_reanchor", slow_reanchor)
     llm = LLM(engine_dirs[KIND], NO_CACHE)
-    llm.round_loop.width_control = ctl = Recording(sorted(llm.verify_widths), [1, 2, 4, 8],
-                                                   policy=WidthPolicy(confirm_probes=99))
+    llm.round_loop.width_control = ctl = NeverHopeless(sorted(llm.verify_widths), [1, 2, 4, 8])
     llm.round_loop.lag_rows = 8         # off rounds catch the heads up every 8 kept rows
     short = SamplingParams(max_tokens=48, ignore_eos=True)
     assert generate(llm, PROMPTS, short) == {i: o[:48] for i, o in plain.items()}
@@ -144,10 +153,6 @@ def test_a_round_that_ran_an_engine_s_first_call_is_told_cold(engine_dirs, plain
     their rounds cold, whose times the controller does not keep; a later round of that engine is
     not, a new shape (another batch size, more pages of context) included, and the same requests
     again have no cold round. (Plain steps' engine ran at the prefill.)"""
-    class NeverHopeless(Recording):
-        def hopeless(self, batch, constrained=False):
-            return False        # (tiny engines' rounds cannot pay: every round is seen)
-
     llm = LLM(engine_dirs[KIND], NO_CACHE)
     llm.round_loop.width_control = ctl = NeverHopeless(sorted(llm.verify_widths), [1, 2, 4, 8])
     assert generate(llm, PROMPTS) == plain

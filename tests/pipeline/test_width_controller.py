@@ -287,15 +287,18 @@ def test_policy_refuses_nonsense():
 def test_hopeless_needs_every_width_to_lose_at_full_acceptance():
     # width 2 at 1.9 steps could pay, and width 3 at 2.8 where measured (the probes' verdict kept out of
     # it); a width not measured is taken on the line between its measured neighbours: width 3 between
-    # 2.5 and 4.3 at 3.4, and the bucket's rounds are judged by it
+    # 2.5 and 4.3 at 3.4, width 2 between 1 and 4.3 at 2.1 (a round's cost grows with its width linearly
+    # or less: the line is at or under it), and the bucket's rounds are judged by it, without a probe
     costs_only = WidthPolicy(confirm_probes=1000)
     cheap_3 = {**DEAR, 2: 2.5, 3: 2.8}
-    for cost, start, hopeless in ((DEAR, 4, True), ({**DEAR, 2: 1.9}, 4, False), (cheap_3, 3, False),
-                                  (cheap_3, 4, True)):
+    for cost, start, hopeless in ((DEAR, 4, True), ({**DEAR, 2: 1.9}, 2, False), ({**DEAR, 2: 1.9}, 4, True),
+                                  (cheap_3, 3, False), (cheap_3, 4, True)):
         ctl = WidthController([2, 3, 4], [1], start={1: start}, policy=costs_only)
-        simulate(ctl, 100, lambda r, d: [0], cost=cost)
+        widths = simulate(ctl, 100, lambda r, d: [0], cost=cost)
         assert ctl.choice(1) == 1 and ctl.hopeless(1) == hopeless, (cost, start)
         assert (len(ctl._state(1).times.get(3, ())) > 0) == (start == 3)
+        if hopeless:        # judged from the rounds the start ran and one off round: nothing probed after
+            assert widths[widths.index(1):] == [1] * (100 - widths.index(1)), (cost, start)
 
 
 def test_a_schema_s_dear_widest_rounds_judge_the_widths_between_at_once():
@@ -310,9 +313,9 @@ def test_a_schema_s_dear_widest_rounds_judge_the_widths_between_at_once():
     bounds = {e.width: e.bound for e in ctl._estimates(ctl._state(1, True), least=True)}
     step = (7.4 - 0.94) / 3
     assert bounds[2] == pytest.approx(0.94 + step) and bounds[3] == pytest.approx(0.94 + 2 * step)
-    # before plain steps are measured nothing is judged
+    # before plain steps are measured nothing is judged; one off round measures them (a burst's least time)
     ctl = WidthController([2, 3, 4], [1])
-    simulate(ctl, 4, lambda r, d: [0], cost=DEAR)
+    assert simulate(ctl, 3, lambda r, d: [0], cost=DEAR) == [4, 4, 4]
     assert not ctl.hopeless(1)
-    simulate(ctl, 2, lambda r, d: [0], cost=DEAR)
+    simulate(ctl, 1, lambda r, d: [0], cost=DEAR)
     assert ctl._costed(ctl._state(1), 1) and ctl.hopeless(1)
