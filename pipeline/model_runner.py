@@ -104,6 +104,7 @@ class ModelRunner:
         self._engine_of: dict[tuple, str] = {}     # binding key -> its engine file
         self._bindings: dict[tuple, object] = {}   # (graph kind, batch, width, pages) -> backend binding
         self._tables: dict[GraphKind, tuple[str, ...]] = {}
+        self._io: dict[GraphKind, tuple] = {}      # graph kind -> its contract specs (a new binding's shapes)
         self._views: dict[tuple, tuple] = {}       # (binding key, n) -> (outputs, their first n rows)
         self._decode_fills: dict[tuple, list] = {}  # binding key -> what decode() last wrote per batch row
         self._consecutive: dict[tuple, bool | None] = {}   # binding key -> whether decode's slots are consecutive
@@ -315,7 +316,10 @@ class ModelRunner:
         dims = {"batch": batch, "rows": width, "drafts": width - 1, "steps": graph.steps, "max_pages": pages,
                 "edits": edits}
         shape = lambda spec: tuple(dims.get(d, d) if isinstance(d, str) else d for d in spec.shape)  # noqa: E731
-        ins, outs = c.graph_io(self.desc, graph, self.dtype)
+        io = self._io.get(graph)
+        if io is None:
+            io = self._io[graph] = c.graph_io(self.desc, graph, self.dtype)
+        ins, outs = io
         ins = {s.name: shape(s) for s in ins if s.name not in fixed}
         outs = {s.name: shape(s) for s in outs}
         bucket = (batch, width, pages) if edits == 1 else (batch, width, pages, edits)

@@ -134,7 +134,8 @@ def _addresses(llm: LLM) -> dict[str, int]:
 
 
 def test_pool_and_bucket_buffers_keep_their_addresses_over_100_rounds_and_are_what_onnxruntime_reads(engine_dirs):
-    llm = LLM(engine_dirs[KIND], RuntimeConfig(max_num_seqs=2, decode_burst=1))    # 1: a token a round
+    # 1: a token a round; a fixed width (the adaptive width's probes, timed, would open buckets of other widths)
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(max_num_seqs=2, decode_burst=1, adaptive_width=False))
     seqs = [llm.add_request(p, SamplingParams(max_tokens=400, ignore_eos=True)) for p in PROMPTS[:2]]
     for _ in range(40):    # past prefill, and past a few block-table widths (new buckets)
         llm.step()
@@ -155,6 +156,13 @@ def test_pool_and_bucket_buffers_keep_their_addresses_over_100_rounds_and_are_wh
             if array is None:    # a pool: the OrtValue over the pool's own buffer
                 array = next(a for a in pools.values() if a.ctypes.data == value.data_ptr())
             assert value.data_ptr() == array.ctypes.data, name
+    # a pool is wrapped once: every bucket's binding binds the same OrtValue over it (a new bucket's
+    # binding then wraps only its own buffers)
+    wrapped = {}
+    for binding in llm.runner.runner._bindings.values():
+        for name in binding.values.keys() - binding.inputs.keys() - binding.outputs.keys():
+            assert wrapped.setdefault(name, binding.values[name]) is binding.values[name], name
+    assert len(wrapped) >= len(pools) and len(llm.runner.runner._bindings) > 3
 
 
 # ---- bytes between host and backend ---------------------------------------------------------------------

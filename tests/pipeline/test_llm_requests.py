@@ -89,7 +89,8 @@ def _container_sizes(llm: LLM) -> dict[str, int]:
 # outputs' views), one per graph kind or engine file that has run, one per round engine seen open: bounded by the
 # engine dir, not by requests (which graph kinds a run reaches depends on the adaptive width's timings)
 _PER_BUCKET = {"runner._bindings", "runner._views", "runner._decode_fills", "runner._consecutive", "runner.calls",
-               "runner.seconds", "runner._tables", "runner._engine_of", "runner._engine_runs", "engine._open"}
+               "runner.seconds", "runner._tables", "runner._io", "runner._engine_of", "runner._engine_runs",
+               "engine._open"}
 
 
 def test_ended_requests_leave_no_per_request_state(llm):
