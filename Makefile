@@ -1,7 +1,8 @@
 # The two commands of the README:
 #   make run   - set up (runtime deps only, no torch) and run the main job on the embedded default:
-#                build the shipped model's engines (cached), serve it on 127.0.0.1:8000, send one
-#                streamed sample request (make run ARGS=--once stops after it)
+#                build the shipped model's engines (cached) and tune them (tandem profile, once per
+#                build), serve it on 127.0.0.1:8000, send one streamed sample request (make run
+#                ARGS=--once stops after it)
 #   make test  - set up (with test extras: CPU torch 2.13.0, transformers, ruff) and run lint + tests
 # Both create their own virtual environment in .venv on first use.
 

@@ -1,6 +1,7 @@
 """The README's main job (`make run`): build the shipped model's engines (a no-op after the first
-time), start the OpenAI-compatible server on 127.0.0.1, send one streamed sample request, print
-the answer and the accept length, then keep serving until Ctrl-C (`--once`: stop after the sample).
+time) and tune them for this machine (`tandem profile`, once per build), start the OpenAI-compatible
+server on 127.0.0.1, send one streamed sample request, print the answer and the accept length, then
+keep serving until Ctrl-C (`--once`: stop after the sample).
 
 Uses only the runtime dependencies (no torch); the sample request goes through urllib.
 """
@@ -57,6 +58,14 @@ def main() -> int:
              "--spec-k", "3", "--max-seq-len", "2048"]
     if subprocess.call(build) != 0:
         return 1
+    if not (Path(args.engines) / "runtime_settings.json").exists():
+        # once per build (a rebuilt engine dir has none): this machine's round costs and widths per batch
+        # size, so the adaptive width starts from them (rounds that cannot pay, batch 8 on this model,
+        # decode plain from a process's first request)
+        print("tuning verify widths and round costs for this machine (tandem profile, once per build)", flush=True)
+        report = ROOT / ".cache" / "profile" / Path(args.engines).name
+        if subprocess.call([str(tandem), "profile", args.engines, "--out", str(report), "--quiet"]) != 0:
+            print("tandem profile failed (see above); serving with the engine dir's default widths", flush=True)
     name = "tandem-tiny-code"
     server = subprocess.Popen([str(tandem), "serve", args.engines, "--port", str(args.port), "--model-name", name])
     url = f"http://127.0.0.1:{args.port}"
