@@ -131,6 +131,24 @@ def generation_figures(seq) -> list[str]:
     return lines
 
 
+def _untuned_hint(engine_dir) -> str | None:
+    """A line for an engine dir with MTP heads that `tandem profile` has not tuned on this machine: its
+    widths are the build's defaults, and the adaptive width measures its rounds in the first requests
+    (a bucket whose rounds cannot pay learns it there instead of decoding plain from the start)."""
+    from tandem.engines.manifest import ManifestError, read_manifest
+    from tandem.pipeline.runtime_settings import RUNTIME_SETTINGS
+
+    if (engine_dir / RUNTIME_SETTINGS).exists():
+        return None
+    try:
+        heads = bool(read_manifest(engine_dir).get("runtime", {}).get("verify_width_per_batch"))
+    except (ManifestError, OSError):
+        return None         # (serve refuses the dir with its own message)
+    return (f"{engine_dir} has no {RUNTIME_SETTINGS}: verify widths are the build's defaults and the first requests "
+            f"measure the rounds' costs; `tandem profile {engine_dir} --out REPORT` tunes both for this machine "
+            "(once per build)") if heads else None
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -150,6 +168,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               threads=args.threads, prefix_cache=not args.no_prefix_cache, spec_policy=args.spec_policy,
                               verify=not args.no_verify,
                               prefix_snapshot_mb=args.prefix_snapshot_mb)
+        if hint := _untuned_hint(Path(args.engine_dir)):
+            print(hint, flush=True)
         if args.ray:
             status = _serve_ray(args, settings, config)
         else:

@@ -284,6 +284,8 @@ def test_sigterm_drains_in_flight_requests_then_exits(engine_dirs):
         assert json.loads(lines[-2][5:])["choices"][0]["finish_reason"] == "length"
         # uvicorn exits after the drain by re-raising the signal (status -SIGTERM), as servers do
         assert proc.wait(30) in (0, -signal.SIGTERM)
+        # an engine dir `tandem profile` has not tuned: the server says how to tune it
+        assert "has no runtime_settings.json" in proc.stdout.read()
     finally:
         proc.kill()
 
