@@ -5,13 +5,13 @@
 // nibbles) of 16 columns, a dword per column, so vpdpbusd multiplies it by one dword of the row's
 // activations broadcast to every lane (from memory) and each lane sums its own column: no shuffle
 // of weights or scales. Per group of 32 inputs, 8 such vpdpbusd (4 loads and 4 nibble splits for
-// 4 bits) make the exact int32 dots of 16 columns; their float conversion less the zero points'
-// share (z sum(xq_g), one fma a group, exact: every value is an integer under 2^22; a pass over the
-// blocks after the dots cost more: one-row tiles 1.09-1.17x faster at int4, 1.07x at int8, Zen 4;
-// the integer multiply and subtract it replaces took 1.05-1.1x longer at 8-32 rows, Intel Xeon)
-// times (the 16 columns' block scales x the row's sx) goes into a float accumulator per row. The layout before this one
-// (ONNX Runtime's, a column's bytes in a row, 4 columns a step) needed two permutes of the weights
-// and one of the scales per 128 bytes, 7 vector operations where this needs 2.75 for int8:
+// 4 bits) make the exact int32 dots of 16 columns. Each group then adds to a float accumulator per
+// row: (dot - z sum(xq_g)) x (the 16 columns' block scales x the row's sx), the zero points' share
+// taken off in float32 by one fma, exact (every value is an integer under 2^22). Taking it off per
+// group beat a pass over the blocks after the dots (one-row tiles 1.09-1.17x faster at int4, 1.07x
+// at int8, Zen 4), and the fma an integer multiply and subtract (1.05-1.1x at 8-32 rows, Intel
+// Xeon). ONNX Runtime's layout (a column's bytes in a row, 4 columns a step) needs two permutes of
+// the weights and one of the scales per 128 bytes, 7 vector operations where this needs 2.75 for int8:
 // docs/performance.md has the figures. A tile runs up to 4 rows at once, 8 for int8 (verify rows
 // reuse each load). Compiled for AVX-512 with function attributes and chosen at run time
 // (avx512_vnni()), so the library still loads, and runs the portable kernel, on a CPU without it.
