@@ -256,7 +256,8 @@ class LLM:
             return None
         top = self.spec_k + 1 if self.mtp_mode == "reused" else min(self.spec_k, self.mtp_layers) + 1
         return WidthController([w for w in self.verify_widths if w <= top], batch_sizes, self.width_per_batch,
-                               costs=self.runtime_settings.round_seconds)
+                               costs=self.runtime_settings.round_seconds,
+                               constrained_costs=self.runtime_settings.constrained_round_seconds)
 
     def _widths(self, runtime: dict) -> dict[int, int]:
         """Verify width per batch size: runtime_settings.json (written by `tandem profile`)

@@ -1,10 +1,11 @@
 """runtime_settings.json: what `tandem profile` measured and tuned for an engine dir on this device.
 
     {"verify_width_per_batch": {"1": 4, "8": 2},              the width each batch size starts at
-     "round_seconds_per_batch": {"1": {"1": 0.0006, "4": 0.0016}, ...}}
+     "round_seconds_per_batch": {"1": {"1": 0.0006, "4": 0.0016}, ...},
                                                               seconds per round (width 1: one plain
                                                               step), the adaptive width's cost model
                                                               until it has measured its own
+     "constrained_round_seconds_per_batch": {...}}            the same under a JSON schema (optional)
 
 The manifest does not cover this file (profile writes it after the build), so every value is
 checked here and a bad one is refused naming the file and how to fix it.
@@ -26,6 +27,7 @@ RUNTIME_SETTINGS = "runtime_settings.json"
 class RuntimeSettings:
     widths: dict[int, int] = field(default_factory=dict)              # batch size -> starting verify width
     round_seconds: dict[int, dict[int, float]] = field(default_factory=dict)   # batch -> width -> seconds
+    constrained_round_seconds: dict[int, dict[int, float]] = field(default_factory=dict)   # under a grammar
 
 
 def read_runtime_settings(engine_dir: Path, verify_widths: set[int]) -> RuntimeSettings:
@@ -44,30 +46,34 @@ def read_runtime_settings(engine_dir: Path, verify_widths: set[int]) -> RuntimeS
         raise ManifestError(f"{path}: expected an object with \"verify_width_per_batch\": {{batch size: width}}; {fix}")
     allowed = sorted(verify_widths | {1})
 
-    def width(value, batch: str, key: bool = False) -> int:
-        """A width: an integer value, or (key) a key of digits."""
+    def width(value, batch: str, key: bool = False, where: str = "") -> int:
+        """A width: an integer value, or (key) a key of digits; `where`: the field it is in."""
         number = value if type(value) is int and not key else \
             int(value) if key and value.isascii() and value.isdigit() else None
         if number not in allowed:
-            raise ManifestError(f"{path}: verify width {value!r} for batch size {batch} is not one the engines were "
-                                f"built for ({', '.join(map(str, allowed))}); {fix}")
+            raise ManifestError(f"{path}: {where}verify width {value!r} for batch size {batch} is not one the engines "
+                                f"were built for ({', '.join(map(str, allowed))}); {fix}")
         return number
 
+    def seconds_per_round(key: str) -> dict[int, dict[int, float]]:
+        costs = data.get(key, {})
+        if not isinstance(costs, dict) or not all(isinstance(c, dict) for c in costs.values()):
+            raise ManifestError(f"{path}: \"{key}\" must be {{batch size: {{width: seconds}}}}; {fix}")
+        out = {}
+        for b, per_width in costs.items():
+            batch = _batch(path, b, fix)
+            out[batch] = {}
+            for w, seconds in per_width.items():
+                if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
+                        or seconds <= 0:
+                    raise ManifestError(f"{path}: {key}: round seconds {seconds!r} at batch size {b}, width {w} "
+                                        f"must be a positive number; {fix}")
+                out[batch][width(w, b, key=True, where=f"{key}: ")] = float(seconds)
+        return out
+
     widths = {_batch(path, b, fix): width(w, b) for b, w in tuned.items()}
-    costs = data.get("round_seconds_per_batch", {})
-    if not isinstance(costs, dict) or not all(isinstance(c, dict) for c in costs.values()):
-        raise ManifestError(f"{path}: \"round_seconds_per_batch\" must be {{batch size: {{width: seconds}}}}; {fix}")
-    round_seconds = {}
-    for b, per_width in costs.items():
-        batch = _batch(path, b, fix)
-        round_seconds[batch] = {}
-        for w, seconds in per_width.items():
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not math.isfinite(seconds) \
-                    or seconds <= 0:
-                raise ManifestError(f"{path}: round seconds {seconds!r} at batch size {b}, width {w} must be a "
-                                    f"positive number; {fix}")
-            round_seconds[batch][width(w, b, key=True)] = float(seconds)
-    return RuntimeSettings(widths, round_seconds)
+    return RuntimeSettings(widths, seconds_per_round("round_seconds_per_batch"),
+                           seconds_per_round("constrained_round_seconds_per_batch"))
 
 
 def _batch(path: Path, batch: str, fix: str) -> int:

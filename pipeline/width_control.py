@@ -137,10 +137,15 @@ class WidthController:
     """widths: the verify widths rounds may use, 1 (off) included; start: the tuned width per
     batch size (manifest / `tandem profile`), else the widest; costs: measured seconds per round,
     {batch size: {width: seconds}} (width 1: one plain step), used where a bucket has no samples of
-    its own yet (a bucket takes the costs of the smallest batch size >= it, as `start`)."""
+    its own yet (a bucket takes the costs of the smallest batch size >= it, as `start`);
+    constrained_costs: the same for rounds under a grammar (multi-call rounds, plain steps with
+    their masks). A kind of round is given only its own costs: a schema's bucket given the free
+    rounds' (one call, no masks) drafted at width 4 until it had measured its rounds at 2.7x
+    theirs, and a process's first schema request ran 0.63-0.71x plain."""
 
     def __init__(self, widths: list[int], batch_sizes: list[int], start: dict[int, int] | None = None,
-                 policy: WidthPolicy | None = None, costs: dict[int, dict[int, float]] | None = None):
+                 policy: WidthPolicy | None = None, costs: dict[int, dict[int, float]] | None = None,
+                 constrained_costs: dict[int, dict[int, float]] | None = None):
         self.widths = sorted(set(widths) | {1})
         self.batch_sizes = sorted(batch_sizes)
         if not self.batch_sizes:
@@ -148,6 +153,7 @@ class WidthController:
         self.policy = policy or WidthPolicy()
         self.start = dict(sorted((start or {}).items()))
         self.costs = dict(sorted((costs or {}).items()))
+        self.constrained_costs = dict(sorted((constrained_costs or {}).items()))
         self._buckets: dict[tuple[int, bool], _Bucket] = {}   # (bucket, constrained) -> its state
 
     def bucket(self, batch: int) -> int:
@@ -165,7 +171,8 @@ class WidthController:
             tuned = _for_bucket(self.start, b)
             choice = tuned if tuned in self.widths else self.widths[-1]
             n = self.widths[-1] - 1
-            given = {w: s for w, s in (_for_bucket(self.costs, b) or {}).items() if w in self.widths and s > 0}
+            costs = self.constrained_costs if constrained else self.costs
+            given = {w: s for w, s in (_for_bucket(costs, b) or {}).items() if w in self.widths and s > 0}
             st = self._buckets[b, constrained] = _Bucket(b, choice, [0.0] * n, [0.0] * n, given=given,
                                             interval=self.policy.probe_every)
             st.next_probe = st.interval
@@ -254,11 +261,12 @@ class WidthController:
                 st.accepted[i] += i < a
         # a round's time counts after a round at the same width (a change costs its first round more);
         # a round of several widths (seconds None: requests with their own k, a budget's end) ends the run
-        # Plain steps cost their least time, which neither a change nor a first run lowers: every off
-        # round counts (their bursts are long, and waiting for two steady ones spent half of a
-        # 64-token first request off)
+        # Plain steps cost their least time, which a change does not lower: every off round counts
+        # (their bursts are long, and waiting for two steady ones spent half of a 64-token first
+        # request off), but not a cold one: one sample measures them, and an engine's first step
+        # (1.95 ms against 0.8-1.0 on the shipped model) took the place of the profile's cost
         steady, st.last = st.last == width, width if seconds is not None else None
-        if seconds is not None and (steady and not cold or width == 1):
+        if seconds is not None and (steady or width == 1) and not cold:
             st.times.setdefault(width, deque(maxlen=self.policy.samples)).append(seconds)
 
     def _costed(self, st: _Bucket, width: int) -> bool:
@@ -387,11 +395,11 @@ class WidthController:
 
     def _rounds_lose(self, st: _Bucket) -> bool:
         """Plain steps measured and every width w >= 2 costing at least w of them per round (its least
-        round time; a width not measured, on the line between its measured neighbours): drafting
-        loses even with every draft accepted."""
+        round time; a width not measured, on the line between its measured neighbours), less the gain
+        `_best` asks of drafting: even with every draft accepted no width would be chosen."""
         est = self._estimates(st, least=True)
         plain = est[0].cost
-        return plain is not None and all(e.bound >= e.width * plain for e in est[1:])
+        return plain is not None and all(e.bound * (1 + self.policy.min_gain) >= e.width * plain for e in est[1:])
 
 
 def _between(costs: dict[int, float | None], width: int, floor: float) -> float:

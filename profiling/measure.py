@@ -1,5 +1,6 @@
 """What `tandem profile` measures: engine latency per bucket, generation runs with speculative
-decoding off and on per batch size, and a Chrome trace of a few rounds."""
+decoding off and on per batch size, free and under a JSON schema, and a Chrome trace of a few
+rounds."""
 
 from __future__ import annotations
 
@@ -11,10 +12,17 @@ from pathlib import Path
 
 import numpy as np
 
+from tandem.pipeline.grammar import GrammarSpec
 from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = Path(__file__).with_name("prompts.jsonl")
+# The constrained runs' schema: records whose array cannot close before max_tokens (each record
+# takes several tokens), so every sequence decodes its whole budget, as the free runs do
+RECORDS_SCHEMA = {"type": "array", "minItems": 64, "items": {
+    "type": "object", "additionalProperties": False, "required": ["id", "name", "tags"], "properties": {
+        "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
+        "tags": {"type": "array", "items": {"enum": ["new", "old", "core"]}, "maxItems": 2}}}}
 
 
 def load_prompts(path: str | Path | None) -> list[dict]:
@@ -70,15 +78,18 @@ def bucket_latencies(llm: LLM, batch_sizes: list[int], context: int, warmup: int
 
 
 def generation_run(engine_dir: Path, prompts: list[dict], batch: int, spec: bool, max_tokens: int,
-                   synthetic_acceptance: float | None, spec_k: int | None, trace: bool = False) -> dict:
+                   synthetic_acceptance: float | None, spec_k: int | None, trace: bool = False,
+                   constrained: bool = False) -> dict:
     """Every prompt of the set, at most `batch` running at once; greedy, max_tokens each.
-    Speculative runs draft spec_k tokens every round, so each draft position is measured."""
+    Speculative runs draft spec_k tokens every round, so each draft position is measured.
+    `constrained`: every request under RECORDS_SCHEMA (rounds under a grammar, plain steps with masks)."""
     config = RuntimeConfig(speculative=spec, synthetic_acceptance=synthetic_acceptance if spec else None,
                           spec_k=spec_k if spec else None, max_num_seqs=batch)
     llm = LLM(engine_dir, config)
     chosen = prompts
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    llm.generate([chosen[0]["prompt"]], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+    grammar = GrammarSpec.json_schema(RECORDS_SCHEMA) if constrained else None
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, grammar=grammar)
+    llm.generate([chosen[0]["prompt"]], SamplingParams(max_tokens=4, ignore_eos=True, grammar=grammar))  # warm-up
     llm.reset_stats(trace=trace)
     start = time.perf_counter()
     seqs = [llm.add_request(p["prompt"], params) for p in chosen]
@@ -95,7 +106,7 @@ def generation_run(engine_dir: Path, prompts: list[dict], batch: int, spec: bool
     for c in per_category.values():
         c["rate"] = round(c["accepted"] / c["drafted"], 4) if c["drafted"] else None
     result = {
-        "batch": batch, "mode": "on" if spec else "off",
+        "batch": batch, "mode": "on" if spec else "off", "constrained": constrained,
         "tokens_per_s": round(sum(s.num_generated for s in seqs) / (end - start), 3),   # whole requests
         # decode only: tokens after each request's first (which prefill makes) over decode-round time
         "decode_tokens_per_s": round((sum(s.num_generated for s in seqs) - len(seqs))

@@ -43,12 +43,18 @@ def profile(engine_dir: str | Path, out: str | Path, prompts_file: str | None = 
     del llm
     runs = []
     modes = [False, True] if spec_k else [False]
-    with Progress("generate", len(batch_sizes) * len(modes), show_progress) as bar:
-        for b in batch_sizes:
-            for spec in modes:
-                runs.append(measure.generation_run(engine_dir, prompts, b, spec, max_tokens, synthetic_acceptance,
-                                                   spec_k, trace=spec and b == batch_sizes[0]))
-                bar.step(f"b{b} {'on' if spec else 'off'}")
+    # rounds under a grammar cost their own (multi-call rounds, masks): measured apart where they can run
+    grammars = (engine_dir / "tokenizer.json").exists()       # (llguidance compiles over the tokenizer)
+    kinds = [False, True] if spec_k and synthetic_acceptance is None and grammars else [False]
+    with Progress("generate", len(batch_sizes) * len(modes) * len(kinds), show_progress) as bar:
+        for constrained in kinds:
+            for b in batch_sizes:
+                for spec in modes:
+                    runs.append(measure.generation_run(
+                        engine_dir, prompts, b, spec, max_tokens, synthetic_acceptance, spec_k,
+                        trace=spec and b == batch_sizes[0] and not constrained, constrained=constrained))
+                    bar.step(f"b{b} {'on' if spec else 'off'}{' schema' if constrained else ''}")
+    free = [r for r in runs if not r["constrained"]]
     trace = next((r.pop("trace") for r in runs if "trace" in r), [])
     (out / "trace.json").write_text(json.dumps({"traceEvents": trace, "displayTimeUnit": "ms"}))
     report = {
@@ -58,14 +64,19 @@ def profile(engine_dir: str | Path, out: str | Path, prompts_file: str | None = 
         "settings": {"batch_sizes": batch_sizes, "max_tokens": max_tokens, "prompts": len(prompts),
                      "prompts_file": str(prompts_file or measure.DEFAULT_PROMPTS), "spec_k": spec_k,
                      "synthetic_acceptance": synthetic_acceptance, "widths": widths},
-        "latency": latency, "runs": runs, "speedup": _speedup(runs), "aggregate": _aggregate(runs),
+        "latency": latency, "runs": runs, "speedup": _speedup(free), "aggregate": _aggregate(free),
         "trace_file": "trace.json",
     }
     if spec_k:
         report["tuning"] = _tune(report, batch_sizes, widths, reanchored)
+        constrained = round_costs(report, batch_sizes, widths, reanchored, constrained=True) if len(kinds) > 1 \
+            else {}
+        report["constrained_round_seconds"] = {str(b): {str(w): s for (bb, w), s in constrained.items() if bb == b}
+                                               for b in batch_sizes} if constrained else {}
         if tune:
             settings = {"verify_width_per_batch": {str(b): t["width"] for b, t in report["tuning"].items()},
                         "round_seconds_per_batch": {b: t["round_seconds"] for b, t in report["tuning"].items()},
+                        "constrained_round_seconds_per_batch": report["constrained_round_seconds"],
                         "tuned_by": "tandem profile", "report": str(out / "report.json"),
                         "created": report["created"]}
             (engine_dir / RUNTIME_SETTINGS).write_text(json.dumps(settings, indent=2) + "\n")
@@ -99,22 +110,26 @@ def _aggregate(runs: list[dict]) -> dict:
 
 def _tune(report: dict, batch_sizes: list[int], widths: list[int], reanchored: int) -> dict:
     rounds = round_costs(report, batch_sizes, widths, reanchored)
-    acceptance = next((r["acceptance_per_position"] for r in report["runs"] if r["mode"] == "on"), [])
+    acceptance = next((r["acceptance_per_position"] for r in report["runs"]
+                       if r["mode"] == "on" and not r.get("constrained")), [])
     tuning = {str(b): v for b, v in choose_widths(batch_sizes, widths, acceptance, rounds).items()}
     for b, t in tuning.items():
         t["round_seconds"] = {str(w): s for (bb, w), s in rounds.items() if str(bb) == b}
     return tuning
 
 
-def round_costs(report: dict, batch_sizes: list[int], widths: list[int], reanchored: int) -> dict:
+def round_costs(report: dict, batch_sizes: list[int], widths: list[int], reanchored: int,
+                constrained: bool = False) -> dict:
     """Seconds per round at (batch, width): width 1 one plain decode step (a burst's step: the off
     run's decode time per token of a sequence), wider widths predicted from the engines' latencies
-    and calibrated on the measured round at the widest width."""
+    and calibrated on the measured round at the widest width; of the runs under a grammar where
+    `constrained` (their calls the same, each round's masks and multi-call drafting in the calibration)."""
     lat = {(x["graph"], x["batch"], x["rows"]): x["median_ms"] / 1e3 for x in report["latency"]}
-    on_runs = [r for r in report["runs"] if r["mode"] == "on"]
+    runs = [r for r in report["runs"] if r.get("constrained", False) == constrained]
+    on_runs = [r for r in runs if r["mode"] == "on"]
     rounds = {}
     for b in batch_sizes:
-        off = next(r for r in report["runs"] if r["mode"] == "off" and r["batch"] == b)
+        off = next(r for r in runs if r["mode"] == "off" and r["batch"] == b)
         on = next((r for r in on_runs if r["batch"] == b), None)
         rounds[(b, 1)] = b / off["decode_tokens_per_s"]   # (an off round is a burst of up to 16 steps)
         predicted = {}
@@ -167,7 +182,8 @@ def render(report_json: str | Path, out_html: str | Path) -> None:
     ax.tick_params(axis="y", labelsize=6)
     figures.append(("Engine latency per bucket", _png(fig)))
     plt.close(fig)
-    on_runs = [x for x in r["runs"] if x["mode"] == "on"]
+    free = [x for x in r["runs"] if not x.get("constrained")]
+    on_runs = [x for x in free if x["mode"] == "on"]
     if on_runs:
         fig, ax = plt.subplots(figsize=(5, 3))
         for run in on_runs:
@@ -180,10 +196,13 @@ def render(report_json: str | Path, out_html: str | Path) -> None:
         figures.append(("Acceptance per draft position", _png(fig)))
         plt.close(fig)
     fig, ax = plt.subplots(figsize=(5, 3))
-    for mode in ("off", "on"):
-        pts = [(x["batch"], x["tokens_per_s"]) for x in r["runs"] if x["mode"] == mode]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=f"speculative {mode}")
+    for constrained in (False, True):
+        for mode in ("off", "on"):
+            pts = [(x["batch"], x["tokens_per_s"]) for x in r["runs"]
+                   if x["mode"] == mode and bool(x.get("constrained")) == constrained]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", linestyle="--" if constrained else "-",
+                        label=f"speculative {mode}{', JSON schema' if constrained else ''}")
     ax.set_xlabel("batch size")
     ax.set_ylabel("tokens/s")
     ax.set_xscale("log", base=2)
@@ -191,7 +210,8 @@ def render(report_json: str | Path, out_html: str | Path) -> None:
     figures.append(("Tokens/s, speculative decoding off and on", _png(fig)))
     plt.close(fig)
 
-    runs_rows = [{"batch": x["batch"], "mode": x["mode"], "tokens/s": x["tokens_per_s"],
+    runs_rows = [{"batch": x["batch"], "mode": x["mode"], "schema": "yes" if x.get("constrained") else "",
+                  "tokens/s": x["tokens_per_s"],
                   "decode tokens/s": x["decode_tokens_per_s"], "round ms": x["round_ms"],
                   "accept length": x["accept_length"], "host share": x["host_share"],
                   **{f"{k} ms": v for k, v in x["phases_ms_per_round"].items()}} for x in r["runs"]]
@@ -206,7 +226,7 @@ def render(report_json: str | Path, out_html: str | Path) -> None:
         "<h2>Device</h2>" + _table([{**r["device"], "backend": r["backend"], **r["versions"]}],
                                    list(r["device"]) + ["backend", *r["versions"]]),
         "<h2>Runs</h2><p>tokens/s: whole requests, prefill included; decode tokens/s: decode rounds only.</p>"
-        + _table(runs_rows, ["batch", "mode", "tokens/s", "decode tokens/s", "round ms", "accept length",
+        + _table(runs_rows, ["batch", "mode", "schema", "tokens/s", "decode tokens/s", "round ms", "accept length",
                              "host share", *phase_cols]),
         "<h2>Decode speedup vs bound (accept_length x t_decode / t_round)</h2>"
         + _table(r["speedup"], ["batch", "measured", "bound", "of_bound"]),
@@ -218,6 +238,11 @@ def render(report_json: str | Path, out_html: str | Path) -> None:
     ]
     if tuning:
         sections.append("<h2>Tuned verify width per batch size</h2>" + _table(tuning, list(tuning[0])))
+    schema_costs = [{"batch": b, **{f"w{w} ms": round(sec * 1e3, 3) for w, sec in c.items()}}
+                    for b, c in r.get("constrained_round_seconds", {}).items()]
+    if schema_costs:
+        sections.append("<h2>Round costs under a JSON schema (w1: a plain step with its mask)</h2>"
+                        + _table(schema_costs, list(schema_costs[0])))
     plots = "".join(f"<h3>{html.escape(t)}</h3><img src='data:image/png;base64,{d}'/>" for t, d in figures)
     model = r["model"]
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>tandem profile</title>

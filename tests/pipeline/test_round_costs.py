@@ -43,6 +43,37 @@ def test_live_samples_replace_the_given_costs():
     assert ctl.choice(1) != 4 and [e.cost for e in ctl.estimates(1)][3] == 6.0
 
 
+def test_rounds_that_pay_less_than_the_gain_drafting_needs_are_off_at_the_first_round():
+    """At full acceptance width 4 gives 4 tokens in 3.9 plain steps' time: 2.6% over plain steps,
+    under the 5% `min_gain` drafting must beat them by, so no acceptance a probe could see would turn
+    drafting on: the verdict comes at once (a schema's rounds on the shipped model, profiled)."""
+    ctl = WidthController([2, 3, 4], [1], costs={1: {1: 1.0, 2: 2.5, 3: 3.2, 4: 3.9}})
+    assert ctl.width(1) == 1 and ctl.hopeless(1)
+    ctl = WidthController([2, 3, 4], [1], costs={1: {1: 1.0, 2: 2.5, 3: 3.2, 4: 3.7}})    # 8% over: tried
+    assert ctl.width(1) == 4 and not ctl.hopeless(1)
+
+
+def test_schema_rounds_take_only_their_own_costs():
+    """Rounds under a grammar (multi-call, masks) are given the constrained costs, never the free
+    rounds' (one call, no masks): given those, a schema's bucket drafted at width 4 from cheap figures."""
+    ctl = WidthController([2, 3, 4], [1], costs={1: CHEAP}, constrained_costs={1: DEAR})
+    assert ctl.width(1, constrained=True) == 1 and ctl.hopeless(1, constrained=True)
+    assert ctl.width(1) == 4 and not ctl.hopeless(1)
+    only_free = WidthController([2, 3, 4], [1], costs={1: CHEAP})
+    assert [e.cost for e in only_free.estimates(1, constrained=True)] == [None] * 4
+    assert only_free.width(1, constrained=True) == 4        # measured live, as without a profile
+
+
+def test_a_cold_off_round_does_not_measure_plain_steps():
+    """An off round that ran an engine's first call (several times a step) does not replace the given
+    cost of plain steps: one off round measures them, and a dear one made drafting look good."""
+    ctl = WidthController([2, 3, 4], [1], constrained_costs={1: {1: 1.0, 2: 2.5, 3: 3.2, 4: 3.9}})
+    ctl.observe(1, 1, 2.5, [], [], constrained=True, steps=4, cold=True)
+    assert ctl.estimates(1, constrained=True)[0].cost == 1.0 and ctl.hopeless(1, constrained=True)
+    ctl.observe(1, 1, 0.9, [], [], constrained=True, steps=4)
+    assert ctl.estimates(1, constrained=True)[0].cost == 0.9
+
+
 def test_a_bucket_takes_the_costs_of_the_next_batch_size_up():
     ctl = WidthController([2, 3, 4], [1, 2, 4, 8], costs={4: DEAR})
     assert ctl.width(2) == 1 and ctl.hopeless(3) and ctl.width(8) == 1   # 8 > every given: the largest's
@@ -76,11 +107,13 @@ def test_an_engine_dir_whose_rounds_cannot_pay_decodes_plain_from_the_start(dear
     ({"1": {"9": 0.001}}, "verify width '9' for batch size 1 is not one the engines were built for"),
     ({"1": [0.001]}, "must be {batch size: {width: seconds}}"),
 ])
-def test_bad_round_costs_are_refused_naming_the_file(dear_dir, tmp_path, costs, problem):
+@pytest.mark.parametrize("key", ["round_seconds_per_batch", "constrained_round_seconds_per_batch"])
+def test_bad_round_costs_are_refused_naming_the_file(dear_dir, tmp_path, costs, problem, key):
     path = tmp_path / "engines"
     shutil.copytree(dear_dir, path)
-    (path / "runtime_settings.json").write_text(json.dumps({"round_seconds_per_batch": costs}))
-    with pytest.raises(ManifestError, match=f"runtime_settings.json.*{problem}.*tandem profile".replace("{", r"\{")):
+    (path / "runtime_settings.json").write_text(json.dumps({key: costs}))
+    with pytest.raises(ManifestError, match=f"runtime_settings.json.*{key}.*{problem}.*tandem profile".replace(
+            "{", r"\{")):
         LLM(path)
 
 

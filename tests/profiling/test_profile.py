@@ -35,9 +35,11 @@ def test_profile_writes_report_html_trace_and_tuned_widths(engine_copy, tmp_path
     graphs = {(x["graph"], x["batch"], x["rows"]) for x in report["latency"]}
     assert {("target_step", 1, 1), ("verify_greedy", 2, 4), ("mtp_head_0", 1, 3)} <= graphs
     assert all(x["p90_ms"] >= x["median_ms"] > 0 for x in report["latency"])
-    modes = {(r["batch"], r["mode"]) for r in report["runs"]}
-    assert modes == {(1, "off"), (1, "on"), (2, "off"), (2, "on")}
-    on = next(r for r in report["runs"] if r["mode"] == "on")
+    modes = {(r["batch"], r["mode"], r["constrained"]) for r in report["runs"]}
+    assert modes == {(b, m, c) for b in (1, 2) for m in ("off", "on") for c in (False, True)}
+    ruled = [r for r in report["runs"] if r["constrained"]]     # under a JSON schema: every token decoded
+    assert sum(r["aggregate"]["total_predicted"] for r in ruled) == 4 * 3 * 6
+    on = next(r for r in report["runs"] if r["mode"] == "on" and not r["constrained"])
     assert {"draft", "round"} <= set(on["phases_ms_per_round"])   # one-call rounds (first drafts: draft calls)
     assert len(on["acceptance_per_position"]) == 3 and set(on["per_category"]) == {"code_python", "qa_factual"}
     agg = report["aggregate"]
@@ -55,6 +57,11 @@ def test_profile_writes_report_html_trace_and_tuned_widths(engine_copy, tmp_path
     costs = llm.runtime_settings.round_seconds
     assert set(costs) == {1, 2} and all(set(c) == {1, 2, 3, 4} and min(c.values()) > 0 for c in costs.values())
     assert llm.round_loop.width_control.estimates(1)[0].cost == costs[1][1]
+    # and the costs of rounds under a schema, which a schema's rounds start from
+    ruled_costs = llm.runtime_settings.constrained_round_seconds
+    assert set(ruled_costs) == {1, 2} and all(set(c) == {1, 2, 3, 4} for c in ruled_costs.values())
+    assert [e.cost for e in llm.round_loop.width_control.estimates(2, constrained=True)] == \
+        [ruled_costs[2][w] for w in (1, 2, 3, 4)]
     # and the HTML can be made again from report.json alone
     (out / "report.html").unlink()
     assert main(["profile", "--out", str(out), "--render", str(out / "report.json")]) == 0
