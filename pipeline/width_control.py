@@ -131,6 +131,7 @@ class _Bucket:
     probed: set[int] = field(default_factory=set)   # widths probed since the choice last changed
     quiet: int = 0                       # probes from off in a row none of which looked promising
     last_probe: int = 0                  # (off: the widest and width 2 alternate)
+    opening: bool = True                 # the first choice, held until measured (cleared at a change)
 
 
 class WidthController:
@@ -139,9 +140,7 @@ class WidthController:
     {batch size: {width: seconds}} (width 1: one plain step), used where a bucket has no samples of
     its own yet (a bucket takes the costs of the smallest batch size >= it, as `start`);
     constrained_costs: the same for rounds under a grammar (multi-call rounds, plain steps with
-    their masks). A kind of round is given only its own costs: a schema's bucket given the free
-    rounds' (one call, no masks) drafted at width 4 until it had measured its rounds at 2.7x
-    theirs, and a process's first schema request ran 0.63-0.71x plain."""
+    their masks), which are never given the free rounds' (2.7x cheaper on the shipped model)."""
 
     def __init__(self, widths: list[int], batch_sizes: list[int], start: dict[int, int] | None = None,
                  policy: WidthPolicy | None = None, costs: dict[int, dict[int, float]] | None = None,
@@ -177,7 +176,7 @@ class WidthController:
                                             interval=self.policy.probe_every)
             st.next_probe = st.interval
             if given:
-                st.choice = self._best(st)
+                st.choice = self._best(st, hold=False)
         return st
 
     # ---- the round's width -------------------------------------------------------------
@@ -190,7 +189,7 @@ class WidthController:
             return st.probing
         best = self._best(st)
         if best != st.choice:
-            st.choice, st.interval = best, self.policy.probe_every
+            st.choice, st.interval, st.opening = best, self.policy.probe_every, False
             st.next_probe = st.rounds + st.interval
             st.probed, st.quiet = set(), 0
         if not self._costed(st, st.choice):     # the choice is measured before anything is probed
@@ -344,10 +343,12 @@ class WidthController:
             out.append(WidthEstimate(w, expected, cost, bound, expected / bound if bound > 0 else float("inf")))
         return out
 
-    def _best(self, st: _Bucket) -> int:
-        """The start width until it is measured (or given a cost); then the best rate (ties: the
-        narrower width), where drafting beats plain steps by min_gain."""
-        if not self._costed(st, st.choice):
+    def _best(self, st: _Bucket, hold: bool = True) -> int:
+        """The start width until it is measured (`hold`: given a cost too, as a request's first round
+        is the bucket's only acceptance: its first draft, after the prompt, missed more often than not,
+        and one round with none accepted turned a profiled bucket off, its first request 0.69-0.78x
+        plain); then the best rate (ties: the narrower width), where drafting beats plain steps by min_gain."""
+        if not self._costed(st, st.choice) or hold and st.opening and not self._measured(st, st.choice):
             return st.choice
         est = self._estimates(st)
         best = max(est, key=lambda e: (e.rate, -e.width))

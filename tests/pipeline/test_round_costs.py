@@ -34,6 +34,22 @@ def test_given_costs_that_cannot_pay_turn_drafting_off_at_the_first_round():
     assert unseeded.width(1) == 4 and not unseeded.hopeless(1)   # no costs: the widest, measured live
 
 
+def test_a_profiled_bucket_holds_its_first_width_until_it_has_measured_it():
+    """Given costs where width 4 pays, one round with no draft accepted (a request's first draft,
+    after its prompt, often misses) does not turn the bucket off: it holds width 4 until it has its
+    own samples of it, and then judges on what those rounds saw."""
+    ctl = WidthController([2, 3, 4], [1], costs={1: CHEAP})
+    widths = []
+    for accepted in (0, 3):
+        widths.append(ctl.width(1))
+        ctl.observe(1, widths[-1], CHEAP[4], [3], [accepted])
+    assert widths == [4, 4]
+    for _ in range(8):                 # measured: none accepted from now, and the bucket goes off
+        w = ctl.width(1)
+        ctl.observe(1, w, CHEAP[w], [w - 1] if w > 1 else [], [0] if w > 1 else [])
+    assert ctl.choice(1) == 1
+
+
 def test_live_samples_replace_the_given_costs():
     ctl = WidthController([2, 3, 4], [1], costs={1: CHEAP})
     assert ctl.width(1) == 4
