@@ -261,20 +261,27 @@ class Matcher:
         self.at(output, ())
         for i, d in enumerate(drafts):
             row = masks[i] = self.mask()
+            if self.ll.is_stopped():    # complete: this row and every one after allow EOS only (under
+                return self._after_end(drafts, masks, i)    # ignore_eos the answer goes on past EOS)
             if not allowed(row, d):
                 forced = np.flatnonzero(allowed_tokens(row, self.vocab_size))
-                if len(forced) != 1 and not self.ll.is_stopped():   # stopped: the EOS tokens only, any will do
+                if len(forced) != 1:
                     break
                 drafts[i] = d = int(forced[0])
-            if self.ll.is_stopped():   # the grammar is complete: d is EOS, nothing after it is kept (and
-                break                  # llguidance does not count an EOS consumed here as a token to roll back)
             self.at(output, drafts[: i + 1])
-            if self.ll.is_stopped():   # complete after d: row i + 1 allows EOS only, later rows decide nothing
-                masks[i + 1] = self.mask()
-                break
         else:
             masks[len(drafts)] = self.mask()
+            if self.ll.is_stopped():
+                return self._after_end(drafts, masks, len(drafts))
         return drafts, masks
+
+    def _after_end(self, drafts: list[int], masks: np.ndarray, i: int) -> tuple[list[int], np.ndarray]:
+        """The grammar complete from verify row i: rows i.. take its mask (the EOS tokens only) and
+        drafts i.. become its first EOS token, which the target then takes (llguidance does not count
+        an EOS consumed after the end as a token to roll back, so none is consumed here)."""
+        masks[i:] = masks[i]
+        eos = int(np.flatnonzero(allowed_tokens(masks[i], self.vocab_size))[0])
+        return drafts[:i] + [eos] * (len(drafts) - i), masks
 
 
 # llguidance's thread pool computes a batch's masks in parallel; on 2 cores its threads compete with

@@ -17,12 +17,16 @@ from tandem.pipeline.llm import LLM, RuntimeConfig
 from tandem.pipeline.sampling_params import SamplingParams
 
 DEFAULT_PROMPTS = Path(__file__).with_name("prompts.jsonl")
-# The constrained runs' schema: records whose array cannot close before max_tokens (each record
-# takes several tokens), so every sequence decodes its whole budget, as the free runs do
-RECORDS_SCHEMA = {"type": "array", "minItems": 64, "items": {
-    "type": "object", "additionalProperties": False, "required": ["id", "name", "tags"], "properties": {
-        "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
-        "tags": {"type": "array", "items": {"enum": ["new", "old", "core"]}, "maxItems": 2}}}}
+
+
+def records_schema(max_tokens: int) -> dict:
+    """The constrained runs' schema: an array of at least max_tokens records (each takes several
+    tokens), which cannot close within the budget, so every sequence decodes all of it under the
+    grammar, as the free runs do (a complete grammar with ignore_eos frees the tokens after it)."""
+    return {"type": "array", "minItems": max_tokens, "items": {
+        "type": "object", "additionalProperties": False, "required": ["id", "name", "tags"], "properties": {
+            "id": {"type": "integer"}, "name": {"type": "string", "maxLength": 16},
+            "tags": {"type": "array", "items": {"enum": ["new", "old", "core"]}, "maxItems": 2}}}}
 
 
 def load_prompts(path: str | Path | None) -> list[dict]:
@@ -82,12 +86,12 @@ def generation_run(engine_dir: Path, prompts: list[dict], batch: int, spec: bool
                    constrained: bool = False) -> dict:
     """Every prompt of the set, at most `batch` running at once; greedy, max_tokens each.
     Speculative runs draft spec_k tokens every round, so each draft position is measured.
-    `constrained`: every request under RECORDS_SCHEMA (rounds under a grammar, plain steps with masks)."""
+    `constrained`: every request under records_schema (rounds under a grammar, plain steps with masks)."""
     config = RuntimeConfig(speculative=spec, synthetic_acceptance=synthetic_acceptance if spec else None,
                           spec_k=spec_k if spec else None, max_num_seqs=batch)
     llm = LLM(engine_dir, config)
     chosen = prompts
-    grammar = GrammarSpec.json_schema(RECORDS_SCHEMA) if constrained else None
+    grammar = GrammarSpec.json_schema(records_schema(max_tokens)) if constrained else None
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, grammar=grammar)
     llm.generate([chosen[0]["prompt"]], SamplingParams(max_tokens=4, ignore_eos=True, grammar=grammar))  # warm-up
     llm.reset_stats(trace=trace)

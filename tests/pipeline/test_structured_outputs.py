@@ -7,6 +7,7 @@ greedy or sampled, unified or multi-call rounds, and greedy speculative == greed
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -150,11 +151,17 @@ def test_draft_masks_follow_the_drafts_and_roll_back(grammars):
     assert np.flatnonzero(allowed_tokens(masks[2], grammars.vocab_size)).tolist() == eos   # "abcef" is complete
     again, masks_again = m.draft_masks(out, ids[1:])                  # rolled back: the same state as before
     assert again == drafts and (masks_again == masks).all()
-    # where the grammar allows one token only (EOS after a full match), that token replaces a wrong draft
+    # where the grammar allows one token only, that token replaces a wrong draft; once it is complete
+    # every row allows EOS only, and every draft becomes EOS (under ignore_eos the answer goes on)
     done = grammars.matcher(GrammarSpec("regex", "abc"))
     drafts, masks = done.draft_masks(tok.encode("abc", add_special_tokens=False).ids, [bad, bad])
-    assert drafts == [eos[0], bad] and np.flatnonzero(allowed_tokens(masks[0], grammars.vocab_size)).tolist() == eos
+    assert drafts == [eos[0], eos[0]]
+    assert all(np.flatnonzero(allowed_tokens(row, grammars.vocab_size)).tolist() == eos for row in masks)
     assert done.draft_masks(tok.encode("abc", add_special_tokens=False).ids, [bad])[0] == eos[:1]   # rolled back
+    drafts, masks = m.draft_masks(out, [*ids[1:], bad, bad])        # complete after the drafts of "abcef"
+    assert drafts == [*ids[1:], eos[0], eos[0]]
+    assert all(np.flatnonzero(allowed_tokens(row, grammars.vocab_size)).tolist() == eos
+               for row in masks[len(ids) - 1 :])
 
 
 def test_bad_grammars_are_refused_naming_the_field(grammars):
@@ -204,6 +211,23 @@ def test_every_output_validates_and_speculative_greedy_equals_plain(shipped, mod
         for temp in temps:   # the seed's uniforms decide sampled tokens whatever the drafts
             assert [r.token_ids for r in runs[True, temp]] == [r.token_ids for r in runs[False, temp]], (name, temp)
         assert sum(r.metrics.accepted for r in runs[True, 0.0]) > 0
+
+
+def test_past_its_grammar_s_end_an_ignore_eos_answer_is_eos_with_speculation_as_without(shipped):
+    """ignore_eos goes on after the JSON is complete: every token after it is EOS, the only token
+    the grammar then allows, and speculative greedy decoding gives plain greedy decoding's tokens
+    (verify rows past the end once took any token: the answer went on as free text)."""
+    llm = LLM(shipped, RuntimeConfig(adaptive_width=False))
+    params = SamplingParams(max_tokens=60, ignore_eos=True, grammar=GrammarSpec.json_schema(SCHEMAS["nested"]))
+    plain = llm.generate(CODE_PROMPTS, replace(params, speculative=False))
+    spec = llm.generate(CODE_PROMPTS, params)
+    eos = set(open_checkpoint(SHIPPED).description.eos_token_ids)
+    for p, s in zip(plain, spec):
+        assert s.token_ids == p.token_ids and len(p.token_ids) == 60
+        end = next(i for i, t in enumerate(p.token_ids) if t in eos)
+        jsonschema.validate(json.loads(p.text), SCHEMAS["nested"])
+        assert end < 50 and set(p.token_ids[end:]) <= eos
+    assert sum(s.metrics.accepted for s in spec) > 0
 
 
 def test_a_grammar_request_in_the_batch_leaves_the_others_unchanged(shipped):
