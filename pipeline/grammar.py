@@ -142,7 +142,8 @@ class Grammars:
 
     def matcher(self, spec: GrammarSpec) -> Matcher:
         guard = KeyGuard(self.key_table) if spec.kind in ("json_schema", "json_object") else None
-        return Matcher(llguidance.LLMatcher(self.tokenizer, self.compile(spec), log_level=0), self.vocab_size, guard)
+        return Matcher(llguidance.LLMatcher(self.tokenizer, self.compile(spec), log_level=0), self.vocab_size, guard,
+                       spec.field)
 
 
 def allowed(mask: np.ndarray, token: int) -> bool:
@@ -168,10 +169,14 @@ class Matcher:
     sequence stops there). A JSON grammar's `guard` follows the same tokens and takes from each mask
     the tokens that would repeat a key in its object (pipeline/json_keys.py)."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, guard: KeyGuard | None = None):
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, guard: KeyGuard | None = None,
+                 field: str = "response_format"):
         self.ll, self.vocab_size, self.words = matcher, vocab_size, mask_words(vocab_size)
-        self.guard = guard
+        self.guard, self.field = guard, field
         self.consumed = 0                   # output tokens in the state
+        # output position -> (the output's length then, the drafts after it, the request's token filters):
+        # a state where the grammar and those filters together allowed no token (TokenRules records it)
+        self.dead_ends: dict[int, tuple[int, tuple[int, ...], str]] = {}
         self._drafts: list[int] = []        # drafts consumed after them
         self._guard_states: list = []       # the guard's state before each of those drafts
         self._masks: dict[tuple[int, ...], np.ndarray] = {}   # drafts -> the mask after output + drafts
@@ -192,6 +197,7 @@ class Matcher:
         if len(output) != self.consumed:        # the output moved on: the round's drafts and masks go
             self._back_to(0)
             self._masks.clear()
+            self.check_dead_ends(output)
             for t in output[self.consumed :]:   # a token the grammar refuses is a bug in masking upstream
                 if self.ll.is_stopped():
                     break
@@ -209,6 +215,17 @@ class Matcher:
             self._consume(d, "a draft its own mask allows")
             self._drafts.append(d)
         return True
+
+    def check_dead_ends(self, output: list[int]) -> None:
+        """RequestError where a new output token was chosen in a dead end: a row that allowed no token
+        (the engine then takes any: the request cannot go on as it asks), naming what contradicts."""
+        for p in range(self.consumed, len(output)):
+            end = self.dead_ends.get(p)
+            if end is not None and tuple(output[end[0] : p]) == end[1]:
+                raise RequestError(self.field, f"{self.field}: at output position {p} no token is allowed by both the "
+                                   f"grammar and {end[2]}: the request's constraints contradict each other; "
+                                   "loosen one of them")
+        self.dead_ends = {p: e for p, e in self.dead_ends.items() if p >= len(output)}
 
     def _back_to(self, depth: int) -> None:
         """Roll the drafts after the first `depth` back."""

@@ -149,6 +149,13 @@ class Processors:
         if len(output) + len(extra) < self.min_tokens:
             clear_bits(row, self.stop_ids)
 
+    def filters(self, position: int) -> str:
+        """The fields whose masks apply at output position `position`, for an error that names them."""
+        names = [name for name, on in (("allowed_token_ids", self.allowed is not None),
+                                       ("bad_words", len(self.bad_single) > 0 or bool(self.bad_multi)),
+                                       (f"min_tokens ({self.min_tokens})", position < self.min_tokens)) if on]
+        return " and ".join(names) or "the request's token filters"
+
     def row_edits(self, extra: Seq[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The edit list of the row after the synced output + extra: ids [N] int64, values [N, 3] float32."""
         if not (extra and self.penalised):
@@ -226,6 +233,7 @@ class TokenRules:
             self.processors.sync(output)
             for i in range(len(drafts) + 1):
                 self.processors.mask_row(masks[i], output, drafts[:i])
+                self._dead_end(masks[i], output, drafts[:i])
         return drafts, masks
 
     def draft_edits(self, output: list[int], drafts: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -257,7 +265,15 @@ class TokenRules:
             row = np.full(self.words, -1, np.int32)
         if self.processors is not None:
             self.processors.mask_row(row, output, drafts)
+            self._dead_end(row, output, drafts)
         return row
+
+    def _dead_end(self, row: np.ndarray, output: list[int], drafts: Seq[int]) -> None:
+        """A row the grammar and the processors' masks together leave empty: the matcher keeps its state,
+        and refuses the request if the output reaches it (Matcher.check_dead_ends)."""
+        if self.matcher is not None and not row.any():
+            position = len(output) + len(drafts)
+            self.matcher.dead_ends[position] = (len(output), tuple(drafts), self.processors.filters(position))
 
     def process(self, logits: np.ndarray, output: list[int]) -> np.ndarray:
         """One row of logits [V] after every rule, for the token after `output` (process_rows)."""

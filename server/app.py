@@ -295,7 +295,8 @@ def create_app(llm: LLM, settings: ServerSettings,
         except GenerationFailed as e:
             for rid in rids:   # the other candidates too (aborting a finished request does nothing)
                 loop.abort(rid)
-            raise ApiError(500, str(e), "server_error") from e
+            raise ApiError(e.status, str(e), "server_error" if e.status >= 500 else "invalid_request_error",
+                           param=e.param) from e
         except asyncio.CancelledError:
             for rid in rids:
                 loop.abort(rid)

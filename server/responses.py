@@ -41,7 +41,12 @@ def candidate_params(params: SamplingParams, n: int, count: int) -> list[Samplin
 
 
 class GenerationFailed(Exception):
-    """A generation of this response failed (its message is the pipeline's)."""
+    """A generation of this response failed (its message is the pipeline's; status and param as the
+    serve loop's error says: 400 for a request refused once it ran, else 500)."""
+
+    def __init__(self, message: str, status: int = 500, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
 
 
 @dataclass
@@ -65,7 +70,7 @@ async def collect(out: asyncio.Queue, failure: type) -> Collected:
     while True:
         item = await out.get()
         if isinstance(item, failure):
-            raise GenerationFailed(str(item))
+            raise GenerationFailed(str(item), getattr(item, "status", 500), getattr(item, "param", None))
         text.append(item.text)
         scored += item.logprobs or ()
         ids += item.token_ids
@@ -190,7 +195,9 @@ class Responses:
             while any(c.seq is None or not c.done for c in choices):
                 i, item = await merged.get()
                 if isinstance(item, failure):
-                    yield f"data: {json.dumps(error_body(str(item), 'server_error', 500))}\n\n"
+                    status = getattr(item, "status", 500)
+                    kind = "invalid_request_error" if status == 400 else "server_error"
+                    yield f"data: {json.dumps(error_body(str(item), kind, status, getattr(item, 'param', None)))}\n\n"
                     return
                 for choice, extra in choices[i].feed(item):
                     yield event(choice, **extra)

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from tandem.pipeline.llm import LLM
 from tandem.pipeline.outputs import StepOutput
+from tandem.pipeline.request_checks import RequestError
 from tandem.pipeline.sampling_params import SamplingParams
 from tandem.pipeline.sequence import Sequence, Status
 from tandem.server import metrics as m
@@ -37,7 +38,12 @@ log = logging.getLogger("tandem.server")
 
 
 class ServeLoopError(RuntimeError):
-    pass
+    """A generation that failed: an engine error (500), or a request the pipeline refused once it ran
+    (400, `param` the field at fault: constraints that leave no token, say)."""
+
+    def __init__(self, message: str, status: int = 500, param: str | None = None):
+        super().__init__(message)
+        self.status, self.param = status, param
 
 
 @dataclass
@@ -209,6 +215,10 @@ class ServeLoop:
         found = self.llm.isolate_failure()
         self._deliver(found.outputs)
         for rid, e in found.failed.items():
+            if isinstance(e, RequestError):    # what it asks cannot be done: the request's fault, a 400
+                log.info("request %s refused while running: %s", rid, e)
+                self._fail(rid, str(e), 400, e.param)
+                continue
             log.error("request %s fails alone (%s: %s); failing it", rid, type(e).__name__, e)
             self._fail(rid, f"engine error: {type(e).__name__}: {e}")
         for rid, req in list(self._live.items()):  # ended inside the failed step, before its output
@@ -220,12 +230,12 @@ class ServeLoop:
         for rid in list(self._live):
             self._fail(rid, f"engine error: {type(error).__name__}: {error}")
 
-    def _fail(self, request_id: str, message: str) -> None:
+    def _fail(self, request_id: str, message: str, status: int = 500, param: str | None = None) -> None:
         req = self._live.pop(request_id, None)
         self._last_token.pop(request_id, None)
         self.vllm.forget(request_id)
         if req is not None:
-            _send(req, ServeLoopError(message))
+            _send(req, ServeLoopError(message, status, param))
             m.REQUESTS.labels(status="error").inc()
 
     def _drop(self, request_id: str) -> None:

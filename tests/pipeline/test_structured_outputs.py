@@ -6,6 +6,7 @@ greedy or sampled, unified or multi-call rounds, and greedy speculative == greed
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -230,6 +231,28 @@ def test_past_its_grammar_s_end_an_ignore_eos_answer_is_eos_with_speculation_as_
     assert sum(s.metrics.accepted for s in spec) > 0
 
 
+@pytest.mark.parametrize("speculative", [True, False])
+def test_a_grammar_and_token_filters_that_leave_no_token_refuse_the_request(shipped, speculative):
+    """Where the grammar and allowed_token_ids / min_tokens together allow no token, the engine can only
+    take one they forbid: the request is refused naming both, at the position, with speculation as
+    without (a forbidden EOS ended it quietly before min_tokens; another token broke the grammar as
+    "a bug in masking upstream")."""
+    llm = LLM(shipped, RuntimeConfig(adaptive_width=False))
+    schema = GrammarSpec.json_schema(SCHEMAS["nested"])
+    base = SamplingParams(max_tokens=60, grammar=schema, speculative=speculative)
+    with pytest.raises(RequestError, match="position 0 no token is allowed by both the grammar and allowed_token_ids"):
+        llm.generate([CODE_PROMPTS[0]], replace(base, allowed_token_ids=tuple(range(100, 200))))
+    end = len(llm.generate([CODE_PROMPTS[0]], base)[0].token_ids)        # the JSON's length, then EOS
+    with pytest.raises(RequestError, match=f"position {end} no token .* min_tokens \\(50\\)") as e:
+        llm.generate([CODE_PROMPTS[0]], replace(base, min_tokens=50))
+    assert e.value.param == "response_format"
+    assert len(llm.generate([CODE_PROMPTS[0]], replace(base, min_tokens=end))[0].token_ids) == end
+    assert len(llm.generate([CODE_PROMPTS[0]], replace(base, min_tokens=50, ignore_eos=True))[0].token_ids) == 60
+    # a grammar request beside it in the batch is unaffected once the refused one is gone
+    fine = llm.generate(CODE_PROMPTS[:2], base)
+    assert all(r.finish_reason == "stop" for r in fine)
+
+
 def test_a_grammar_request_in_the_batch_leaves_the_others_unchanged(shipped):
     """Rows without a grammar get all-ones masks inside the masked branch: their tokens are plain greedy
     decoding's (speculative, one round call with the grammar request)."""
@@ -343,6 +366,26 @@ def test_bad_grammars_are_400_and_the_server_keeps_serving(live):
         assert r.json()["error"]["param"] == param, (extra, r.json())
     ok = _client(live).chat.completions.create(model="tiny", messages=body["messages"], max_tokens=4)
     assert ok.choices[0].finish_reason in ("length", "stop")
+
+
+@pytest.mark.server
+def test_constraints_that_leave_no_token_are_400_streamed_or_not_and_the_others_are_served(live):
+    """A schema with allowed_token_ids it cannot use is refused once it runs (400 naming
+    response_format; in a stream, an error event with code 400), while a request beside it finishes."""
+    import httpx
+
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 40,
+            "response_format": _json_schema_format(SCHEMAS["nested"]), "allowed_token_ids": list(range(100, 200))}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(httpx.post, f"{live.url}/v1/completions",
+                            json={"model": "tiny", "prompt": "def f(x):", "max_tokens": 24}, timeout=60)
+        r = httpx.post(f"{live.url}/v1/chat/completions", json=body, timeout=60)
+        assert other.result().status_code == 200 and other.result().json()["choices"][0]["text"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema.schema", r.text
+    assert "allowed_token_ids" in r.json()["error"]["message"]
+    with httpx.stream("POST", f"{live.url}/v1/chat/completions", json={**body, "stream": True}, timeout=60) as s:
+        events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["error"]["code"] == 400 and events[-1]["error"]["param"] == "response_format.json_schema.schema"
 
 
 # ---- drafts under the grammar -------------------------------------------------------------------
