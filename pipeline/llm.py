@@ -41,7 +41,14 @@ from tandem.pipeline.outputs import LLMStats, RoundStats, StepOutput
 from tandem.pipeline.pools import Pools, plan_pools
 from tandem.pipeline.prefix_cache import PrefixCache
 from tandem.pipeline.relaxed import RelaxedRows, think_markers
-from tandem.pipeline.request_checks import CheckedRequest, RequestError, check_sampling, check_text, check_token_ids
+from tandem.pipeline.request_checks import (
+    CheckedRequest,
+    RequestError,
+    check_sampling,
+    check_text,
+    check_token_filters,
+    check_token_ids,
+)
 from tandem.pipeline.round_loop import RoundLoop
 from tandem.pipeline.runtime_settings import read_runtime_settings
 from tandem.pipeline.sampler import HostSampler
@@ -310,7 +317,8 @@ class LLM:
                 if not 0 <= t < self.desc.vocab_size:
                     raise RequestError(name, f"{name}: token id {t} is outside the vocabulary [0, "
                                              f"{self.desc.vocab_size}); send ids the model's tokenizer produces")
-        self.bad_word_ids(params)
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.desc.eos_token_ids))
+        check_token_filters(params, self.bad_word_ids(params), stops)
         if params.grammar is not None:
             self.grammars.compile(params.grammar)
             if self.config.synthetic_acceptance is not None:

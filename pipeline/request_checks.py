@@ -95,3 +95,18 @@ def check_sampling(params: SamplingParams) -> None:
         value = getattr(params, name)
         if isinstance(value, bool) or not isinstance(value, (int, float, np.floating)):
             raise RequestError(name, f"{name} must be a number, got {type(value).__name__}")
+
+
+def check_token_filters(params: SamplingParams, bad_words: list[list[int]], stop_ids: set[int]) -> None:
+    """RequestError where allowed_token_ids, bad_words and min_tokens leave no token to generate: the
+    engine would take a forbidden one (an EOS before min_tokens ends the answer at once, unasked)."""
+    if params.allowed_token_ids is None:
+        return
+    left = set(params.allowed_token_ids) - {w[0] for w in bad_words if len(w) == 1}
+    if not left:
+        raise RequestError("allowed_token_ids", "allowed_token_ids: every id is banned by bad_words, so no token "
+                           "could be generated; allow another token or drop the bad word")
+    if params.min_tokens and left <= stop_ids:
+        raise RequestError("min_tokens", f"min_tokens ({params.min_tokens}) bans EOS and the stop ids until that many "
+                           "tokens are out, and allowed_token_ids leaves only those: allow other tokens, lower "
+                           "min_tokens, or send ignore_eos")

@@ -131,6 +131,25 @@ def test_bad_words_are_never_generated(engine_dirs):
     assert [r.token_ids for r in plain] == [r.token_ids for r in out]
 
 
+def test_filters_that_leave_no_token_are_refused_naming_the_field(engine_dirs):
+    """allowed_token_ids all banned by bad_words, or only stop ids while min_tokens bans them: no token
+    could be generated (the engine would take a forbidden one: an EOS that ends the answer at once)."""
+    llm = LLM(engine_dirs[KIND])
+    tok = llm.tokenizer
+    word = next(w for w in (tok.decode([t]) for t in range(3, VOCAB)) if w.strip() and w == w.lstrip()
+                and len(tok.encode(w, add_special_tokens=False).ids) == 1)
+    single = tok.encode(word, add_special_tokens=False).ids[0]
+    with pytest.raises(ValueError, match="allowed_token_ids: every id is banned by bad_words") as e:
+        llm.add_request(PROMPTS[0], replace(BASE, allowed_token_ids=(single,), bad_words=(word,)))
+    assert e.value.param == "allowed_token_ids"
+    stop = replace(BASE, allowed_token_ids=(301, 7), stop_token_ids=(301, 7), min_tokens=3)
+    with pytest.raises(ValueError, match=r"min_tokens \(3\) bans EOS and the stop ids") as e:
+        llm.add_request(PROMPTS[0], stop)
+    assert e.value.param == "min_tokens"
+    ok = llm.generate([PROMPTS[0]], replace(stop, allowed_token_ids=(301, 7, 9)))[0]   # 9 is left
+    assert ok.token_ids[:3] == [9, 9, 9]
+
+
 @pytest.mark.parametrize("drafter", ["oracle", "random"])
 def test_sampled_with_min_p_and_penalties_speculative_equals_plain(engine_dirs, monkeypatch, drafter):
     p = SamplingParams(max_tokens=20, temperature=1.0, min_p=0.2, presence_penalty=0.8, seed=77, ignore_eos=True)

@@ -51,6 +51,7 @@ REFUSED = [
     (CHAT, _chat(allowed_token_ids=[3, 9999]), "allowed_token_ids", "outside the vocabulary"),
     (COMPLETIONS, _body(allowed_token_ids=[]), "allowed_token_ids", "at least 1"),
     (COMPLETIONS, _body(bad_words=[" "]), "bad_words[0]", "empty"),
+    (COMPLETIONS, _body(allowed_token_ids=[7], stop_token_ids=[7], min_tokens=2), "min_tokens", "bans EOS"),
     (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "temperature": NaN}', None, "NaN"),
     (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "top_p": Infinity}', None, "Infinity"),
     (COMPLETIONS, '{"model": "tiny", "prompt": "x"}'.encode("utf-16"), None, "not UTF-8"),
