@@ -222,10 +222,13 @@ class Matcher:
         for p in range(self.consumed, len(output)):
             end = self.dead_ends.get(p)
             if end is not None and tuple(output[end[0] : p]) == end[1]:
-                raise RequestError(self.field, f"{self.field}: at output position {p} no token is allowed by both the "
-                                   f"grammar and {end[2]}: the request's constraints contradict each other; "
-                                   "loosen one of them")
+                raise self.dead_end(p, end[2])
         self.dead_ends = {p: e for p, e in self.dead_ends.items() if p >= len(output)}
+
+    def dead_end(self, position: int, filters: str) -> RequestError:
+        return RequestError(self.field, f"{self.field}: at output position {position} no token is allowed by both "
+                            f"the grammar and {filters}: the request's constraints contradict each other; loosen "
+                            "one of them")
 
     def _back_to(self, depth: int) -> None:
         """Roll the drafts after the first `depth` back."""

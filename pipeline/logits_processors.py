@@ -231,9 +231,9 @@ class TokenRules:
             masks = np.full((len(drafts) + 1, self.words), -1, np.int32)
         if self.processors is not None:
             self.processors.sync(output)
-            for i in range(len(drafts) + 1):
+            for i in range(len(drafts) + 1):     # (row 0 decides a token: every round commits one)
                 self.processors.mask_row(masks[i], output, drafts[:i])
-                self._dead_end(masks[i], output, drafts[:i])
+                self._dead_end(masks[i], output, drafts[:i], deciding=i == 0)
         return drafts, masks
 
     def draft_edits(self, output: list[int], drafts: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
@@ -254,9 +254,10 @@ class TokenRules:
             return None
         return np.broadcast_to(ids, (rows, len(ids))), np.broadcast_to(values, (rows, *values.shape))
 
-    def next_mask(self, output: list[int], drafts: list[int]) -> np.ndarray | None:
-        """The mask [words] of the token after output + drafts (a head's draft), None where the
-        grammar refuses a draft (nothing drafted after it can be kept)."""
+    def next_mask(self, output: list[int], drafts: list[int], deciding: bool = False) -> np.ndarray | None:
+        """The mask [words] of the token after output + drafts (a head's draft; `deciding`: the host's
+        row, whose token is chosen now), None where the grammar refuses a draft (nothing drafted after
+        it can be kept)."""
         if self.matcher is not None:
             row = self.matcher.next_mask(output, drafts)
             if row is None:
@@ -265,14 +266,18 @@ class TokenRules:
             row = np.full(self.words, -1, np.int32)
         if self.processors is not None:
             self.processors.mask_row(row, output, drafts)
-            self._dead_end(row, output, drafts)
+            self._dead_end(row, output, drafts, deciding)
         return row
 
-    def _dead_end(self, row: np.ndarray, output: list[int], drafts: Seq[int]) -> None:
-        """A row the grammar and the processors' masks together leave empty: the matcher keeps its state,
-        and refuses the request if the output reaches it (Matcher.check_dead_ends)."""
+    def _dead_end(self, row: np.ndarray, output: list[int], drafts: Seq[int], deciding: bool) -> None:
+        """A row the grammar and the processors' masks together leave empty: the request is refused now
+        where the row decides a token (the host's, a verify's first), else the matcher keeps the state
+        and refuses the request if the output reaches it (Matcher.check_dead_ends; a head's row after
+        the answer's last token is reached and decides nothing)."""
         if self.matcher is not None and not row.any():
             position = len(output) + len(drafts)
+            if deciding:
+                raise self.matcher.dead_end(position, self.processors.filters(position))
             self.matcher.dead_ends[position] = (len(output), tuple(drafts), self.processors.filters(position))
 
     def process(self, logits: np.ndarray, output: list[int]) -> np.ndarray:
@@ -304,6 +309,6 @@ def process_rows(rules: list[TokenRules], outputs: list[list[int]], logits: np.n
             out[edited] = part
     for i, (r, output) in enumerate(zip(rules, outputs)):
         if r.matcher is not None or r.processors.masks(output):
-            keep = allowed_tokens(r.next_mask(output, []), r.vocab_size)
+            keep = allowed_tokens(r.next_mask(output, [], deciding=True), r.vocab_size)
             out[i, ~keep[: out.shape[1]]] = -np.inf
     return out
