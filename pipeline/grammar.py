@@ -174,9 +174,7 @@ class Matcher:
         self.ll, self.vocab_size, self.words = matcher, vocab_size, mask_words(vocab_size)
         self.guard, self.field = guard, field
         self.consumed = 0                   # output tokens in the state
-        # output position -> (the output's length then, the drafts after it, the request's token filters):
-        # a state where the grammar and those filters together allowed no token (TokenRules records it)
-        self.dead_ends: dict[int, tuple[int, tuple[int, ...], str]] = {}
+        self.dead_ends = None       # the request's DeadEnds (pipeline/dead_ends.py), where it has filters too
         self._drafts: list[int] = []        # drafts consumed after them
         self._guard_states: list = []       # the guard's state before each of those drafts
         self._masks: dict[tuple[int, ...], np.ndarray] = {}   # drafts -> the mask after output + drafts
@@ -197,7 +195,8 @@ class Matcher:
         if len(output) != self.consumed:        # the output moved on: the round's drafts and masks go
             self._back_to(0)
             self._masks.clear()
-            self.check_dead_ends(output)
+            if self.dead_ends is not None:      # a token taken where the rules allowed none: refused
+                self.dead_ends.check(output)
             for t in output[self.consumed :]:   # a token the grammar refuses is a bug in masking upstream
                 if self.ll.is_stopped():
                     break
@@ -215,20 +214,6 @@ class Matcher:
             self._consume(d, "a draft its own mask allows")
             self._drafts.append(d)
         return True
-
-    def check_dead_ends(self, output: list[int]) -> None:
-        """RequestError where a new output token was chosen in a dead end: a row that allowed no token
-        (the engine then takes any: the request cannot go on as it asks), naming what contradicts."""
-        for p in range(self.consumed, len(output)):
-            end = self.dead_ends.get(p)
-            if end is not None and tuple(output[end[0] : p]) == end[1]:
-                raise self.dead_end(p, end[2])
-        self.dead_ends = {p: e for p, e in self.dead_ends.items() if p >= len(output)}
-
-    def dead_end(self, position: int, filters: str) -> RequestError:
-        return RequestError(self.field, f"{self.field}: at output position {position} no token is allowed by both "
-                            f"the grammar and {filters}: the request's constraints contradict each other; loosen "
-                            "one of them")
 
     def _back_to(self, depth: int) -> None:
         """Roll the drafts after the first `depth` back."""

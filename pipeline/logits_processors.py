@@ -23,6 +23,7 @@ from collections.abc import Sequence as Seq
 import numpy as np
 
 from tandem.contract import mask_words
+from tandem.pipeline.dead_ends import DeadEnds
 from tandem.pipeline.grammar import allowed_tokens, fill_masks
 from tandem.pipeline.sampling_params import SamplingParams
 
@@ -210,6 +211,11 @@ class TokenRules:
     def __init__(self, vocab_size: int, matcher=None, processors: Processors | None = None):
         self.vocab_size, self.words = vocab_size, mask_words(vocab_size)
         self.matcher, self.processors = matcher, processors
+        # where the processors' masks and the grammar (if any) together leave no token (pipeline/dead_ends.py)
+        self.dead_ends = DeadEnds(matcher.field if matcher is not None else None, matcher is not None) \
+            if processors is not None else None
+        if matcher is not None:
+            matcher.dead_ends = self.dead_ends
 
     @property
     def edits(self) -> bool:
@@ -270,15 +276,12 @@ class TokenRules:
         return row
 
     def _dead_end(self, row: np.ndarray, output: list[int], drafts: Seq[int], deciding: bool) -> None:
-        """A row the grammar and the processors' masks together leave empty: the request is refused now
-        where the row decides a token (the host's, a verify's first), else the matcher keeps the state
-        and refuses the request if the output reaches it (Matcher.check_dead_ends; a head's row after
-        the answer's last token is reached and decides nothing)."""
-        if self.matcher is not None and not row.any():
+        """A row the processors' masks (and the grammar) leave empty: refused now where it decides a token
+        (the host's, a verify's first), else recorded (a head's row after the answer's last token is
+        reached and decides nothing)."""
+        if not row.any():
             position = len(output) + len(drafts)
-            if deciding:
-                raise self.matcher.dead_end(position, self.processors.filters(position))
-            self.matcher.dead_ends[position] = (len(output), tuple(drafts), self.processors.filters(position))
+            self.dead_ends.found(output, drafts, self.processors.filters(position), deciding)
 
     def process(self, logits: np.ndarray, output: list[int]) -> np.ndarray:
         """One row of logits [V] after every rule, for the token after `output` (process_rows)."""

@@ -378,9 +378,9 @@ class RoundLoop(AdaptiveRounds, HeadDrafts):
             kept = kept[:added]
             seq.detok.truncate(at + (seq.detok.matched if seq.params.include_stop_str_in_output else 0))
             reason = "stop"
-        if seq.rules is not None and seq.rules.matcher is not None:   # the stop id that ends it included
+        if seq.rules is not None and seq.rules.dead_ends is not None:   # the stop id that ends it included
             by_id = reason == "stop" and at < 0 and len(kept) < len(new)
-            seq.rules.matcher.check_dead_ends(seq.tokens[len(seq.prompt) : start + len(kept) + by_id])
+            seq.rules.dead_ends.check(seq.tokens[len(seq.prompt) : start + len(kept) + by_id])
         seq.emitted = start + len(kept)
         if reason is not None:
             if self.prefix_cache is not None and seq.committed <= seq.emitted:   # (no state past what it emits)

@@ -150,6 +150,23 @@ def test_filters_that_leave_no_token_are_refused_naming_the_field(engine_dirs):
     assert ok.token_ids[:3] == [9, 9, 9]
 
 
+@pytest.mark.parametrize("speculative", [True, False])
+def test_filters_that_leave_no_token_after_a_prefix_refuse_the_request_there(engine_dirs, speculative):
+    """allowed_token_ids (a) with the bad word "aa": a first, then nothing is allowed (a multi-token bad
+    word bans a after a). Refused at position 1 naming both, with speculation as without; before, the
+    engine took token 0 there."""
+    llm = LLM(engine_dirs[KIND])
+    tok = llm.tokenizer
+    a = next(t for t in range(3, VOCAB) if tok.decode([t]).strip() and tok.decode([t]) == tok.decode([t]).lstrip()
+             and tok.encode(tok.decode([t]) * 2, add_special_tokens=False).ids == [t, t])
+    params = replace(BASE, allowed_token_ids=(a,), bad_words=(tok.decode([a]) * 2,), speculative=speculative)
+    with pytest.raises(ValueError, match="position 1 no token is allowed by allowed_token_ids and bad_words") as e:
+        llm.generate([PROMPTS[0]], params)
+    assert e.value.param == "allowed_token_ids"
+    ok = llm.generate([PROMPTS[1]], replace(params, allowed_token_ids=(a, 9)))[0].token_ids    # 9 is left
+    assert len(ok) == BASE.max_tokens and set(ok) <= {a, 9} and (a, a) not in set(zip(ok, ok[1:]))
+
+
 @pytest.mark.parametrize("drafter", ["oracle", "random"])
 def test_sampled_with_min_p_and_penalties_speculative_equals_plain(engine_dirs, monkeypatch, drafter):
     p = SamplingParams(max_tokens=20, temperature=1.0, min_p=0.2, presence_penalty=0.8, seed=77, ignore_eos=True)
