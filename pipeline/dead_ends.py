@@ -36,12 +36,14 @@ class DeadEnds:
             raise self.refusal(position, filters)
         self.states[position] = (len(output), tuple(drafts), filters)
 
-    def check(self, output: list[int]) -> None:
-        """Refuse where a token of `output` past those checked was taken in a recorded state."""
-        for p in range(self.checked, len(output)):
-            state = self.states.get(p)
-            if state is not None and tuple(output[state[0] : p]) == state[1]:
-                raise self.refusal(p, state[2])
-        if len(output) > self.checked:
-            self.checked = len(output)
-            self.states = {p: s for p, s in self.states.items() if p >= self.checked}
+    def check(self, tokens: list[int], base: int = 0, end: int | None = None) -> None:
+        """Refuse where an output token past those checked was taken in a recorded state. The output is
+        tokens[base:end] (the engine's step passes its sequence's tokens and the prompt's length: no copy)."""
+        end = len(tokens) if end is None else end
+        if self.states:
+            for p in range(self.checked, end - base):
+                state = self.states.get(p)
+                if state is not None and tuple(tokens[base + state[0] : base + p]) == state[1]:
+                    raise self.refusal(p, state[2])
+            self.states = {p: s for p, s in self.states.items() if p >= end - base}
+        self.checked = max(self.checked, end - base)

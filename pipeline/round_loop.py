@@ -380,7 +380,7 @@ class RoundLoop(AdaptiveRounds, HeadDrafts):
             reason = "stop"
         if seq.rules is not None and seq.rules.dead_ends is not None:   # the stop id that ends it included
             by_id = reason == "stop" and at < 0 and len(kept) < len(new)
-            seq.rules.dead_ends.check(seq.tokens[len(seq.prompt) : start + len(kept) + by_id])
+            seq.rules.dead_ends.check(seq.tokens, len(seq.prompt), start + len(kept) + by_id)
         seq.emitted = start + len(kept)
         if reason is not None:
             if self.prefix_cache is not None and seq.committed <= seq.emitted:   # (no state past what it emits)

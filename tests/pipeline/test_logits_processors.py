@@ -152,19 +152,20 @@ def test_filters_that_leave_no_token_are_refused_naming_the_field(engine_dirs):
 
 @pytest.mark.parametrize("speculative", [True, False])
 def test_filters_that_leave_no_token_after_a_prefix_refuse_the_request_there(engine_dirs, speculative):
-    """allowed_token_ids (a) with the bad word "aa": a first, then nothing is allowed (a multi-token bad
-    word bans a after a). Refused at position 1 naming both, with speculation as without; before, the
-    engine took token 0 there."""
-    llm = LLM(engine_dirs[KIND])
+    """allowed_token_ids (a) with the bad word "aaa": a, a, then nothing is allowed (a multi-token bad
+    word bans a after "aa"). Refused at position 2 naming both, with speculation as without (there a
+    verify's second row: the round takes a token in it, and the engine's output step refuses it);
+    before, the engine took token 0 there."""
+    llm = LLM(engine_dirs[KIND], RuntimeConfig(adaptive_width=False))
     tok = llm.tokenizer
     a = next(t for t in range(3, VOCAB) if tok.decode([t]).strip() and tok.decode([t]) == tok.decode([t]).lstrip()
-             and tok.encode(tok.decode([t]) * 2, add_special_tokens=False).ids == [t, t])
-    params = replace(BASE, allowed_token_ids=(a,), bad_words=(tok.decode([a]) * 2,), speculative=speculative)
-    with pytest.raises(ValueError, match="position 1 no token is allowed by allowed_token_ids and bad_words") as e:
+             and tok.encode(tok.decode([t]) * 3, add_special_tokens=False).ids == [t, t, t])
+    params = replace(BASE, allowed_token_ids=(a,), bad_words=(tok.decode([a]) * 3,), speculative=speculative)
+    with pytest.raises(ValueError, match="position 2 no token is allowed by allowed_token_ids and bad_words") as e:
         llm.generate([PROMPTS[0]], params)
     assert e.value.param == "allowed_token_ids"
     ok = llm.generate([PROMPTS[1]], replace(params, allowed_token_ids=(a, 9)))[0].token_ids    # 9 is left
-    assert len(ok) == BASE.max_tokens and set(ok) <= {a, 9} and (a, a) not in set(zip(ok, ok[1:]))
+    assert len(ok) == BASE.max_tokens and set(ok) <= {a, 9} and (a, a, a) not in set(zip(ok, ok[1:], ok[2:]))
 
 
 @pytest.mark.parametrize("drafter", ["oracle", "random"])

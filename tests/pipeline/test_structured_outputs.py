@@ -27,6 +27,7 @@ from tandem.pipeline.sampling_params import SamplingParams
 from tandem.testing.acceptance_reference import accept
 
 from ..paged_driver import PagedState, function_body_graphs, prefilled, session
+from ..pipeline_fixtures import install_drafter
 
 SHIPPED = Path(__file__).resolve().parents[2] / "models" / "tandem-tiny-code"
 K = 3
@@ -251,6 +252,23 @@ def test_a_grammar_and_token_filters_that_leave_no_token_refuse_the_request(ship
     # a grammar request beside it in the batch is unaffected once the refused one is gone
     fine = llm.generate(CODE_PROMPTS[:2], base)
     assert all(r.finish_reason == "stop" for r in fine)
+
+
+def test_a_stop_id_taken_in_a_dead_end_past_the_first_verify_row_is_refused(shipped, monkeypatch):
+    """Drafts that are right up to the JSON's end and EOS after it: the verify rows past the end allow
+    EOS only, which min_tokens bans, so they are empty and recorded; the target takes EOS there and the
+    answer would end. The grammar's matcher refuses it as it follows the output (the heads' re-anchor),
+    and the engine's output step would if nothing followed."""
+    llm = LLM(shipped, RuntimeConfig(adaptive_width=False))
+    base = SamplingParams(max_tokens=60, grammar=GrammarSpec.json_schema(SCHEMAS["nested"]))
+    json_ids = llm.generate([CODE_PROMPTS[0]], replace(base, speculative=False))[0].token_ids
+    eos = open_checkpoint(SHIPPED).description.eos_token_ids[-1]
+    install_drafter(monkeypatch, "oracle", {"r": json_ids + [eos] * 8})
+    k = next(k for k in (2, 3) if (len(json_ids) - 1) % (k + 1))   # the end falls past a round's first row
+    llm.add_request(CODE_PROMPTS[0], replace(base, min_tokens=50, k=k), request_id="r")
+    with pytest.raises(RequestError, match=f"position {len(json_ids)} no token .* min_tokens"):
+        while llm.scheduler.running or llm.scheduler.waiting:
+            llm.step()
 
 
 def test_a_grammar_request_in_the_batch_leaves_the_others_unchanged(shipped):
