@@ -16,16 +16,17 @@ from tandem.pipeline.request_checks import RequestError
 
 
 class DeadEnds:
-    """One request's: `field` the request field its refusal names (the grammar's, else the first filter's)."""
+    """One request's: `field` its grammar's request field (None: no grammar; a refusal then names the
+    first filter)."""
 
-    def __init__(self, field: str | None, grammar: bool):
-        self.field, self.grammar = field, grammar
+    def __init__(self, field: str | None):
+        self.field = field
         self.states: dict[int, tuple[int, tuple[int, ...], str]] = {}   # position -> (output length, drafts, filters)
         self.checked = 0            # output positions checked so far
 
     def refusal(self, position: int, filters: str) -> RequestError:
         field = self.field or filters.split(" ")[0]
-        rules = f"both the grammar and {filters}" if self.grammar else f"{filters} together"
+        rules = f"both the grammar and {filters}" if self.field else f"{filters} together"
         return RequestError(field, f"{field}: at output position {position} no token is allowed by {rules}: the "
                             "request's constraints contradict each other; loosen one of them")
 

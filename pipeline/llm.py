@@ -317,8 +317,7 @@ class LLM:
                 if not 0 <= t < self.desc.vocab_size:
                     raise RequestError(name, f"{name}: token id {t} is outside the vocabulary [0, "
                                              f"{self.desc.vocab_size}); send ids the model's tokenizer produces")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.desc.eos_token_ids))
-        check_token_filters(params, self.bad_word_ids(params), stops)
+        check_token_filters(params, self.bad_word_ids(params), params.ending_ids(self.desc.eos_token_ids))
         if params.grammar is not None:
             self.grammars.compile(params.grammar)
             if self.config.synthetic_acceptance is not None:

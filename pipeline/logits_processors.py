@@ -212,8 +212,7 @@ class TokenRules:
         self.vocab_size, self.words = vocab_size, mask_words(vocab_size)
         self.matcher, self.processors = matcher, processors
         # where the processors' masks and the grammar (if any) together leave no token (pipeline/dead_ends.py)
-        self.dead_ends = DeadEnds(matcher.field if matcher is not None else None, matcher is not None) \
-            if processors is not None else None
+        self.dead_ends = DeadEnds(matcher.field if matcher is not None else None) if processors is not None else None
         if matcher is not None:
             matcher.dead_ends = self.dead_ends
 

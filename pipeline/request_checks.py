@@ -97,7 +97,7 @@ def check_sampling(params: SamplingParams) -> None:
             raise RequestError(name, f"{name} must be a number, got {type(value).__name__}")
 
 
-def check_token_filters(params: SamplingParams, bad_words: list[list[int]], stop_ids: set[int]) -> None:
+def check_token_filters(params: SamplingParams, bad_words: list[list[int]], stop_ids: frozenset[int]) -> None:
     """RequestError where allowed_token_ids, bad_words and min_tokens leave no token to generate: the
     engine would take a forbidden one (an EOS before min_tokens ends the answer at once, unasked)."""
     if params.allowed_token_ids is None:

@@ -155,6 +155,10 @@ class SamplingParams:
         return bool(self.allowed_token_ids is not None or self.bad_words or self.min_tokens or self.logit_bias
                     or self.repetition_penalty != 1.0 or self.frequency_penalty or self.presence_penalty)
 
+    def ending_ids(self, eos_ids) -> frozenset[int]:
+        """The token ids that end the answer: `eos_ids` unless ignore_eos, and the stop ids."""
+        return frozenset(self.stop_token_ids) | (frozenset() if self.ignore_eos else frozenset(eos_ids))
+
     @property
     def greedy(self) -> bool:
         return self.temperature < MIN_TEMPERATURE

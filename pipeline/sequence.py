@@ -132,8 +132,7 @@ class Sequence:
         """The token ids that end it (`eos_ids` unless ignore_eos, and its stop ids), made on the
         first ask and kept: the engine asks for every sequence every step."""
         if self.stop_ids is None:
-            eos = frozenset() if self.params.ignore_eos else frozenset(eos_ids)
-            self.stop_ids = frozenset(self.params.stop_token_ids) | eos
+            self.stop_ids = self.params.ending_ids(eos_ids)
         return self.stop_ids
 
     def decode_rows(self, steps: int, samples: bool) -> int:

@@ -196,7 +196,7 @@ class Responses:
                 i, item = await merged.get()
                 if isinstance(item, failure):
                     status = getattr(item, "status", 500)
-                    kind = "invalid_request_error" if status == 400 else "server_error"
+                    kind = "server_error" if status >= 500 else "invalid_request_error"
                     yield f"data: {json.dumps(error_body(str(item), kind, status, getattr(item, 'param', None)))}\n\n"
                     return
                 for choice, extra in choices[i].feed(item):
